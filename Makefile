@@ -1,0 +1,45 @@
+# MARS — two commands: `make run` and `make test`. Everything installs from the package registries.
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+PROTO_SRC := $(wildcard proto/mars/v1/*.proto)
+PROTO_OUT := services/mars/v1/.generated
+
+.PHONY: install proto run test test-unit test-integration lint clean
+
+install: $(STAMP)
+
+# torch is not needed yet; llama-cpp-python compiles from source once (~5 min) and pip caches the wheel.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $@
+
+proto: $(PROTO_OUT)
+
+$(PROTO_OUT): $(PROTO_SRC) $(STAMP)
+	rm -rf services/mars/v1
+	mkdir -p services/mars/v1
+	$(PY) -m grpc_tools.protoc -Iproto --python_out=services --grpc_python_out=services --pyi_out=services $(PROTO_SRC)
+	touch services/mars/v1/__init__.py $@
+
+run: install proto
+	$(VENV)/bin/mars run
+
+test: install proto
+	$(PY) -m pytest -q
+
+test-unit: install proto
+	$(PY) -m pytest -q tests/unit
+
+test-integration: install proto
+	$(PY) -m pytest -q tests/integration
+
+lint: install proto
+	$(VENV)/bin/ruff check services infra tests
+	$(VENV)/bin/mypy services/mars services/mars_* infra/mars_stack
+
+clean:
+	rm -rf services/mars/v1 .pytest_cache .mypy_cache .ruff_cache

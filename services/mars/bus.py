@@ -1,0 +1,251 @@
+"""Turn events over Kafka (aiokafka): keyed publishing with trace headers, and stage consumers that
+commit after their side effects, process each partition in order, and dead-letter poison messages."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.errors import TopicAlreadyExistsError
+from google.protobuf.message import DecodeError, Message
+from opentelemetry import trace
+
+from mars.config import ALL_TOPICS, SCHEMA_VERSION, TOPIC_DEAD_LETTER, ServiceSettings
+from mars.telemetry import context_from_headers, inject_headers
+from mars.v1 import events_pb2 as ev
+
+log = logging.getLogger(__name__)
+
+
+class PoisonEvent(Exception):
+    """An event that can never be processed (bad content); it goes straight to the dead-letter topic."""
+
+
+class TurnEvent(Protocol):
+    @property
+    def turn(self) -> ev.TurnEnvelope: ...
+
+
+def event_key(turn: ev.TurnEnvelope) -> bytes:
+    """All of a user's events share one key, hence one partition index in every topic."""
+    return f"{turn.tenant}/{turn.user_id}".encode()
+
+
+def validate_envelope(turn: ev.TurnEnvelope) -> None:
+    missing = [f for f in ("turn_id", "tenant", "user_id") if not getattr(turn, f)]
+    if missing:
+        raise PoisonEvent(f"envelope is missing {', '.join(missing)}")
+    if turn.seq <= 0:
+        raise PoisonEvent(f"envelope seq must be positive, got {turn.seq}")
+    if turn.schema_version != SCHEMA_VERSION:
+        raise PoisonEvent(f"unknown schema_version {turn.schema_version} (this build reads {SCHEMA_VERSION})")
+
+
+async def ensure_topics(bootstrap: str, partitions: int, topics: tuple[str, ...] = ALL_TOPICS) -> None:
+    """Create the stage topics with one shared partition count; existing topics are left alone."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        existing = set(await admin.list_topics())
+        wanted = [NewTopic(t, num_partitions=partitions, replication_factor=1) for t in topics if t not in existing]
+        if wanted:
+            try:
+                await admin.create_topics(wanted)
+            except TopicAlreadyExistsError:
+                pass  # another service created it first
+    finally:
+        await admin.close()
+
+
+class EventProducer:
+    def __init__(self, settings: ServiceSettings, service: str) -> None:
+        self._service = service
+        # Idempotent/transactional producers are refused by the embedded broker: exactly-once effects
+        # come from idempotency keys (turn_id) on the consumer side.
+        self._producer = AIOKafkaProducer(
+            bootstrap_servers=settings.kafka_bootstrap,
+            acks="all",
+            linger_ms=1,
+            enable_idempotence=False,
+        )
+
+    async def start(self) -> None:
+        await self._producer.start()
+
+    async def stop(self) -> None:
+        await self._producer.stop()
+
+    async def publish(self, topic: str, event: Message, turn: ev.TurnEnvelope) -> None:
+        await self._producer.send_and_wait(
+            topic, event.SerializeToString(), key=event_key(turn), headers=inject_headers()
+        )
+
+    async def send_raw(self, topic: str, payload: bytes, key: bytes | None) -> None:
+        await self._producer.send_and_wait(topic, payload, key=key, headers=inject_headers())
+
+    async def dead_letter(self, record: ConsumerRecord[Any, Any], reason: str, consumer: str, turn_id: str) -> None:
+        letter = ev.DeadLetter(
+            source_topic=record.topic,
+            partition=record.partition,
+            offset=record.offset,
+            key=record.key or b"",
+            payload=record.value or b"",
+            reason=reason,
+            consumer=consumer,
+            turn_id=turn_id,
+            failed_at_ms=int(time.time() * 1000),
+        )
+        await self._producer.send_and_wait(TOPIC_DEAD_LETTER, letter.SerializeToString(), key=record.key)
+
+
+Handler = Callable[[Any], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class Subscription:
+    topic: str
+    message_type: type[Message]
+    handler: Handler
+    #: Dead-letter events (they carry no envelope) skip envelope validation.
+    requires_envelope: bool = True
+
+
+class StageConsumer:
+    """A consumer group over one or more topics.
+
+    Records of one partition are handled in order (per-user ordering); partitions are handled
+    concurrently. Offsets are committed only after every handler of the batch has finished.
+    """
+
+    def __init__(
+        self,
+        settings: ServiceSettings,
+        producer: EventProducer,
+        service: str,
+        group_id: str,
+        subscriptions: list[Subscription],
+    ) -> None:
+        self._settings = settings
+        self._producer = producer
+        self._service = service
+        self._group_id = group_id
+        self._subs = {s.topic: s for s in subscriptions}
+        self._consumer = AIOKafkaConsumer(
+            *self._subs,
+            bootstrap_servers=settings.kafka_bootstrap,
+            group_id=group_id,
+            enable_auto_commit=False,
+            # End-offset lookups have been seen wrong on the embedded broker: never rely on "latest".
+            auto_offset_reset="earliest",
+            fetch_max_wait_ms=settings.kafka_fetch_max_wait_ms,
+            max_poll_records=200,
+        )
+        self._tracer = trace.get_tracer(f"mars.{service}")
+        self._task: asyncio.Task[None] | None = None
+        self.processed = 0
+        self.dead_lettered = 0
+
+    async def start(self) -> None:
+        await self._consumer.start()
+        self._task = asyncio.create_task(self._run(), name=f"consumer-{self._group_id}")
+
+    async def wait_assigned(self, timeout_s: float = 90.0) -> None:
+        """Group joins take seconds on the embedded broker; services report SERVING only after this."""
+        deadline = time.monotonic() + timeout_s
+        while not self._consumer.assignment():
+            if self._task is not None and self._task.done():
+                self._task.result()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"consumer group {self._group_id} got no partitions in {timeout_s}s")
+            await asyncio.sleep(0.05)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        await self._consumer.stop()
+
+    async def _run(self) -> None:
+        while True:
+            batches = await self._consumer.getmany(timeout_ms=200)
+            if not batches:
+                continue
+            await asyncio.gather(*(self._handle_partition(records) for records in batches.values()))
+            offsets = {tp: records[-1].offset + 1 for tp, records in batches.items()}
+            await self._consumer.commit(offsets)
+
+    async def _handle_partition(self, records: list[ConsumerRecord[Any, Any]]) -> None:
+        for record in records:
+            await self._handle(record)
+
+    async def _handle(self, record: ConsumerRecord[Any, Any]) -> None:
+        sub = self._subs[record.topic]
+        turn_id = ""
+        try:
+            event = sub.message_type()
+            try:
+                event.ParseFromString(record.value or b"")
+            except DecodeError as exc:
+                raise PoisonEvent(f"cannot decode {sub.message_type.__name__}: {exc}") from exc
+            if sub.requires_envelope:
+                turn = event.turn  # type: ignore[attr-defined]
+                turn_id = turn.turn_id
+                validate_envelope(turn)
+        except PoisonEvent as exc:
+            await self._dead_letter(record, str(exc), turn_id)
+            return
+
+        parent = context_from_headers(record.headers)
+        attempts = max(1, self._settings.handler_attempts)
+        for attempt in range(1, attempts + 1):
+            with self._tracer.start_as_current_span(
+                f"{self._service} {record.topic}",
+                context=parent,
+                kind=trace.SpanKind.CONSUMER,
+                attributes={"mars.turn_id": turn_id, "mars.service": self._service, "messaging.destination": record.topic},
+            ) as span:
+                try:
+                    await sub.handler(event)
+                    self.processed += 1
+                    return
+                except PoisonEvent as exc:
+                    span.record_exception(exc)
+                    await self._dead_letter(record, str(exc), turn_id)
+                    return
+                except Exception as exc:
+                    span.record_exception(exc)
+                    log.exception("handler failed on %s@%s (attempt %d)", record.topic, record.offset, attempt)
+                    if attempt == attempts:
+                        await self._dead_letter(record, f"handler failed after {attempts} attempts: {exc!r}", turn_id)
+                        return
+            await asyncio.sleep(0.2 * attempt)
+
+    async def _dead_letter(self, record: ConsumerRecord[Any, Any], reason: str, turn_id: str) -> None:
+        if record.topic == TOPIC_DEAD_LETTER:
+            # Never dead-letter a dead letter: that would loop forever.
+            log.error("unreadable dead letter %d/%d skipped: %s", record.partition, record.offset, reason)
+            return
+        log.warning("dead-lettering %s@%d/%d: %s", record.topic, record.partition, record.offset, reason)
+        self.dead_lettered += 1
+        await self._producer.dead_letter(record, reason, self._group_id, turn_id)
+
+
+__all__ = [
+    "EventProducer",
+    "PoisonEvent",
+    "StageConsumer",
+    "Subscription",
+    "TopicPartition",
+    "ensure_topics",
+    "event_key",
+    "validate_envelope",
+]

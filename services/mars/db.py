@@ -1,0 +1,44 @@
+"""Postgres access shared by the services: a connection pool, migrations, and the emitted-event ledger."""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Sequence
+
+from psycopg import AsyncConnection
+from psycopg_pool import AsyncConnectionPool
+
+EMITTED_SCHEMA = """
+CREATE TABLE IF NOT EXISTS stage_emitted (
+    stage TEXT NOT NULL,
+    turn_id TEXT NOT NULL,
+    emitted_at TIMESTAMPTZ NOT NULL DEFAULT now(),
+    PRIMARY KEY (stage, turn_id)
+)
+"""
+
+
+async def open_pool(dsn: str, max_size: int = 8) -> AsyncConnectionPool:
+    pool = AsyncConnectionPool(dsn, min_size=1, max_size=max_size, open=False, kwargs={"autocommit": True})
+    await pool.open(wait=True, timeout=30)
+    return pool
+
+
+async def migrate(pool: AsyncConnectionPool, owner: str, statements: Sequence[str]) -> None:
+    """Apply idempotent DDL under an advisory lock, so services starting together do not race."""
+    lock_key = zlib.crc32(b"mars-migrations")
+    async with pool.connection() as conn, conn.transaction():
+        await conn.execute("SELECT pg_advisory_xact_lock(%s)", (lock_key,))
+        for stmt in (EMITTED_SCHEMA, *statements):
+            await conn.execute(stmt)  # type: ignore[arg-type]
+
+
+async def already_emitted(conn: AsyncConnection, stage: str, turn_id: str) -> bool:
+    cur = await conn.execute("SELECT 1 FROM stage_emitted WHERE stage = %s AND turn_id = %s", (stage, turn_id))
+    return await cur.fetchone() is not None
+
+
+async def mark_emitted(conn: AsyncConnection, stage: str, turn_id: str) -> None:
+    await conn.execute(
+        "INSERT INTO stage_emitted (stage, turn_id) VALUES (%s, %s) ON CONFLICT DO NOTHING", (stage, turn_id)
+    )

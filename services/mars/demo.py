@@ -1,0 +1,78 @@
+"""The built-in demo conversation: two users, two sessions each, played through the gRPC ingress."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+from rich.console import Console
+from rich.table import Table
+
+from mars.v1 import events_pb2 as ev
+from mars.v1 import services_pb2 as svc
+from mars.v1 import services_pb2_grpc as svc_grpc
+
+DEMO: list[tuple[str, str, str]] = [
+    ("alice", "s1", "I'm planning a 5-day trip to Kyoto in April. Can you sketch an itinerary?"),
+    ("bob", "s1", "Help me write a cover letter for a junior data analyst job."),
+    ("alice", "s1", "Make day 2 less busy and add a tea ceremony."),
+    ("bob", "s1", "Make it shorter and mention my SQL experience."),
+    ("alice", "s1", "What is the capital of Australia?"),
+    ("alice", "s2", "Back to my Kyoto trip: what did we plan for day 2 last time?"),
+    ("bob", "s2", "Can you summarize the final version of my cover letter?"),
+    ("alice", "s2", "Finalize the itinerary with a budget under 1500 dollars."),
+]
+
+
+@dataclass
+class DemoRow:
+    user: str
+    session: str
+    text: str
+    reply: svc.TurnReply | None
+    error: str | None
+
+
+def play(target: str, tenant: str = "demo", max_tokens: int = 64) -> list[DemoRow]:
+    rows = []
+    with grpc.insecure_channel(target) as channel:
+        stub = svc_grpc.IngressStub(channel)
+        for user, session, text in DEMO:
+            req = svc.TurnRequest(
+                tenant=tenant, user_id=user, session_id=session, text=text, options={"max_tokens": str(max_tokens)}
+            )
+            try:
+                rows.append(DemoRow(user, session, text, stub.SendTurn(req, timeout=300), None))
+            except grpc.RpcError as exc:
+                rows.append(DemoRow(user, session, text, None, f"{exc.code().name}: {exc.details()}"))
+    return rows
+
+
+def render(rows: list[DemoRow], console: Console, rewards: dict[str, float] | None = None) -> None:
+    rewards = rewards or {}
+    table = Table(title="MARS demo: one row per turn", show_lines=False)
+    for col in ("user/session", "seq", "turn", "state", "view", "model", "cost $", "reward", "latency ms", "answer"):
+        table.add_column(col, overflow="fold")
+    for r in rows:
+        if r.reply is None:
+            table.add_row(f"{r.user}/{r.session}", "-", r.text[:40], "-", "-", "-", "-", "-", "-", f"[red]{r.error}")
+            continue
+        s = r.reply.state
+        state = f"{ev.Action.Name(s.action)} {ev.Phase.Name(s.phase)} {ev.RetrievalScope.Name(s.retrieval_scope)}"
+        table.add_row(
+            f"{r.user}/{r.session}",
+            str(r.reply.seq),
+            r.text[:40],
+            state,
+            f"{r.reply.view_blocks} blk / {r.reply.view_tokens} tok",
+            r.reply.model,
+            f"{r.reply.cost_usd:.7f}",
+            f"{rewards[r.reply.turn_id]:.3f}" if r.reply.turn_id in rewards else "pending",
+            f"{r.reply.latency_ms:.0f}",
+            r.reply.text.strip().replace("\n", " ")[:60],
+        )
+    console.print(table)
+    lat = sorted(r.reply.latency_ms for r in rows if r.reply)
+    if lat:
+        p50 = lat[len(lat) // 2]
+        console.print(f"per-turn latency: p50 {p50:.0f} ms, max {lat[-1]:.0f} ms over {len(lat)} answered turns")

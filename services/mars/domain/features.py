@@ -1,0 +1,107 @@
+"""Router feature map phi(z_t, c~_t, q_t) (paper Eq. 14, Table 7).
+
+Features use only the QTM state and pre-packing candidate-view load, never the model-specific packed
+context or a topic identifier. All values lie in [0, 1] so LinUCB's ridge prior treats dimensions alike.
+
+Layout (FEATURE_DIM = 35; the paper reports 30 for its own encoding):
+  1  bias
+  2  action one-hot (MATCH, NEW_TOPIC)
+  4  query_type one-hot (STATIC, DYNAMIC, TEMPORAL, PROACTIVE)
+  5  phase one-hot (EXPLORE, CONSTRAIN, REVISE, SYNTHESIZE, VERIFY)
+  1  need_memory
+  3  memory_span one-hot (NONE, ACTIVE_THREAD, CROSS_SESSION)
+  3  ambiguity one-hot (LOW, MEDIUM, HIGH)
+  2  retrieval_scope one-hot (LOCAL, GLOBAL)
+  3  top_k_hint one-hot (3, 5, 8)
+  1  prefer_recent
+  1  lens == 3
+  6  load: blocks/16, tokens/4000 (clipped), has_history, retrieved/8 (clipped), max and mean score s/(1+s)
+  3  position: min(depth, 20)/20, revision flag, finalization flag
+An unspecified enum value leaves its one-hot group all zero.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mars.v1 import events_pb2 as ev
+
+_ACTIONS = (ev.MATCH, ev.NEW_TOPIC)
+_QUERY_TYPES = (ev.STATIC, ev.DYNAMIC, ev.TEMPORAL, ev.PROACTIVE)
+_PHASES = (ev.EXPLORE, ev.CONSTRAIN, ev.REVISE, ev.SYNTHESIZE, ev.VERIFY)
+_SPANS = (ev.NONE, ev.ACTIVE_THREAD, ev.CROSS_SESSION)
+_AMBIGUITY = (ev.LOW, ev.MEDIUM, ev.HIGH)
+_SCOPES = (ev.LOCAL, ev.GLOBAL)
+_TOP_K = (3, 5, 8)
+
+FEATURE_NAMES: tuple[str, ...] = (
+    "bias",
+    *(f"action={ev.Action.Name(v)}" for v in _ACTIONS),
+    *(f"query_type={ev.QueryType.Name(v)}" for v in _QUERY_TYPES),
+    *(f"phase={ev.Phase.Name(v)}" for v in _PHASES),
+    "need_memory",
+    *(f"memory_span={ev.MemorySpan.Name(v)}" for v in _SPANS),
+    *(f"ambiguity={ev.Ambiguity.Name(v)}" for v in _AMBIGUITY),
+    *(f"scope={ev.RetrievalScope.Name(v)}" for v in _SCOPES),
+    *(f"top_k={k}" for k in _TOP_K),
+    "prefer_recent",
+    "lens_full",
+    "load.num_blocks",
+    "load.estimated_tokens",
+    "load.has_retrieved_history",
+    "load.num_retrieved",
+    "load.max_retrieval_score",
+    "load.mean_retrieval_score",
+    "pos.turn_depth",
+    "pos.revision",
+    "pos.finalization",
+)
+FEATURE_DIM: int = len(FEATURE_NAMES)
+
+# Normalisers: typical upper ends of the candidate view (Table 6 caps recent at 4 and retrieval at 8).
+MAX_BLOCKS = 16.0
+MAX_TOKENS = 4000.0
+MAX_RETRIEVED = 8.0
+MAX_DEPTH = 20
+
+
+def _one_hot(value: int, choices: tuple[int, ...]) -> list[float]:
+    return [1.0 if value == c else 0.0 for c in choices]
+
+
+def _squash(score: float) -> float:
+    """Map a non-negative BM25 score into [0, 1) without a corpus-dependent maximum."""
+    s = max(0.0, score)
+    return s / (1.0 + s)
+
+
+def featurize(state: ev.SessionState, load: ev.ViewLoad, turn_depth: int) -> np.ndarray:
+    """Feature vector x_t (float64, length FEATURE_DIM, values in [0, 1])."""
+    tax = state.taxonomy
+    values: list[float] = [1.0]
+    values += _one_hot(state.action, _ACTIONS)
+    values += _one_hot(state.query_type, _QUERY_TYPES)
+    values += _one_hot(state.phase, _PHASES)
+    values.append(1.0 if tax.need_memory else 0.0)
+    values += _one_hot(tax.memory_span, _SPANS)
+    values += _one_hot(tax.ambiguity, _AMBIGUITY)
+    values += _one_hot(state.retrieval_scope, _SCOPES)
+    values += _one_hot(state.top_k_hint, _TOP_K)
+    values.append(1.0 if state.prefer_recent else 0.0)
+    values.append(1.0 if state.lens_recommendation == 3 else 0.0)
+    values += [
+        min(max(load.num_blocks, 0) / MAX_BLOCKS, 1.0),
+        min(max(load.estimated_tokens, 0) / MAX_TOKENS, 1.0),
+        1.0 if load.has_retrieved_history else 0.0,
+        min(max(load.num_retrieved, 0) / MAX_RETRIEVED, 1.0),
+        _squash(load.max_retrieval_score),
+        _squash(load.mean_retrieval_score),
+    ]
+    values += [
+        min(max(turn_depth, 0), MAX_DEPTH) / MAX_DEPTH,
+        1.0 if state.phase == ev.REVISE else 0.0,
+        1.0 if state.phase == ev.SYNTHESIZE else 0.0,
+    ]
+    x = np.asarray(values, dtype=np.float64)
+    assert x.shape == (FEATURE_DIM,)
+    return x

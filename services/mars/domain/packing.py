@@ -1,0 +1,126 @@
+"""Model-specific packing of the candidate view into the generator prompt (paper Eq. 13, Fig. 5).
+
+Runs after routing: the same candidate view is clipped differently for each arm's context budget, and again
+for a fallback arm.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from mars.domain.text import estimate_tokens
+from mars.v1 import events_pb2 as ev
+
+# Per-message framing overhead (role markers, separators) added to the content token count.
+MESSAGE_OVERHEAD_TOKENS = 4
+
+SYSTEM_RULES = (
+    "SYSTEM RULES\n"
+    "You are a helpful assistant in a long-running conversation. Answer the user's current request directly. "
+    "Use the memory below only where it is relevant; continue and edit existing work instead of restarting "
+    "it, keep earlier constraints unless the user changes them, and do not invent past conversation that is "
+    "not in memory."
+)
+
+_KIND_LABEL = {
+    ev.ACTIVE_STATE: "Active thread state",
+    ev.RECENT_TURN: "Recent turn",
+    ev.RETRIEVED_HISTORY: "Retrieved from earlier conversations",
+}
+
+
+def input_budget(context_window: int, output_reserve: int, safety_margin: int) -> int:
+    """B_in = W_ctx - R_out - M_safe (Eq. 13); a non-positive budget is a configuration error."""
+    budget = context_window - output_reserve - safety_margin
+    if budget <= 0:
+        raise ValueError(
+            f"input budget {budget} <= 0 (context_window={context_window}, "
+            f"output_reserve={output_reserve}, safety_margin={safety_margin})"
+        )
+    return budget
+
+
+@dataclass(frozen=True)
+class PackedPrompt:
+    """Chat messages for the generator plus what was kept and clipped."""
+
+    messages: list[dict[str, str]]
+    blocks: list[ev.MemoryBlock]
+    prompt_tokens: int
+    clipped_block_ids: list[str]
+    fits: bool
+
+
+def memory_guidance(state: ev.SessionState) -> str:
+    """State header for the generator; internal scores, confidences and router terms stay out (Fig. 5)."""
+    relation = "continuation of the active thread" if state.action == ev.MATCH else "topic shift"
+    qtype = ev.QueryType.Name(state.query_type) if state.query_type else "UNSPECIFIED"
+    phase = ev.Phase.Name(state.phase) if state.phase else "UNSPECIFIED"
+    scope = ev.RetrievalScope.Name(state.retrieval_scope) if state.retrieval_scope else "UNSPECIFIED"
+    lens = "full memory view" if state.lens_recommendation == 3 else "minimal memory view"
+    return (
+        "MEMORY GUIDANCE\n"
+        f"- Turn: {relation}\n"
+        f"- Query type: {qtype}\n"
+        f"- Phase: {phase}\n"
+        f"- Retrieval scope: {scope}\n"
+        f"- Prefer recent information: {'yes' if state.prefer_recent else 'no'}\n"
+        f"- Memory lens: {lens}"
+    )
+
+
+def _memory_section(blocks: list[ev.MemoryBlock]) -> str:
+    if not blocks:
+        return "MEMORY\n(none)"
+    parts = [f"[{_KIND_LABEL.get(b.kind, 'Memory')}]\n{b.text}" for b in blocks]
+    return "MEMORY\n" + "\n\n".join(parts)
+
+
+def _messages(guidance: str, blocks: list[ev.MemoryBlock], query: str) -> list[dict[str, str]]:
+    system = f"{SYSTEM_RULES}\n\n{guidance}\n\n{_memory_section(blocks)}"
+    return [{"role": "system", "content": system}, {"role": "user", "content": query}]
+
+
+def _count(messages: list[dict[str, str]], count_tokens: Callable[[str], int]) -> int:
+    return sum(count_tokens(m["content"]) + MESSAGE_OVERHEAD_TOKENS for m in messages)
+
+
+def _drop_order(blocks: list[ev.MemoryBlock]) -> list[int]:
+    """Block positions in clipping order: history lowest score first, then recent turns oldest first."""
+    hist = [i for i, b in enumerate(blocks) if b.kind == ev.RETRIEVED_HISTORY]
+    # Lower score drops first; among equal scores the later-ranked block (higher position) goes first.
+    hist.sort(key=lambda i: (blocks[i].score, -i))
+    recent = [i for i, b in enumerate(blocks) if b.kind == ev.RECENT_TURN]  # view order is oldest -> newest
+    return hist + recent
+
+
+def pack_view(
+    view: ev.CandidateView,
+    query: str,
+    state: ev.SessionState,
+    budget: int,
+    count_tokens: Callable[[str], int] = estimate_tokens,
+) -> PackedPrompt:
+    """Clip the candidate view to `budget` prompt tokens; active state and the query are never dropped."""
+    guidance = memory_guidance(state)
+    blocks = list(view.blocks)
+    dropped: set[int] = set()
+    kept = blocks
+    messages = _messages(guidance, kept, query)
+    tokens = _count(messages, count_tokens)
+    for pos in _drop_order(blocks):
+        if tokens <= budget:
+            break
+        dropped.add(pos)
+        kept = [b for i, b in enumerate(blocks) if i not in dropped]
+        messages = _messages(guidance, kept, query)
+        tokens = _count(messages, count_tokens)
+    clipped = [blocks[i].block_id for i in _drop_order(blocks) if i in dropped]
+    return PackedPrompt(
+        messages=messages,
+        blocks=kept,
+        prompt_tokens=tokens,
+        clipped_block_ids=clipped,
+        fits=tokens <= budget,
+    )

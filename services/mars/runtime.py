@@ -1,0 +1,115 @@
+"""The process shell every service shares: logging, tracing, topics, producer, Postgres, gRPC server with
+health and reflection, stage consumers, and a clean stop on SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from psycopg_pool import AsyncConnectionPool
+
+from mars import db
+from mars.bus import EventProducer, StageConsumer, ensure_topics
+from mars.config import ServiceSettings
+from mars.telemetry import setup_tracing
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class GrpcBinding:
+    """One gRPC service to serve: the generated `add_*_to_server` function, the servicer, its full name."""
+
+    add_to_server: Callable[[Any, grpc.aio.Server], None]
+    servicer: Any
+    full_name: str
+
+
+@dataclass
+class ServiceParts:
+    bindings: list[GrpcBinding]
+    consumers: list[StageConsumer]
+    on_stop: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+
+
+@dataclass
+class ServiceContext:
+    """What a service's `build` function gets to assemble its parts."""
+
+    name: str
+    settings: ServiceSettings
+    producer: EventProducer
+    pool: AsyncConnectionPool
+
+
+Builder = Callable[[ServiceContext], Awaitable[ServiceParts]]
+
+
+def configure_logging(level: str, name: str) -> None:
+    logging.basicConfig(
+        level=level.upper(),
+        format=f"%(asctime)s %(levelname)s [{name}] %(name)s: %(message)s",
+    )
+    logging.getLogger("aiokafka").setLevel(logging.WARNING)
+
+
+async def serve(
+    name: str, settings: ServiceSettings, build: Builder, migrations: Sequence[str] = ()
+) -> None:
+    configure_logging(settings.log_level, name)
+    provider = setup_tracing(name, settings)
+    await ensure_topics(settings.kafka_bootstrap, settings.kafka_partitions)
+    producer = EventProducer(settings, name)
+    await producer.start()
+    pool = await db.open_pool(settings.postgres_dsn)
+    await db.migrate(pool, name, migrations)
+    ctx = ServiceContext(name=name, settings=settings, producer=producer, pool=pool)
+    parts = await build(ctx)
+
+    server = grpc.aio.server()
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for binding in parts.bindings:
+        binding.add_to_server(binding.servicer, server)
+    names = [b.full_name for b in parts.bindings]
+    reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    port = server.add_insecure_port(f"{settings.grpc_host}:{settings.grpc_port}")
+    await server.start()
+    for svc in ["", *names]:
+        await health_servicer.set(svc, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    for consumer in parts.consumers:
+        await consumer.start()
+    await asyncio.gather(*(c.wait_assigned() for c in parts.consumers))
+    for svc in ["", *names]:
+        await health_servicer.set(svc, health_pb2.HealthCheckResponse.SERVING)
+    log.info("%s serving gRPC on %s:%d with %d consumer(s)", name, settings.grpc_host, port, len(parts.consumers))
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+
+    log.info("%s stopping", name)
+    for svc in ["", *names]:
+        await health_servicer.set(svc, health_pb2.HealthCheckResponse.NOT_SERVING)
+    for consumer in parts.consumers:
+        await consumer.stop()
+    await server.stop(grace=2)
+    for hook in parts.on_stop:
+        await hook()
+    await producer.stop()
+    await pool.close()
+    provider.shutdown()
+
+
+def run(name: str, settings: ServiceSettings, build: Builder, migrations: Sequence[str] = ()) -> None:
+    asyncio.run(serve(name, settings, build, migrations))

@@ -1,0 +1,1 @@
+"""MARS dispatch service (see service.py)."""

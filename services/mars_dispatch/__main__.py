@@ -1,0 +1,3 @@
+from mars_dispatch.service import main
+
+main()

@@ -1,0 +1,229 @@
+"""Generation dispatch: packs the candidate view for the chosen arm (Eq. 13), calls its OpenAI-compatible
+endpoint, falls back to the next arm with a fresh packing on failure, and accounts the generator cost."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+import grpc
+import httpx
+from psycopg_pool import AsyncConnectionPool
+
+from mars import db
+from mars.bus import EventProducer, StageConsumer, Subscription
+from mars.config import TOPIC_GENERATED, TOPIC_ROUTED, ServiceSettings
+from mars.domain.packing import PackedPrompt, input_budget, pack_view
+from mars.domain.text import estimate_tokens
+from mars.pool import ModelPool, ModelSpec, load_pool
+from mars.runtime import GrpcBinding, ServiceContext, ServiceParts, run
+from mars.v1 import events_pb2 as ev
+from mars.v1 import services_pb2 as svc
+from mars.v1 import services_pb2_grpc as svc_grpc
+
+log = logging.getLogger(__name__)
+
+STAGE = "dispatch"
+
+
+class DispatchSettings(ServiceSettings):
+    model_pool: str = "config/models.local.yaml"
+    default_max_tokens: int = 96
+    #: Extra attempts on the same arm for a retryable error (connection trouble, 429, 5xx).
+    retries_per_arm: int = 1
+
+
+class GenerationError(Exception):
+    pass
+
+
+@dataclass
+class Completion:
+    text: str
+    input_tokens: int
+    output_tokens: int
+    usage_estimated: bool
+
+
+class ModelClients:
+    """One pooled HTTP client per endpoint."""
+
+    def __init__(self, pool: ModelPool, retries: int) -> None:
+        self._clients = {
+            m.name: httpx.AsyncClient(base_url=m.base_url.rstrip("/"), timeout=m.timeout_s) for m in pool.models
+        }
+        self._retries = retries
+
+    async def close(self) -> None:
+        await asyncio.gather(*(c.aclose() for c in self._clients.values()))
+
+    async def complete(self, spec: ModelSpec, packed: PackedPrompt, max_tokens: int) -> Completion:
+        headers = {}
+        if key := spec.api_key():
+            headers["Authorization"] = f"Bearer {key}"
+        body = {"model": spec.model, "messages": packed.messages, "max_tokens": max_tokens, "temperature": 0.0}
+        last: Exception | None = None
+        for attempt in range(self._retries + 1):
+            try:
+                resp = await self._clients[spec.name].post("/chat/completions", json=body, headers=headers)
+            except httpx.HTTPError as exc:
+                last = GenerationError(f"{type(exc).__name__}: {exc}")
+            else:
+                if resp.status_code == 200:
+                    return self._parse(resp.json(), packed)
+                last = GenerationError(f"HTTP {resp.status_code}: {resp.text[:200]}")
+                if resp.status_code not in (408, 429) and resp.status_code < 500:
+                    break  # not retryable
+            if attempt < self._retries:
+                await asyncio.sleep(0.1 * (attempt + 1))
+        assert last is not None
+        raise last
+
+    @staticmethod
+    def _parse(payload: dict[str, object], packed: PackedPrompt) -> Completion:
+        try:
+            choices = payload["choices"]
+            text = str(choices[0]["message"]["content"] or "")  # type: ignore[index]
+        except (KeyError, IndexError, TypeError) as exc:
+            raise GenerationError(f"malformed completion: {exc!r}") from exc
+        usage = payload.get("usage")
+        if isinstance(usage, dict) and "prompt_tokens" in usage:
+            return Completion(text, int(usage["prompt_tokens"]), int(usage.get("completion_tokens", 0)), False)
+        return Completion(text, packed.prompt_tokens, estimate_tokens(text), True)
+
+
+class Dispatcher:
+    def __init__(self, pool: ModelPool, clients: ModelClients, settings: DispatchSettings) -> None:
+        self._pool = pool
+        self._clients = clients
+        self._settings = settings
+
+    async def generate(
+        self, arms: list[str], text: str, state: ev.SessionState, view: ev.CandidateView, max_tokens: int
+    ) -> ev.Generated:
+        """Try each arm in order; each attempt packs the view for that arm's own budget."""
+        out = ev.Generated(status=ev.FAILED, query=text, state=state)
+        started = time.perf_counter()
+        for arm in arms:
+            spec = self._pool.get(arm)
+            t0 = time.perf_counter()
+            packed = pack_view(view, text, state, input_budget(spec.context_window, spec.output_reserve, spec.safety_margin))
+            attempt = ev.GenerationAttempt(
+                arm=arm,
+                packed_prompt_tokens=packed.prompt_tokens,
+                packed_blocks=len(packed.blocks),
+                clipped_blocks=len(packed.clipped_block_ids),
+            )
+            if not packed.fits:
+                attempt.error = f"query and active state exceed the input budget of {arm}"
+            else:
+                try:
+                    completion = await self._clients.complete(spec, packed, min(max_tokens, spec.output_reserve))
+                except GenerationError as exc:
+                    attempt.error = str(exc)
+                else:
+                    attempt.ok = True
+                    out.status = ev.OK
+                    out.model = arm
+                    out.text = completion.text
+                    out.usage.CopyFrom(
+                        ev.Usage(
+                            input_tokens=completion.input_tokens,
+                            output_tokens=completion.output_tokens,
+                            estimated=completion.usage_estimated,
+                        )
+                    )
+                    out.cost_usd = spec.cost_usd(completion.input_tokens, completion.output_tokens)
+                    out.packed_prompt_tokens = packed.prompt_tokens
+                    out.packed_block_ids.extend(b.block_id for b in packed.blocks)
+                    out.packed_blocks.extend(packed.blocks)
+            attempt.latency_ms = (time.perf_counter() - t0) * 1000
+            out.attempts.append(attempt)
+            if attempt.ok:
+                break
+            log.warning("arm %s failed: %s", arm, attempt.error)
+        if out.status != ev.OK:
+            out.error = "all arms failed"
+        out.latency_ms = (time.perf_counter() - started) * 1000
+        return out
+
+
+class DispatchStage:
+    def __init__(self, dispatcher: Dispatcher, settings: DispatchSettings, producer: EventProducer, pg: AsyncConnectionPool) -> None:
+        self._dispatcher = dispatcher
+        self._settings = settings
+        self._producer = producer
+        self._pg = pg
+
+    async def on_routed(self, event: ev.Routed) -> None:
+        turn = event.turn
+        async with self._pg.connection() as conn:
+            if await db.already_emitted(conn, STAGE, turn.turn_id):
+                return
+        max_tokens = int(turn.options.get("max_tokens", self._settings.default_max_tokens))
+        out = await self._dispatcher.generate(
+            [event.chosen_arm, *event.fallback_order], event.text, event.state, event.view, max_tokens
+        )
+        out.turn.CopyFrom(turn)
+        out.controller_cost_usd = event.state.usage.cost_usd
+        out.features.extend(event.features)
+        out.policy_id = event.policy_id
+        out.propensity = event.propensity
+        await self._producer.publish(TOPIC_GENERATED, out, turn)
+        async with self._pg.connection() as conn:
+            await db.mark_emitted(conn, STAGE, turn.turn_id)
+
+
+class DispatchServicer(svc_grpc.DispatchServicer):
+    def __init__(self, dispatcher: Dispatcher, pool: ModelPool, settings: DispatchSettings) -> None:
+        self._dispatcher = dispatcher
+        self._pool = pool
+        self._settings = settings
+
+    async def Generate(self, request: svc.GenerateRequest, context: grpc.aio.ServicerContext) -> ev.Generated:  # noqa: N802
+        if request.arm not in self._pool.arms:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown arm {request.arm!r}; known: {self._pool.arms}")
+        if not request.text.strip():
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "text is empty")
+        return await self._dispatcher.generate(
+            [request.arm], request.text, request.state, request.view, request.max_tokens or self._settings.default_max_tokens
+        )
+
+    async def ListModels(self, request: svc.Empty, context: grpc.aio.ServicerContext) -> svc.ModelList:  # noqa: N802
+        return svc.ModelList(
+            models=[
+                svc.ModelInfo(
+                    name=m.name,
+                    context_window=m.context_window,
+                    input_budget=m.input_budget,
+                    input_price_per_m=m.input_price_per_m,
+                    output_price_per_m=m.output_price_per_m,
+                )
+                for m in self._pool.models
+            ]
+        )
+
+
+async def build(ctx: ServiceContext) -> ServiceParts:
+    settings = ctx.settings
+    assert isinstance(settings, DispatchSettings)
+    pool_cfg = load_pool(settings.model_pool)
+    clients = ModelClients(pool_cfg, settings.retries_per_arm)
+    dispatcher = Dispatcher(pool_cfg, clients, settings)
+    stage = DispatchStage(dispatcher, settings, ctx.producer, ctx.pool)
+    consumer = StageConsumer(
+        settings, ctx.producer, "dispatch", "mars-dispatch", [Subscription(TOPIC_ROUTED, ev.Routed, stage.on_routed)]
+    )
+    return ServiceParts(
+        bindings=[
+            GrpcBinding(svc_grpc.add_DispatchServicer_to_server, DispatchServicer(dispatcher, pool_cfg, settings), "mars.v1.Dispatch")
+        ],
+        consumers=[consumer],
+        on_stop=[clients.close],
+    )
+
+
+def main() -> None:
+    run("dispatch", DispatchSettings(), build)

@@ -1,0 +1,1 @@
+"""MARS ingress service (see service.py)."""

@@ -1,0 +1,3 @@
+from mars_ingress.service import main
+
+main()

@@ -1,0 +1,283 @@
+"""Ingress: the public gRPC API. Validates a turn, assigns turn_id and the per-user seq, publishes it,
+and answers the waiting call when the turn's generated event (or its dead letter) comes back."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import socket
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+from opentelemetry import trace
+from psycopg_pool import AsyncConnectionPool
+
+from mars.bus import EventProducer, StageConsumer, Subscription
+from mars.config import (
+    SCHEMA_VERSION,
+    TOPIC_DEAD_LETTER,
+    TOPIC_FEEDBACK,
+    TOPIC_GENERATED,
+    TOPIC_RECEIVED,
+    ServiceSettings,
+)
+from mars.runtime import GrpcBinding, ServiceContext, ServiceParts, run
+from mars.telemetry import context_from_metadata, current_trace_id
+from mars.v1 import events_pb2 as ev
+from mars.v1 import services_pb2 as svc
+from mars.v1 import services_pb2_grpc as svc_grpc
+
+log = logging.getLogger(__name__)
+
+MIGRATIONS = [
+    """
+    CREATE TABLE IF NOT EXISTS ingress_user_seq (
+        tenant TEXT NOT NULL, user_id TEXT NOT NULL, last_seq BIGINT NOT NULL,
+        PRIMARY KEY (tenant, user_id)
+    )
+    """,
+    # Every accepted turn is recorded with its outcome, so no turn is ever silently dropped.
+    """
+    CREATE TABLE IF NOT EXISTS ingress_turns (
+        turn_id TEXT PRIMARY KEY, tenant TEXT NOT NULL, user_id TEXT NOT NULL, session_id TEXT NOT NULL,
+        seq BIGINT NOT NULL, status TEXT NOT NULL, error TEXT,
+        created_at TIMESTAMPTZ NOT NULL DEFAULT now(), finished_at TIMESTAMPTZ
+    )
+    """,
+]
+
+_ID = re.compile(r"^[A-Za-z0-9_.@:\-]{1,128}$")
+KNOWN_OPTIONS = {"max_tokens"}
+
+
+class IngressSettings(ServiceSettings):
+    max_text_chars: int = 8000
+    #: How long a call waits for its answer before DEADLINE_EXCEEDED (the turn stays recorded).
+    turn_timeout_s: float = 180.0
+    #: Reply-consumer group; one per ingress replica because every replica must see every answer.
+    reply_group: str = f"ingress-replies-{socket.gethostname()}"
+
+
+class InvalidTurn(ValueError):
+    pass
+
+
+def validate_turn(req: svc.TurnRequest, max_chars: int) -> dict[str, str]:
+    """Bad input gets INVALID_ARGUMENT before anything is written."""
+    if not req.tenant.strip():
+        raise InvalidTurn("tenant is required")
+    if not req.user_id.strip():
+        raise InvalidTurn("user_id is required")
+    for field_name, value in (("tenant", req.tenant), ("user_id", req.user_id)):
+        if not _ID.match(value):
+            raise InvalidTurn(f"{field_name} must match {_ID.pattern}")
+    if req.session_id and not _ID.match(req.session_id):
+        raise InvalidTurn(f"session_id must match {_ID.pattern}")
+    if not req.text.strip():
+        raise InvalidTurn("text is empty")
+    if len(req.text) > max_chars:
+        raise InvalidTurn(f"text has {len(req.text)} characters; the limit is {max_chars}")
+    unknown = sorted(set(req.options) - KNOWN_OPTIONS)
+    if unknown:
+        raise InvalidTurn(f"unknown option(s) {', '.join(unknown)}; known: {', '.join(sorted(KNOWN_OPTIONS))}")
+    if "max_tokens" in req.options:
+        raw = req.options["max_tokens"]
+        if not raw.isdigit() or not 1 <= int(raw) <= 1024:
+            raise InvalidTurn("option max_tokens must be an integer in 1..1024")
+    return dict(req.options)
+
+
+class TurnFailed(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class IngressServicer(svc_grpc.IngressServicer):
+    def __init__(self, settings: IngressSettings, producer: EventProducer, pool: AsyncConnectionPool) -> None:
+        self._settings = settings
+        self._producer = producer
+        self._pool = pool
+        self._waiting: dict[str, asyncio.Future[ev.Generated]] = {}
+        self._tracer = trace.get_tracer("mars.ingress")
+
+    # --- reply correlation -------------------------------------------------------------------
+
+    async def on_generated(self, event: ev.Generated) -> None:
+        fut = self._waiting.get(event.turn.turn_id)
+        if fut is not None and not fut.done():
+            fut.set_result(event)
+
+    async def on_dead_letter(self, letter: ev.DeadLetter) -> None:
+        fut = self._waiting.get(letter.turn_id)
+        if fut is not None and not fut.done():
+            fut.set_exception(
+                TurnFailed(grpc.StatusCode.INTERNAL, f"turn failed in {letter.consumer}: {letter.reason}")
+            )
+
+    # --- turn path -----------------------------------------------------------------------------
+
+    async def _next_seq(self, tenant: str, user_id: str) -> int:
+        async with self._pool.connection() as conn:
+            cur = await conn.execute(
+                """
+                INSERT INTO ingress_user_seq (tenant, user_id, last_seq) VALUES (%s, %s, 1)
+                ON CONFLICT (tenant, user_id) DO UPDATE SET last_seq = ingress_user_seq.last_seq + 1
+                RETURNING last_seq
+                """,
+                (tenant, user_id),
+            )
+            row = await cur.fetchone()
+            assert row is not None
+            return int(row[0])
+
+    async def _finish(self, turn_id: str, status: str, error: str | None = None) -> None:
+        async with self._pool.connection() as conn:
+            await conn.execute(
+                "UPDATE ingress_turns SET status = %s, error = %s, finished_at = now() WHERE turn_id = %s",
+                (status, error, turn_id),
+            )
+
+    async def _turn(self, req: svc.TurnRequest, metadata: object) -> svc.TurnReply:
+        options = validate_turn(req, self._settings.max_text_chars)
+        started = time.perf_counter()
+        parent = context_from_metadata(metadata)  # type: ignore[arg-type]
+        with self._tracer.start_as_current_span(
+            "ingress SendTurn", context=parent, kind=trace.SpanKind.SERVER
+        ) as span:
+            seq = await self._next_seq(req.tenant, req.user_id)
+            envelope = ev.TurnEnvelope(
+                turn_id=uuid.uuid4().hex,
+                tenant=req.tenant,
+                user_id=req.user_id,
+                session_id=req.session_id or "default",
+                seq=seq,
+                received_at_ms=int(time.time() * 1000),
+                schema_version=SCHEMA_VERSION,
+                options=options,
+            )
+            span.set_attribute("mars.turn_id", envelope.turn_id)
+            span.set_attribute("mars.service", "ingress")
+            async with self._pool.connection() as conn:
+                await conn.execute(
+                    "INSERT INTO ingress_turns (turn_id, tenant, user_id, session_id, seq, status) "
+                    "VALUES (%s, %s, %s, %s, %s, 'PENDING')",
+                    (envelope.turn_id, envelope.tenant, envelope.user_id, envelope.session_id, seq),
+                )
+            fut: asyncio.Future[ev.Generated] = asyncio.get_running_loop().create_future()
+            self._waiting[envelope.turn_id] = fut
+            try:
+                await self._producer.publish(
+                    TOPIC_RECEIVED, ev.TurnReceived(turn=envelope, text=req.text), envelope
+                )
+                try:
+                    generated = await asyncio.wait_for(fut, timeout=self._settings.turn_timeout_s)
+                except TimeoutError:
+                    await self._finish(envelope.turn_id, "TIMEOUT", "no answer before the deadline")
+                    raise TurnFailed(
+                        grpc.StatusCode.DEADLINE_EXCEEDED,
+                        f"turn {envelope.turn_id} got no answer in {self._settings.turn_timeout_s}s; "
+                        "it is recorded and may still complete",
+                    ) from None
+                except TurnFailed as exc:
+                    await self._finish(envelope.turn_id, "FAILED", str(exc))
+                    raise
+            finally:
+                self._waiting.pop(envelope.turn_id, None)
+
+            if generated.status != ev.OK:
+                chain = "; ".join(f"{a.arm}: {a.error}" for a in generated.attempts)
+                await self._finish(envelope.turn_id, "FAILED", generated.error)
+                raise TurnFailed(grpc.StatusCode.UNAVAILABLE, f"no model could answer ({chain or generated.error})")
+            await self._finish(envelope.turn_id, "ANSWERED")
+            return svc.TurnReply(
+                turn_id=envelope.turn_id,
+                seq=seq,
+                text=generated.text,
+                model=generated.model,
+                state=generated.state,
+                view_blocks=len(generated.packed_block_ids),
+                view_tokens=generated.packed_prompt_tokens,
+                cost_usd=generated.cost_usd,
+                controller_cost_usd=generated.controller_cost_usd,
+                latency_ms=(time.perf_counter() - started) * 1000,
+                attempts=list(generated.attempts),
+                trace_id=current_trace_id(),
+            )
+
+    async def SendTurn(self, request: svc.TurnRequest, context: grpc.aio.ServicerContext) -> svc.TurnReply:  # noqa: N802
+        try:
+            return await self._turn(request, context.invocation_metadata())
+        except InvalidTurn as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except TurnFailed as exc:
+            await context.abort(exc.code, str(exc))
+        raise AssertionError("unreachable")
+
+    async def Converse(  # noqa: N802
+        self, request_iterator: AsyncIterator[svc.TurnRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[svc.TurnReply]:
+        async for request in request_iterator:
+            try:
+                yield await self._turn(request, context.invocation_metadata())
+            except InvalidTurn as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            except TurnFailed as exc:
+                await context.abort(exc.code, str(exc))
+
+    async def SubmitFeedback(  # noqa: N802
+        self, request: svc.FeedbackRequest, context: grpc.aio.ServicerContext
+    ) -> svc.FeedbackReply:
+        if not request.turn_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "turn_id is required")
+        if not 0.0 <= request.rating <= 1.0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "rating must be in [0, 1]")
+        async with self._pool.connection() as conn:
+            cur = await conn.execute(
+                "SELECT session_id, seq FROM ingress_turns WHERE turn_id = %s AND tenant = %s AND user_id = %s",
+                (request.turn_id, request.tenant, request.user_id),
+            )
+            row = await cur.fetchone()
+        if row is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no turn {request.turn_id} for this tenant and user")
+        assert row is not None
+        envelope = ev.TurnEnvelope(
+            turn_id=request.turn_id,
+            tenant=request.tenant,
+            user_id=request.user_id,
+            session_id=row[0],
+            seq=row[1],
+            received_at_ms=int(time.time() * 1000),
+            schema_version=SCHEMA_VERSION,
+        )
+        await self._producer.publish(
+            TOPIC_FEEDBACK, ev.Feedback(turn=envelope, rating=request.rating, comment=request.comment), envelope
+        )
+        return svc.FeedbackReply(accepted=True)
+
+
+async def build(ctx: ServiceContext) -> ServiceParts:
+    settings = ctx.settings
+    assert isinstance(settings, IngressSettings)
+    servicer = IngressServicer(settings, ctx.producer, ctx.pool)
+    replies = StageConsumer(
+        settings,
+        ctx.producer,
+        "ingress",
+        settings.reply_group,
+        [
+            Subscription(TOPIC_GENERATED, ev.Generated, servicer.on_generated),
+            Subscription(TOPIC_DEAD_LETTER, ev.DeadLetter, servicer.on_dead_letter, requires_envelope=False),
+        ],
+    )
+    return ServiceParts(
+        bindings=[GrpcBinding(svc_grpc.add_IngressServicer_to_server, servicer, "mars.v1.Ingress")],
+        consumers=[replies],
+    )
+
+
+def main() -> None:
+    run("ingress", IngressSettings(), build, MIGRATIONS)

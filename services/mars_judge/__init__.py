@@ -1,0 +1,1 @@
+"""MARS judge service (see service.py)."""

@@ -1,0 +1,3 @@
+from mars_judge.service import main
+
+main()

@@ -1,0 +1,1 @@
+"""MARS memory service (see service.py)."""

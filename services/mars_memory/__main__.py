@@ -1,0 +1,3 @@
+from mars_memory.service import main
+
+main()

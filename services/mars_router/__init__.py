@@ -1,0 +1,1 @@
+"""MARS router service (see service.py)."""

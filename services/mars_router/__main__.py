@@ -1,0 +1,3 @@
+from mars_router.service import main
+
+main()

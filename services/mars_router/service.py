@@ -1,0 +1,240 @@
+"""Router service: features x_t = phi(z, c~, q), LinUCB arm choice (Eq. 15), and the online update
+(Eq. 11/16) applied exactly once per judged turn_id. Policy matrices live in Postgres."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import grpc
+import numpy as np
+from psycopg import AsyncConnection
+from psycopg_pool import AsyncConnectionPool
+
+from mars import db
+from mars.bus import EventProducer, PoisonEvent, StageConsumer, Subscription
+from mars.config import TOPIC_JUDGED, TOPIC_ROUTED, TOPIC_VIEW, ServiceSettings
+from mars.domain.features import FEATURE_DIM, featurize
+from mars.domain.linucb import ArmModel, LinUCBPolicy
+from mars.pool import ModelPool, load_pool
+from mars.runtime import GrpcBinding, ServiceContext, ServiceParts, run
+from mars.v1 import events_pb2 as ev
+from mars.v1 import services_pb2 as svc
+from mars.v1 import services_pb2_grpc as svc_grpc
+
+STAGE = "router"
+
+MIGRATIONS = [
+    """
+    CREATE TABLE IF NOT EXISTS router_policies (
+        policy_id TEXT PRIMARY KEY, scope TEXT NOT NULL, dim INT NOT NULL,
+        alpha DOUBLE PRECISION NOT NULL, ridge DOUBLE PRECISION NOT NULL, version BIGINT NOT NULL DEFAULT 0
+    )
+    """,
+    # One row per arm: A, A^-1 and b packed as float64 bytes (see ArmModel.to_bytes).
+    """
+    CREATE TABLE IF NOT EXISTS router_arms (
+        policy_id TEXT NOT NULL REFERENCES router_policies(policy_id), arm TEXT NOT NULL,
+        model BYTEA NOT NULL, pulls BIGINT NOT NULL DEFAULT 0, reward_sum DOUBLE PRECISION NOT NULL DEFAULT 0,
+        version BIGINT NOT NULL DEFAULT 0, PRIMARY KEY (policy_id, arm)
+    )
+    """,
+    """
+    CREATE TABLE IF NOT EXISTS router_decisions (
+        turn_id TEXT PRIMARY KEY, policy_id TEXT NOT NULL, arm TEXT NOT NULL,
+        features DOUBLE PRECISION[] NOT NULL, created_at TIMESTAMPTZ NOT NULL DEFAULT now()
+    )
+    """,
+    # The applied-update ledger: at-least-once delivery, exactly-once effect.
+    """
+    CREATE TABLE IF NOT EXISTS router_ledger (
+        turn_id TEXT PRIMARY KEY, policy_id TEXT NOT NULL, arm TEXT NOT NULL,
+        reward DOUBLE PRECISION NOT NULL, applied_at TIMESTAMPTZ NOT NULL DEFAULT now()
+    )
+    """,
+]
+
+
+class RouterSettings(ServiceSettings):
+    model_pool: str = "config/models.local.yaml"
+    alpha: float = 0.8
+    ridge: float = 1.0
+    #: The paper keeps one policy per user; tenant or global share learning across users.
+    policy_scope: Literal["user", "tenant", "global"] = "user"
+
+
+def policy_id_for(scope: str, tenant: str, user_id: str) -> str:
+    if scope == "global":
+        return "global"
+    if scope == "tenant":
+        return f"tenant:{tenant}"
+    return f"user:{tenant}/{user_id}"
+
+
+class PolicyStore:
+    def __init__(self, pool: AsyncConnectionPool, settings: RouterSettings, arms: list[str]) -> None:
+        self._pool = pool
+        self._settings = settings
+        self.arms = arms
+        self.policy = LinUCBPolicy(arms, FEATURE_DIM, alpha=settings.alpha, ridge=settings.ridge)
+
+    async def _ensure(self, conn: AsyncConnection, policy_id: str) -> None:
+        await conn.execute(
+            "INSERT INTO router_policies (policy_id, scope, dim, alpha, ridge) VALUES (%s, %s, %s, %s, %s) "
+            "ON CONFLICT DO NOTHING",
+            (policy_id, self._settings.policy_scope, FEATURE_DIM, self._settings.alpha, self._settings.ridge),
+        )
+        cold = ArmModel.cold(FEATURE_DIM, self._settings.ridge).to_bytes()
+        for arm in self.arms:
+            await conn.execute(
+                "INSERT INTO router_arms (policy_id, arm, model) VALUES (%s, %s, %s) ON CONFLICT DO NOTHING",
+                (policy_id, arm, cold),
+            )
+
+    async def load(self, policy_id: str) -> tuple[dict[str, ArmModel], int]:
+        async with self._pool.connection() as conn:
+            await self._ensure(conn, policy_id)
+            cur = await conn.execute(
+                "SELECT a.arm, a.model, a.pulls, a.reward_sum, p.version FROM router_arms a "
+                "JOIN router_policies p USING (policy_id) WHERE policy_id = %s",
+                (policy_id,),
+            )
+            rows = await cur.fetchall()
+        models: dict[str, ArmModel] = {}
+        version = 0
+        for arm, blob, pulls, reward_sum, version in rows:
+            model = ArmModel.from_bytes(bytes(blob), FEATURE_DIM)
+            model.pulls, model.reward_sum = int(pulls), float(reward_sum)
+            models[arm] = model
+        return {a: models[a] for a in self.arms if a in models}, int(version)
+
+    async def decide(self, tenant: str, user_id: str, x: np.ndarray) -> tuple[str, list[ev.ArmScore], str, int]:
+        policy_id = policy_id_for(self._settings.policy_scope, tenant, user_id)
+        models, version = await self.load(policy_id)
+        arm, scores = self.policy.choose(x, models)
+        return arm, scores, policy_id, version
+
+    async def record_decision(self, turn_id: str, policy_id: str, arm: str, x: np.ndarray) -> None:
+        async with self._pool.connection() as conn:
+            await conn.execute(
+                "INSERT INTO router_decisions (turn_id, policy_id, arm, features) VALUES (%s, %s, %s, %s) "
+                "ON CONFLICT DO NOTHING",
+                (turn_id, policy_id, arm, [float(v) for v in x]),
+            )
+
+    async def apply_reward(self, turn_id: str, reward: float) -> bool:
+        """Apply Eq. 11 to the chosen arm once; False when this turn_id was already applied."""
+        async with self._pool.connection() as conn, conn.transaction():
+            cur = await conn.execute(
+                "SELECT policy_id, arm, features FROM router_decisions WHERE turn_id = %s", (turn_id,)
+            )
+            decision = await cur.fetchone()
+            if decision is None:
+                raise PoisonEvent(f"judged turn {turn_id} has no routing decision")
+            policy_id, arm, features = decision
+            cur = await conn.execute(
+                "INSERT INTO router_ledger (turn_id, policy_id, arm, reward) VALUES (%s, %s, %s, %s) "
+                "ON CONFLICT DO NOTHING RETURNING turn_id",
+                (turn_id, policy_id, arm, reward),
+            )
+            if await cur.fetchone() is None:
+                return False
+            cur = await conn.execute(
+                "SELECT model, pulls, reward_sum FROM router_arms WHERE policy_id = %s AND arm = %s FOR UPDATE",
+                (policy_id, arm),
+            )
+            row = await cur.fetchone()
+            if row is None:
+                raise PoisonEvent(f"policy {policy_id} has no arm {arm}")
+            model = ArmModel.from_bytes(bytes(row[0]), FEATURE_DIM)
+            model.pulls, model.reward_sum = int(row[1]), float(row[2])
+            updated = self.policy.update(model, np.asarray(features, dtype=np.float64), reward)
+            await conn.execute(
+                "UPDATE router_arms SET model = %s, pulls = %s, reward_sum = %s, version = version + 1 "
+                "WHERE policy_id = %s AND arm = %s",
+                (updated.to_bytes(), updated.pulls, updated.reward_sum, policy_id, arm),
+            )
+            await conn.execute("UPDATE router_policies SET version = version + 1 WHERE policy_id = %s", (policy_id,))
+        return True
+
+
+class RouterStage:
+    def __init__(self, store: PolicyStore, pool_cfg: ModelPool, producer: EventProducer, pg: AsyncConnectionPool) -> None:
+        self._store = store
+        self._pool_cfg = pool_cfg
+        self._producer = producer
+        self._pg = pg
+
+    async def on_view(self, event: ev.ViewBuilt) -> None:
+        turn = event.turn
+        async with self._pg.connection() as conn:
+            if await db.already_emitted(conn, STAGE, turn.turn_id):
+                return
+        x = featurize(event.state, event.view.load, event.state.thread_depth)
+        arm, scores, policy_id, version = await self._store.decide(turn.tenant, turn.user_id, x)
+        await self._store.record_decision(turn.turn_id, policy_id, arm, x)
+        out = ev.Routed(
+            turn=turn,
+            text=event.text,
+            state=event.state,
+            view=event.view,
+            features=[float(v) for v in x],
+            scores=scores,
+            chosen_arm=arm,
+            propensity=1.0,  # greedy argmax: the chosen arm had probability 1
+            policy_id=policy_id,
+            policy_version=version,
+            fallback_order=self._pool_cfg.fallbacks_after(arm),
+        )
+        await self._producer.publish(TOPIC_ROUTED, out, turn)
+        async with self._pg.connection() as conn:
+            await db.mark_emitted(conn, STAGE, turn.turn_id)
+
+    async def on_judged(self, event: ev.Judged) -> None:
+        await self._store.apply_reward(event.turn.turn_id, event.reward)
+
+
+class RouterServicer(svc_grpc.RouterServicer):
+    def __init__(self, store: PolicyStore, settings: RouterSettings) -> None:
+        self._store = store
+        self._settings = settings
+
+    async def Route(self, request: svc.RouteRequest, context: grpc.aio.ServicerContext) -> svc.RouteDecision:  # noqa: N802
+        if not request.tenant or not request.user_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "tenant and user_id are required")
+        x = featurize(request.state, request.view.load, request.turn_depth or 1)
+        arm, scores, policy_id, version = await self._store.decide(request.tenant, request.user_id, x)
+        return svc.RouteDecision(
+            features=[float(v) for v in x], scores=scores, chosen_arm=arm, policy_id=policy_id, policy_version=version
+        )
+
+    async def GetPolicy(self, request: svc.PolicyRequest, context: grpc.aio.ServicerContext) -> svc.PolicyInfo:  # noqa: N802
+        policy_id = policy_id_for(self._settings.policy_scope, request.tenant, request.user_id)
+        models, version = await self._store.load(policy_id)
+        return svc.PolicyInfo(
+            policy_id=policy_id,
+            version=version,
+            dimension=FEATURE_DIM,
+            arms=[svc.ArmSummary(arm=a, pulls=m.pulls, reward_sum=m.reward_sum) for a, m in models.items()],
+        )
+
+
+async def build(ctx: ServiceContext) -> ServiceParts:
+    settings = ctx.settings
+    assert isinstance(settings, RouterSettings)
+    pool_cfg = load_pool(settings.model_pool)
+    store = PolicyStore(ctx.pool, settings, pool_cfg.arms)
+    stage = RouterStage(store, pool_cfg, ctx.producer, ctx.pool)
+    routes = StageConsumer(
+        settings, ctx.producer, "router", "mars-router", [Subscription(TOPIC_VIEW, ev.ViewBuilt, stage.on_view)]
+    )
+    updates = StageConsumer(
+        settings, ctx.producer, "router", "mars-router-updates", [Subscription(TOPIC_JUDGED, ev.Judged, stage.on_judged)]
+    )
+    return ServiceParts(
+        bindings=[GrpcBinding(svc_grpc.add_RouterServicer_to_server, RouterServicer(store, settings), "mars.v1.Router")],
+        consumers=[routes, updates],
+    )
+
+
+def main() -> None:
+    run("router", RouterSettings(), build, MIGRATIONS)

@@ -1,0 +1,1 @@
+"""MARS state service (see service.py)."""

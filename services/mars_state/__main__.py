@@ -1,0 +1,3 @@
+from mars_state.service import main
+
+main()

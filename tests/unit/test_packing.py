@@ -1,0 +1,109 @@
+import pytest
+from mars.domain.packing import MESSAGE_OVERHEAD_TOKENS, input_budget, pack_view
+from mars.domain.state_rules import clamp_state
+from mars.domain.text import estimate_tokens
+from mars.v1 import events_pb2 as ev
+
+STATE = clamp_state(
+    {
+        "action": "MATCH",
+        "query_type": "DYNAMIC",
+        "phase": "REVISE",
+        "taxonomy": {"need_memory": 1, "memory_span": "ACTIVE_THREAD", "ambiguity": "LOW"},
+        "lens_recommendation": 3,
+        "top_k_hint": 5,
+        "prefer_recent": 1,
+        "retrieval_scope": "LOCAL",
+        "lens_confidence": 0.8123,
+        "lens_reason": "Revision of the active artifact.",
+    }
+)
+QUERY = "Make the intro shorter"
+
+
+def _block(bid: str, kind: int, score: float, size: int = 400) -> ev.MemoryBlock:
+    text = f"{bid} " + "x" * size
+    return ev.MemoryBlock(
+        block_id=bid,
+        kind=kind,
+        text=text,
+        score=score,  # type: ignore[arg-type]
+        token_estimate=estimate_tokens(text),
+    )
+
+
+def _view() -> ev.CandidateView:
+    return ev.CandidateView(
+        blocks=[
+            _block("active", ev.ACTIVE_STATE, 1.0),
+            _block("recent:r1", ev.RECENT_TURN, 1.0),
+            _block("recent:r2", ev.RECENT_TURN, 1.0),
+            _block("hist:h1", ev.RETRIEVED_HISTORY, 5.0),
+            _block("hist:h2", ev.RETRIEVED_HISTORY, 2.0),
+            _block("hist:h3", ev.RETRIEVED_HISTORY, 3.0),
+        ]
+    )
+
+
+def test_input_budget() -> None:
+    assert input_budget(8192, 1024, 256) == 6912
+    with pytest.raises(ValueError):
+        input_budget(1000, 900, 100)
+    with pytest.raises(ValueError):
+        input_budget(1000, 2000, 0)
+
+
+def test_everything_fits_under_large_budget() -> None:
+    p = pack_view(_view(), QUERY, STATE, 100_000)
+    assert p.fits and p.clipped_block_ids == []
+    assert [b.block_id for b in p.blocks] == [b.block_id for b in _view().blocks]
+    assert [m["role"] for m in p.messages] == ["system", "user"]
+    assert p.messages[1]["content"] == QUERY
+    system = p.messages[0]["content"]
+    order = [system.index(s) for s in ("SYSTEM RULES", "MEMORY GUIDANCE", "\nMEMORY\n")]
+    assert order == sorted(order)
+    assert "REVISE" in system and "continuation" in system
+    assert "0.8123" not in system  # no internal controller scores
+    expected = sum(estimate_tokens(m["content"]) + MESSAGE_OVERHEAD_TOKENS for m in p.messages)
+    assert p.prompt_tokens == expected
+
+
+def _clip_sequence() -> list[str]:
+    full = pack_view(_view(), QUERY, STATE, 100_000).prompt_tokens
+    step = estimate_tokens("x" * 400)
+    seqs = []
+    for n in range(1, 6):
+        p = pack_view(_view(), QUERY, STATE, full - n * step + 10)
+        assert p.fits and p.prompt_tokens <= full - n * step + 10
+        seqs.append(p.clipped_block_ids)
+    for n, seq in enumerate(seqs, start=1):
+        assert len(seq) == n and seq == seqs[-1][:n]  # each tighter budget clips one more, same order
+    return seqs[-1]
+
+
+def test_clip_order_history_by_score_then_recent_oldest_first() -> None:
+    assert _clip_sequence() == ["hist:h2", "hist:h3", "hist:h1", "recent:r1", "recent:r2"]
+
+
+def test_budget_respected_with_minimal_clipping() -> None:
+    full = pack_view(_view(), QUERY, STATE, 100_000).prompt_tokens
+    p = pack_view(_view(), QUERY, STATE, full - 50)
+    assert p.fits and p.prompt_tokens <= full - 50
+    assert p.clipped_block_ids == ["hist:h2"]
+    assert "hist:h2" not in p.messages[0]["content"]
+    assert "hist:h1" in p.messages[0]["content"]
+
+
+def test_active_state_and_query_never_dropped() -> None:
+    p = pack_view(_view(), QUERY, STATE, 10)
+    assert not p.fits
+    assert [b.block_id for b in p.blocks] == ["active"]
+    assert len(p.clipped_block_ids) == 5
+    assert "active " in p.messages[0]["content"]
+    assert p.messages[1]["content"] == QUERY
+    assert p.prompt_tokens > 10
+
+
+def test_custom_token_counter_is_used() -> None:
+    p = pack_view(_view(), QUERY, STATE, 10**6, count_tokens=lambda s: 1)
+    assert p.prompt_tokens == 2 * (1 + MESSAGE_OVERHEAD_TOKENS)
