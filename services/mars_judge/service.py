@@ -41,6 +41,7 @@ def score(event: ev.Generated, lambda_cost: float) -> ev.Judged:
     judged.arm = event.model
     judged.policy_id = event.policy_id
     judged.features.extend(event.features)
+    judged.failed_arms.extend(a.arm for a in event.attempts if not a.ok)
     return judged
 
 

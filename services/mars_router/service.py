@@ -102,9 +102,7 @@ class PolicyStore:
         models: dict[str, ArmModel] = {}
         version = 0
         for arm, blob, pulls, reward_sum, version in rows:
-            model = ArmModel.from_bytes(bytes(blob), FEATURE_DIM)
-            model.pulls, model.reward_sum = int(pulls), float(reward_sum)
-            models[arm] = model
+            models[arm] = ArmModel.from_bytes(bytes(blob), FEATURE_DIM, int(pulls), float(reward_sum))
         return {a: models[a] for a in self.arms if a in models}, int(version)
 
     async def decide(self, tenant: str, user_id: str, x: np.ndarray) -> tuple[str, list[ev.ArmScore], str, int]:
@@ -121,8 +119,13 @@ class PolicyStore:
                 (turn_id, policy_id, arm, [float(v) for v in x]),
             )
 
-    async def apply_reward(self, turn_id: str, reward: float) -> bool:
-        """Apply Eq. 11 to the chosen arm once; False when this turn_id was already applied."""
+    async def apply_reward(self, turn_id: str, answered_arm: str, reward: float, failed_arms: list[str]) -> bool:
+        """Apply Eq. 11 once per turn_id; False when this turn was already applied.
+
+        The reward updates the arm that answered (usually the chosen one); an arm whose call failed
+        earlier in the fallback chain is updated with zero utility for the same context, so the router
+        learns to stop choosing a broken endpoint.
+        """
         async with self._pool.connection() as conn, conn.transaction():
             cur = await conn.execute(
                 "SELECT policy_id, arm, features FROM router_decisions WHERE turn_id = %s", (turn_id,)
@@ -130,7 +133,8 @@ class PolicyStore:
             decision = await cur.fetchone()
             if decision is None:
                 raise PoisonEvent(f"judged turn {turn_id} has no routing decision")
-            policy_id, arm, features = decision
+            policy_id, chosen, features = decision
+            arm = answered_arm or chosen
             cur = await conn.execute(
                 "INSERT INTO router_ledger (turn_id, policy_id, arm, reward) VALUES (%s, %s, %s, %s) "
                 "ON CONFLICT DO NOTHING RETURNING turn_id",
@@ -138,23 +142,27 @@ class PolicyStore:
             )
             if await cur.fetchone() is None:
                 return False
-            cur = await conn.execute(
-                "SELECT model, pulls, reward_sum FROM router_arms WHERE policy_id = %s AND arm = %s FOR UPDATE",
-                (policy_id, arm),
-            )
-            row = await cur.fetchone()
-            if row is None:
-                raise PoisonEvent(f"policy {policy_id} has no arm {arm}")
-            model = ArmModel.from_bytes(bytes(row[0]), FEATURE_DIM)
-            model.pulls, model.reward_sum = int(row[1]), float(row[2])
-            updated = self.policy.update(model, np.asarray(features, dtype=np.float64), reward)
-            await conn.execute(
-                "UPDATE router_arms SET model = %s, pulls = %s, reward_sum = %s, version = version + 1 "
-                "WHERE policy_id = %s AND arm = %s",
-                (updated.to_bytes(), updated.pulls, updated.reward_sum, policy_id, arm),
-            )
+            x = np.asarray(features, dtype=np.float64)
+            for target, r in [(arm, reward), *((a, 0.0) for a in dict.fromkeys(failed_arms) if a != arm)]:
+                await self._update_arm(conn, policy_id, target, x, r)
             await conn.execute("UPDATE router_policies SET version = version + 1 WHERE policy_id = %s", (policy_id,))
         return True
+
+    async def _update_arm(self, conn: AsyncConnection, policy_id: str, arm: str, x: np.ndarray, reward: float) -> None:
+        cur = await conn.execute(
+            "SELECT model, pulls, reward_sum FROM router_arms WHERE policy_id = %s AND arm = %s FOR UPDATE",
+            (policy_id, arm),
+        )
+        row = await cur.fetchone()
+        if row is None:
+            raise PoisonEvent(f"policy {policy_id} has no arm {arm}")
+        model = ArmModel.from_bytes(bytes(row[0]), FEATURE_DIM, int(row[1]), float(row[2]))
+        updated = self.policy.update(model, x, reward)
+        await conn.execute(
+            "UPDATE router_arms SET model = %s, pulls = %s, reward_sum = %s, version = version + 1 "
+            "WHERE policy_id = %s AND arm = %s",
+            (updated.to_bytes(), updated.pulls, updated.reward_sum, policy_id, arm),
+        )
 
 
 class RouterStage:
@@ -190,7 +198,7 @@ class RouterStage:
             await db.mark_emitted(conn, STAGE, turn.turn_id)
 
     async def on_judged(self, event: ev.Judged) -> None:
-        await self._store.apply_reward(event.turn.turn_id, event.reward)
+        await self._store.apply_reward(event.turn.turn_id, event.arm, event.reward, list(event.failed_arms))
 
 
 class RouterServicer(svc_grpc.RouterServicer):

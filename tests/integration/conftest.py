@@ -1,0 +1,95 @@
+"""End-to-end fixtures: a real local stack (Tansu broker, Postgres, llama.cpp server, six service
+processes) per test module, and helpers to read topics and tables back."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from mars_stack import LocalStack, StackSettings
+
+HERE = Path(__file__).parent
+
+
+def start_stack(tmp: Path, pool: str, start_llm: bool = True) -> LocalStack:
+    settings = StackSettings(
+        workdir=tmp / "stack",
+        model_pool=HERE / pool,
+        trace_dir=tmp / "traces",
+        start_llm=start_llm,
+        # Answers take seconds here; the bound only matters when something hangs.
+        extra_env={"MARS_INGRESS_TURN_TIMEOUT_S": "120"},
+    )
+    return LocalStack(settings).start()
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
+    s = start_stack(tmp_path_factory.mktemp("e2e"), "models.test.yaml")
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+def read_topic(bootstrap: str, topic: str, idle_s: float = 1.5) -> list[Any]:
+    """All records of a topic from the beginning, read until it has been idle for `idle_s`.
+
+    Offsets are not compared with end offsets, which have been seen wrong on the embedded broker.
+    """
+
+    async def _read() -> list[Any]:
+        consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, fetch_max_wait_ms=50)
+        await consumer.start()
+        try:
+            parts = consumer.partitions_for_topic(topic)
+            if not parts:
+                await consumer._client.force_metadata_update()  # noqa: SLF001 - first look-up of a topic
+                parts = consumer.partitions_for_topic(topic) or set()
+            tps = [TopicPartition(topic, p) for p in sorted(parts)]
+            consumer.assign(tps)
+            await consumer.seek_to_beginning(*tps)
+            out: list[Any] = []
+            last = time.monotonic()
+            while time.monotonic() - last < idle_s:
+                batch = await consumer.getmany(timeout_ms=200)
+                for records in batch.values():
+                    out.extend(records)
+                    last = time.monotonic()
+            return out
+        finally:
+            await consumer.stop()
+
+    return asyncio.run(_read())
+
+
+def produce_raw(bootstrap: str, topic: str, payload: bytes, key: bytes) -> None:
+    async def _send() -> None:
+        producer = AIOKafkaProducer(bootstrap_servers=bootstrap, enable_idempotence=False)
+        await producer.start()
+        try:
+            await producer.send_and_wait(topic, payload, key=key)
+        finally:
+            await producer.stop()
+
+    asyncio.run(_send())
+
+
+def query(stack: LocalStack, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    with psycopg.connect(stack.env["MARS_POSTGRES_DSN"]) as conn:
+        return list(conn.execute(sql, params).fetchall())  # type: ignore[arg-type]
+
+
+def wait_for(check: Callable[[], bool], timeout_s: float = 60.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")

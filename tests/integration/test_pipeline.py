@@ -1,0 +1,322 @@
+"""The turn pipeline end to end: every service as its own process over a real broker and Postgres."""
+
+from __future__ import annotations
+
+import json
+import threading
+import uuid
+from collections import Counter
+from pathlib import Path
+
+import grpc
+import pytest
+from conftest import produce_raw, query, read_topic, wait_for
+from mars.config import (
+    TOPIC_DEAD_LETTER,
+    TOPIC_GENERATED,
+    TOPIC_JUDGED,
+    TOPIC_MEMORY_COMMITTED,
+    TOPIC_RECEIVED,
+    TOPIC_ROUTED,
+    TOPIC_STATE,
+    TOPIC_VIEW,
+)
+from mars.v1 import events_pb2 as ev
+from mars.v1 import services_pb2 as svc
+from mars.v1 import services_pb2_grpc as svc_grpc
+from mars_stack import LocalStack
+
+pytestmark = pytest.mark.integration
+
+TENANT = "e2e"
+# Each user talks about a subject marked by a codeword nobody else uses, so leaks are visible in text.
+SCRIPTS = {
+    "user-zebra": [
+        "I am planning a zebra safari in Kenya for my family.",
+        "Which zebra parks are best in the dry season?",
+        "Revise the zebra safari plan to fit four days.",
+        "Add a budget limit of 3000 dollars to the zebra trip.",
+        "Summarize the final zebra safari plan.",
+    ],
+    "user-quokka": [
+        "Write a short poem about a quokka on Rottnest Island.",
+        "Make the quokka poem funnier.",
+        "Change the quokka poem to rhyme in couplets.",
+        "Check that the quokka poem has exactly four lines.",
+        "Finalize the quokka poem with a title.",
+    ],
+}
+SESSIONS = ("s1", "s2")
+STAGE_TOPICS = (
+    TOPIC_RECEIVED,
+    TOPIC_STATE,
+    TOPIC_VIEW,
+    TOPIC_ROUTED,
+    TOPIC_GENERATED,
+    TOPIC_JUDGED,
+    TOPIC_MEMORY_COMMITTED,
+)
+
+
+def ingress(stack: LocalStack) -> svc_grpc.IngressStub:
+    return svc_grpc.IngressStub(grpc.insecure_channel(stack.addr("ingress")))
+
+
+@pytest.fixture(scope="module")
+def conversation(stack: LocalStack) -> dict[str, list[svc.TurnReply]]:
+    """2 users x 2 sessions x 5 turns; the users talk concurrently, each user's turns in order."""
+    replies: dict[str, list[svc.TurnReply]] = {u: [] for u in SCRIPTS}
+    errors: list[BaseException] = []
+
+    def talk(user: str) -> None:
+        stub = ingress(stack)
+        try:
+            for session in SESSIONS:
+                for text in SCRIPTS[user]:
+                    req = svc.TurnRequest(
+                        tenant=TENANT, user_id=user, session_id=session, text=text, options={"max_tokens": "32"}
+                    )
+                    replies[user].append(stub.SendTurn(req, timeout=180))
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=talk, args=(u,)) for u in SCRIPTS]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    turn_ids = [r.turn_id for rs in replies.values() for r in rs]
+    # The learning path runs after the answers: wait until every turn is judged, applied and committed.
+    wait_for(
+        lambda: query(stack, "SELECT count(*) FROM router_ledger WHERE turn_id = ANY(%s)", (turn_ids,))[0][0]
+        == len(turn_ids),
+        what="router updates for all turns",
+    )
+    wait_for(
+        lambda: query(stack, "SELECT count(*) FROM stage_emitted WHERE stage = 'memory-commit' AND turn_id = ANY(%s)",
+                      (turn_ids,))[0][0] == len(turn_ids),
+        what="memory commits for all turns",
+    )
+    return replies
+
+
+def all_turn_ids(conversation: dict[str, list[svc.TurnReply]]) -> dict[str, str]:
+    return {r.turn_id: user for user, rs in conversation.items() for r in rs}
+
+
+def test_every_turn_gets_an_answer(conversation: dict[str, list[svc.TurnReply]]) -> None:
+    assert sum(len(rs) for rs in conversation.values()) == 20
+    for rs in conversation.values():
+        assert [r.seq for r in rs] == list(range(1, 11))
+        for r in rs:
+            assert r.text.strip(), f"empty answer for turn {r.turn_id}"
+            assert r.model in ("smollm2-135m-short", "smollm2-135m-long")
+            assert r.cost_usd > 0
+            assert r.trace_id
+
+
+def test_failing_endpoint_falls_back_with_repacking(conversation: dict[str, list[svc.TurnReply]]) -> None:
+    # Cold start ties go to the first arm, the broken endpoint: the first turn of each user falls back.
+    for rs in conversation.values():
+        first = rs[0]
+        assert [a.arm for a in first.attempts][0] == "broken-endpoint"
+        assert not first.attempts[0].ok and first.attempts[0].error
+        assert first.attempts[-1].ok and first.attempts[-1].arm == first.model
+        assert all(a.packed_prompt_tokens > 0 for a in first.attempts)
+
+
+def test_each_stage_topic_holds_one_event_per_turn(stack: LocalStack, conversation: dict[str, list[svc.TurnReply]]) -> None:
+    turns = all_turn_ids(conversation)
+    types = {
+        TOPIC_RECEIVED: ev.TurnReceived,
+        TOPIC_STATE: ev.StateEstimated,
+        TOPIC_VIEW: ev.ViewBuilt,
+        TOPIC_ROUTED: ev.Routed,
+        TOPIC_GENERATED: ev.Generated,
+        TOPIC_JUDGED: ev.Judged,
+        TOPIC_MEMORY_COMMITTED: ev.MemoryCommitted,
+    }
+    for topic in STAGE_TOPICS:
+        counts: Counter[str] = Counter()
+        for record in read_topic(stack.env["MARS_KAFKA_BOOTSTRAP"], topic):
+            event = types[topic].FromString(record.value)
+            if event.turn.turn_id in turns:
+                counts[event.turn.turn_id] += 1
+                assert record.key == f"{TENANT}/{turns[event.turn.turn_id]}".encode()
+        assert set(counts) == set(turns), f"{topic}: missing {set(turns) - set(counts)}"
+        assert set(counts.values()) == {1}, f"{topic}: duplicates {[t for t, c in counts.items() if c > 1]}"
+
+
+def test_router_ledger_has_one_row_per_judged_turn(stack: LocalStack, conversation: dict[str, list[svc.TurnReply]]) -> None:
+    turns = list(all_turn_ids(conversation))
+    judged = {ev.Judged.FromString(r.value).turn.turn_id for r in read_topic(stack.env["MARS_KAFKA_BOOTSTRAP"], TOPIC_JUDGED)}
+    rows = query(stack, "SELECT turn_id, count(*) FROM router_ledger WHERE turn_id = ANY(%s) GROUP BY turn_id", (turns,))
+    assert {r[0] for r in rows} == judged & set(turns)
+    assert all(r[1] == 1 for r in rows)
+    assert len(rows) == 20
+
+
+def test_view_never_contains_another_users_memory(stack: LocalStack, conversation: dict[str, list[svc.TurnReply]]) -> None:
+    turns = all_turn_ids(conversation)
+    codeword = {"user-zebra": "zebra", "user-quokka": "quokka"}
+    saw_memory = 0
+    for record in read_topic(stack.env["MARS_KAFKA_BOOTSTRAP"], TOPIC_VIEW):
+        view = ev.ViewBuilt.FromString(record.value)
+        user = turns.get(view.turn.turn_id)
+        if user is None:
+            continue
+        other = next(w for u, w in codeword.items() if u != user)
+        for block in view.view.blocks:
+            saw_memory += 1
+            if block.source_turn_id:
+                assert turns[block.source_turn_id] == user, f"{user}'s view holds a block of another user"
+            assert other not in block.text.lower(), f"{user}'s view mentions {other}"
+    assert saw_memory > 0, "no view exposed any memory: the isolation check would be vacuous"
+
+
+def test_read_your_writes_view_includes_previous_turn(stack: LocalStack, conversation: dict[str, list[svc.TurnReply]]) -> None:
+    turns = all_turn_ids(conversation)
+    seq_of = {r.turn_id: r.seq for rs in conversation.values() for r in rs}
+    for record in read_topic(stack.env["MARS_KAFKA_BOOTSTRAP"], TOPIC_VIEW):
+        view = ev.ViewBuilt.FromString(record.value)
+        if view.turn.turn_id in turns:
+            assert not view.view.possibly_stale
+            for block in view.view.blocks:
+                if block.source_turn_id:
+                    assert seq_of[block.source_turn_id] < view.turn.seq
+
+
+def test_redelivered_judged_event_updates_router_once(stack: LocalStack, conversation: dict[str, list[svc.TurnReply]]) -> None:
+    user = "user-zebra"
+    old = conversation[user][3]
+    bootstrap = stack.env["MARS_KAFKA_BOOTSTRAP"]
+    record = next(r for r in read_topic(bootstrap, TOPIC_JUDGED) if ev.Judged.FromString(r.value).turn.turn_id == old.turn_id)
+    policy = f"user:{TENANT}/{user}"
+    (version_before,) = query(stack, "SELECT version FROM router_policies WHERE policy_id = %s", (policy,))[0]
+    arms_before = dict(query(stack, "SELECT arm, model FROM router_arms WHERE policy_id = %s", (policy,)))
+
+    produce_raw(bootstrap, TOPIC_JUDGED, record.value, record.key)
+    produce_raw(bootstrap, TOPIC_JUDGED, record.value, record.key)
+    # A fresh turn of the same user lands on the same partition after the duplicates, so once its
+    # update is applied the duplicates have been processed too.
+    fresh = ingress(stack).SendTurn(
+        svc.TurnRequest(tenant=TENANT, user_id=user, session_id="s3", text="One more zebra question: best month?"),
+        timeout=180,
+    )
+    wait_for(lambda: bool(query(stack, "SELECT 1 FROM router_ledger WHERE turn_id = %s", (fresh.turn_id,))),
+             what="the fresh turn's router update")
+    (version_after,) = query(stack, "SELECT version FROM router_policies WHERE policy_id = %s", (policy,))[0]
+    assert version_after == version_before + 1, "duplicates changed the policy"
+    assert query(stack, "SELECT count(*) FROM router_ledger WHERE turn_id = %s", (old.turn_id,))[0][0] == 1
+    arms_after = dict(query(stack, "SELECT arm, model FROM router_arms WHERE policy_id = %s", (policy,)))
+    changed = {a for a in arms_before if bytes(arms_before[a]) != bytes(arms_after[a])}
+    assert changed <= {fresh.model, *[a.arm for a in fresh.attempts]}, "an arm changed that the fresh turn did not touch"
+    assert len(changed) == len({a.arm for a in fresh.attempts})
+
+
+def test_one_trace_covers_every_stage(stack: LocalStack, conversation: dict[str, list[svc.TurnReply]]) -> None:
+    reply = conversation["user-quokka"][2]
+    trace_dir = Path(stack.env["MARS_TRACE_DIR"])
+    spans = []
+    for path in trace_dir.glob("*.jsonl"):
+        for line in path.read_text().splitlines():
+            span = json.loads(line)
+            if span["attributes"].get("mars.turn_id") == reply.turn_id:
+                spans.append(span)
+    services = {s["service"] for s in spans}
+    assert services >= {"ingress", "state", "memory", "router", "dispatch", "judge"}, services
+    assert {s["trace_id"] for s in spans} == {reply.trace_id}
+
+
+@pytest.mark.parametrize(
+    ("request_fields", "message"),
+    [
+        ({"text": ""}, "text is empty"),
+        ({"text": "   \n\t "}, "text is empty"),
+        ({"text": "x" * 9000}, "limit is 8000"),
+        ({"user_id": ""}, "user_id is required"),
+        ({"tenant": ""}, "tenant is required"),
+        ({"options": {"temperature": "2"}}, "unknown option"),
+        ({"options": {"max_tokens": "lots"}}, "max_tokens"),
+    ],
+)
+def test_bad_input_is_invalid_argument_and_writes_nothing(
+    stack: LocalStack, request_fields: dict[str, object], message: str
+) -> None:
+    user = f"bad-{uuid.uuid4().hex[:8]}"
+    fields: dict[str, object] = {"tenant": TENANT, "user_id": user, "session_id": "s", "text": "hello"}
+    fields.update(request_fields)
+    with pytest.raises(grpc.RpcError) as info:
+        ingress(stack).SendTurn(svc.TurnRequest(**fields), timeout=30)  # type: ignore[arg-type]
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert message in (info.value.details() or "")
+    assert query(stack, "SELECT count(*) FROM ingress_turns WHERE user_id = %s", (user,))[0][0] == 0
+    assert query(stack, "SELECT count(*) FROM ingress_user_seq WHERE user_id = %s", (user,))[0][0] == 0
+
+
+def test_poison_messages_are_dead_lettered_and_consumers_go_on(stack: LocalStack) -> None:
+    bootstrap = stack.env["MARS_KAFKA_BOOTSTRAP"]
+    garbage = b"\xff\xfe not a protobuf \x00\x01"
+    produce_raw(bootstrap, TOPIC_RECEIVED, garbage, b"e2e/poison")
+    no_turn_id = ev.TurnReceived(turn=ev.TurnEnvelope(tenant=TENANT, user_id="poison", seq=1, schema_version=1), text="hi")
+    produce_raw(bootstrap, TOPIC_RECEIVED, no_turn_id.SerializeToString(), b"e2e/poison")
+    future = ev.TurnReceived(
+        turn=ev.TurnEnvelope(turn_id="future-schema", tenant=TENANT, user_id="poison", seq=1, schema_version=99), text="hi"
+    )
+    produce_raw(bootstrap, TOPIC_RECEIVED, future.SerializeToString(), b"e2e/poison")
+
+    reply = ingress(stack).SendTurn(
+        svc.TurnRequest(tenant=TENANT, user_id="after-poison", session_id="s", text="Is the pipeline still alive?"),
+        timeout=180,
+    )
+    assert reply.text.strip()
+
+    def letters() -> list[ev.DeadLetter]:
+        return [ev.DeadLetter.FromString(r.value) for r in read_topic(bootstrap, TOPIC_DEAD_LETTER, idle_s=0.5)]
+
+    wait_for(lambda: len([d for d in letters() if d.source_topic == TOPIC_RECEIVED]) >= 3, 30, "dead letters")
+    by_payload = {d.payload: d for d in letters() if d.source_topic == TOPIC_RECEIVED}
+    assert "cannot decode" in by_payload[garbage].reason
+    assert "missing turn_id" in by_payload[no_turn_id.SerializeToString()].reason
+    assert "schema_version 99" in by_payload[future.SerializeToString()].reason
+    assert by_payload[future.SerializeToString()].turn_id == "future-schema"
+
+
+def test_feedback_is_validated_and_recorded(stack: LocalStack, conversation: dict[str, list[svc.TurnReply]]) -> None:
+    stub = ingress(stack)
+    turn = conversation["user-quokka"][0]
+    ok = stub.SubmitFeedback(
+        svc.FeedbackRequest(tenant=TENANT, user_id="user-quokka", turn_id=turn.turn_id, rating=0.9, comment="nice")
+    )
+    assert ok.accepted
+    wait_for(lambda: bool(query(stack, "SELECT rating FROM judge_feedback WHERE turn_id = %s", (turn.turn_id,))),
+             what="feedback row")
+    assert query(stack, "SELECT rating FROM judge_feedback WHERE turn_id = %s", (turn.turn_id,))[0][0] == 0.9
+    for req, code in [
+        (svc.FeedbackRequest(tenant=TENANT, user_id="user-quokka", turn_id=turn.turn_id, rating=1.5),
+         grpc.StatusCode.INVALID_ARGUMENT),
+        (svc.FeedbackRequest(tenant=TENANT, user_id="user-zebra", turn_id=turn.turn_id, rating=0.5),
+         grpc.StatusCode.NOT_FOUND),
+    ]:
+        with pytest.raises(grpc.RpcError) as info:
+            stub.SubmitFeedback(req)
+        assert info.value.code() == code
+
+
+def test_services_answer_health_and_direct_calls(stack: LocalStack) -> None:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    for name in ("state", "memory", "router", "dispatch", "judge", "ingress"):
+        health = health_pb2_grpc.HealthStub(grpc.insecure_channel(stack.addr(name)))
+        assert health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == health_pb2.HealthCheckResponse.SERVING
+    state = svc_grpc.StateEstimatorStub(grpc.insecure_channel(stack.addr("state"))).Estimate(
+        svc.EstimateRequest(tenant=TENANT, user_id="u", text="Revise it to be shorter", active_context=["Write a poem"])
+    )
+    assert state.action == ev.MATCH and state.phase == ev.REVISE
+    models = svc_grpc.DispatchStub(grpc.insecure_channel(stack.addr("dispatch"))).ListModels(svc.Empty())
+    assert [m.name for m in models.models] == ["broken-endpoint", "smollm2-135m-short", "smollm2-135m-long"]
+    policy = svc_grpc.RouterStub(grpc.insecure_channel(stack.addr("router"))).GetPolicy(
+        svc.PolicyRequest(tenant=TENANT, user_id="user-zebra")
+    )
+    assert policy.dimension > 20 and sum(a.pulls for a in policy.arms) >= 10
