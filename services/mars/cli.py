@@ -23,7 +23,9 @@ def _rewards(dsn: str, turn_ids: list[str], wait_s: float = 30.0) -> dict[str, f
     found: dict[str, float] = {}
     while time.monotonic() < deadline:
         with psycopg.connect(dsn) as conn:
-            rows = conn.execute("SELECT turn_id, reward FROM router_ledger WHERE turn_id = ANY(%s)", (turn_ids,))
+            rows = conn.execute(
+                "SELECT turn_id, reward FROM router_ledger WHERE turn_id = ANY(%s)", (turn_ids,)
+            )
             found = {r[0]: float(r[1]) for r in rows}
         if len(found) == len(turn_ids):
             break
@@ -35,7 +37,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from mars.demo import play, render
 
     rows = play(args.target, max_tokens=args.max_tokens)
-    rewards = _rewards(args.postgres_dsn, [r.reply.turn_id for r in rows if r.reply]) if args.postgres_dsn else {}
+    rewards = (
+        _rewards(args.postgres_dsn, [r.reply.turn_id for r in rows if r.reply]) if args.postgres_dsn else {}
+    )
     render(rows, console, rewards)
     return 0 if all(r.reply for r in rows) else 1
 
@@ -61,7 +65,9 @@ def _start_stack(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 def _serve_until_interrupted(stack) -> int:  # type: ignore[no-untyped-def]
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    console.print(f"[bold]serving: send turns to the gRPC ingress at {stack.addr('ingress')}; Ctrl-C stops[/]")
+    console.print(
+        f"[bold]serving: send turns to the gRPC ingress at {stack.addr('ingress')}; Ctrl-C stops[/]"
+    )
     try:
         while not stop.is_set():
             dead = [n for n, ok in stack.alive() if not ok]
@@ -110,13 +116,17 @@ def cmd_send(args: argparse.Namespace) -> int:
         stub = svc_grpc.IngressStub(channel)
         try:
             reply = stub.SendTurn(
-                svc.TurnRequest(tenant=args.tenant, user_id=args.user, session_id=args.session, text=args.text),
+                svc.TurnRequest(
+                    tenant=args.tenant, user_id=args.user, session_id=args.session, text=args.text
+                ),
                 timeout=args.timeout,
             )
         except grpc.RpcError as exc:
             console.print(f"[red]{exc.code().name}[/]: {exc.details()}")
             return 2
-    console.print(f"[bold]{reply.model}[/] (turn {reply.turn_id}, seq {reply.seq}, {reply.latency_ms:.0f} ms)")
+    console.print(
+        f"[bold]{reply.model}[/] (turn {reply.turn_id}, seq {reply.seq}, {reply.latency_ms:.0f} ms)"
+    )
     console.print(reply.text)
     return 0
 
@@ -131,32 +141,46 @@ def build_parser() -> argparse.ArgumentParser:
 
     def stack_args(p: argparse.ArgumentParser) -> None:
         p.add_argument("--workdir", help="folder for data and logs (default: a new temporary folder)")
-        p.add_argument("--partitions", type=int, default=3, help="partition count shared by all topics (default 3)")
+        p.add_argument(
+            "--partitions", type=int, default=3, help="partition count shared by all topics (default 3)"
+        )
         p.add_argument(
             "--model-pool",
             default=os.environ.get("MARS_MODEL_POOL", "config/models.local.yaml"),
             help="model pool YAML (default: config/models.local.yaml, the local SmolLM2 arms)",
         )
 
-    p = sub.add_parser("run", help="start the local stack, play the demo, print a per-turn table, keep serving")
+    p = sub.add_parser(
+        "run", help="start the local stack, play the demo, print a per-turn table, keep serving"
+    )
     stack_args(p)
     p.add_argument("--max-tokens", type=int, default=48, help="answer length cap for demo turns (default 48)")
-    p.add_argument("--no-serve", action="store_true", help="stop after the demo instead of serving until Ctrl-C")
+    p.add_argument(
+        "--no-serve", action="store_true", help="stop after the demo instead of serving until Ctrl-C"
+    )
     p.set_defaults(func=cmd_run)
 
-    p = sub.add_parser("stack", help="start the local stack (broker, Postgres, LLM server, services) until Ctrl-C")
+    p = sub.add_parser(
+        "stack", help="start the local stack (broker, Postgres, LLM server, services) until Ctrl-C"
+    )
     stack_args(p)
     p.set_defaults(func=cmd_stack)
 
     p = sub.add_parser("demo", help="play the demo conversation against a running ingress")
-    p.add_argument("--target", default=os.environ.get("MARS_INGRESS_ADDR", "127.0.0.1:50051"), help="ingress host:port")
-    p.add_argument("--postgres-dsn", default=os.environ.get("MARS_POSTGRES_DSN"), help="to show rewards (optional)")
+    p.add_argument(
+        "--target", default=os.environ.get("MARS_INGRESS_ADDR", "127.0.0.1:50051"), help="ingress host:port"
+    )
+    p.add_argument(
+        "--postgres-dsn", default=os.environ.get("MARS_POSTGRES_DSN"), help="to show rewards (optional)"
+    )
     p.add_argument("--max-tokens", type=int, default=48)
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("send", help="send one turn to a running ingress and print the answer")
     p.add_argument("text", help="the user turn")
-    p.add_argument("--target", default=os.environ.get("MARS_INGRESS_ADDR", "127.0.0.1:50051"), help="ingress host:port")
+    p.add_argument(
+        "--target", default=os.environ.get("MARS_INGRESS_ADDR", "127.0.0.1:50051"), help="ingress host:port"
+    )
     p.add_argument("--tenant", default="default")
     p.add_argument("--user", default="cli-user")
     p.add_argument("--session", default="cli")

@@ -34,7 +34,9 @@ async def migrate(pool: AsyncConnectionPool, owner: str, statements: Sequence[st
 
 
 async def already_emitted(conn: AsyncConnection, stage: str, turn_id: str) -> bool:
-    cur = await conn.execute("SELECT 1 FROM stage_emitted WHERE stage = %s AND turn_id = %s", (stage, turn_id))
+    cur = await conn.execute(
+        "SELECT 1 FROM stage_emitted WHERE stage = %s AND turn_id = %s", (stage, turn_id)
+    )
     return await cur.fetchone() is not None
 
 

@@ -39,7 +39,11 @@ def play(target: str, tenant: str = "demo", max_tokens: int = 64) -> list[DemoRo
         stub = svc_grpc.IngressStub(channel)
         for user, session, text in DEMO:
             req = svc.TurnRequest(
-                tenant=tenant, user_id=user, session_id=session, text=text, options={"max_tokens": str(max_tokens)}
+                tenant=tenant,
+                user_id=user,
+                session_id=session,
+                text=text,
+                options={"max_tokens": str(max_tokens)},
             )
             try:
                 rows.append(DemoRow(user, session, text, stub.SendTurn(req, timeout=300), None))
@@ -51,14 +55,29 @@ def play(target: str, tenant: str = "demo", max_tokens: int = 64) -> list[DemoRo
 def render(rows: list[DemoRow], console: Console, rewards: dict[str, float] | None = None) -> None:
     rewards = rewards or {}
     table = Table(title="MARS demo: one row per turn", show_lines=False)
-    for col in ("user/session", "seq", "turn", "state", "view", "model", "cost $", "reward", "latency ms", "answer"):
+    for col in (
+        "user/session",
+        "seq",
+        "turn",
+        "state",
+        "view",
+        "model",
+        "cost $",
+        "reward",
+        "latency ms",
+        "answer",
+    ):
         table.add_column(col, overflow="fold")
     for r in rows:
         if r.reply is None:
-            table.add_row(f"{r.user}/{r.session}", "-", r.text[:40], "-", "-", "-", "-", "-", "-", f"[red]{r.error}")
+            table.add_row(
+                f"{r.user}/{r.session}", "-", r.text[:40], "-", "-", "-", "-", "-", "-", f"[red]{r.error}"
+            )
             continue
         s = r.reply.state
-        state = f"{ev.Action.Name(s.action)} {ev.Phase.Name(s.phase)} {ev.RetrievalScope.Name(s.retrieval_scope)}"
+        state = (
+            f"{ev.Action.Name(s.action)} {ev.Phase.Name(s.phase)} {ev.RetrievalScope.Name(s.retrieval_scope)}"
+        )
         table.add_row(
             f"{r.user}/{r.session}",
             str(r.reply.seq),
@@ -75,4 +94,6 @@ def render(rows: list[DemoRow], console: Console, rewards: dict[str, float] | No
     lat = sorted(r.reply.latency_ms for r in rows if r.reply)
     if lat:
         p50 = lat[len(lat) // 2]
-        console.print(f"per-turn latency: p50 {p50:.0f} ms, max {lat[-1]:.0f} ms over {len(lat)} answered turns")
+        console.print(
+            f"per-turn latency: p50 {p50:.0f} ms, max {lat[-1]:.0f} ms over {len(lat)} answered turns"
+        )

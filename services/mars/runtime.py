@@ -60,9 +60,7 @@ def configure_logging(level: str, name: str) -> None:
     logging.getLogger("aiokafka").setLevel(logging.WARNING)
 
 
-async def serve(
-    name: str, settings: ServiceSettings, build: Builder, migrations: Sequence[str] = ()
-) -> None:
+async def serve(name: str, settings: ServiceSettings, build: Builder, migrations: Sequence[str] = ()) -> None:
     configure_logging(settings.log_level, name)
     provider = setup_tracing(name, settings)
     await ensure_topics(settings.kafka_bootstrap, settings.kafka_partitions)
@@ -90,7 +88,9 @@ async def serve(
     await asyncio.gather(*(c.wait_assigned() for c in parts.consumers))
     for svc in ["", *names]:
         await health_servicer.set(svc, health_pb2.HealthCheckResponse.SERVING)
-    log.info("%s serving gRPC on %s:%d with %d consumer(s)", name, settings.grpc_host, port, len(parts.consumers))
+    log.info(
+        "%s serving gRPC on %s:%d with %d consumer(s)", name, settings.grpc_host, port, len(parts.consumers)
+    )
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -10,8 +10,6 @@ from dataclasses import dataclass
 
 import grpc
 import httpx
-from psycopg_pool import AsyncConnectionPool
-
 from mars import db
 from mars.bus import EventProducer, StageConsumer, Subscription
 from mars.config import TOPIC_GENERATED, TOPIC_ROUTED, ServiceSettings
@@ -22,6 +20,7 @@ from mars.runtime import GrpcBinding, ServiceContext, ServiceParts, run
 from mars.v1 import events_pb2 as ev
 from mars.v1 import services_pb2 as svc
 from mars.v1 import services_pb2_grpc as svc_grpc
+from psycopg_pool import AsyncConnectionPool
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +51,8 @@ class ModelClients:
 
     def __init__(self, pool: ModelPool, retries: int) -> None:
         self._clients = {
-            m.name: httpx.AsyncClient(base_url=m.base_url.rstrip("/"), timeout=m.timeout_s) for m in pool.models
+            m.name: httpx.AsyncClient(base_url=m.base_url.rstrip("/"), timeout=m.timeout_s)
+            for m in pool.models
         }
         self._retries = retries
 
@@ -63,7 +63,12 @@ class ModelClients:
         headers = {}
         if key := spec.api_key():
             headers["Authorization"] = f"Bearer {key}"
-        body = {"model": spec.model, "messages": packed.messages, "max_tokens": max_tokens, "temperature": 0.0}
+        body = {
+            "model": spec.model,
+            "messages": packed.messages,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+        }
         last: Exception | None = None
         for attempt in range(self._retries + 1):
             try:
@@ -90,7 +95,9 @@ class ModelClients:
             raise GenerationError(f"malformed completion: {exc!r}") from exc
         usage = payload.get("usage")
         if isinstance(usage, dict) and "prompt_tokens" in usage:
-            return Completion(text, int(usage["prompt_tokens"]), int(usage.get("completion_tokens", 0)), False)
+            return Completion(
+                text, int(usage["prompt_tokens"]), int(usage.get("completion_tokens", 0)), False
+            )
         return Completion(text, packed.prompt_tokens, estimate_tokens(text), True)
 
 
@@ -109,7 +116,9 @@ class Dispatcher:
         for arm in arms:
             spec = self._pool.get(arm)
             t0 = time.perf_counter()
-            packed = pack_view(view, text, state, input_budget(spec.context_window, spec.output_reserve, spec.safety_margin))
+            packed = pack_view(
+                view, text, state, input_budget(spec.context_window, spec.output_reserve, spec.safety_margin)
+            )
             attempt = ev.GenerationAttempt(
                 arm=arm,
                 packed_prompt_tokens=packed.prompt_tokens,
@@ -120,7 +129,9 @@ class Dispatcher:
                 attempt.error = f"query and active state exceed the input budget of {arm}"
             else:
                 try:
-                    completion = await self._clients.complete(spec, packed, min(max_tokens, spec.output_reserve))
+                    completion = await self._clients.complete(
+                        spec, packed, min(max_tokens, spec.output_reserve)
+                    )
                 except GenerationError as exc:
                     attempt.error = str(exc)
                 else:
@@ -151,7 +162,13 @@ class Dispatcher:
 
 
 class DispatchStage:
-    def __init__(self, dispatcher: Dispatcher, settings: DispatchSettings, producer: EventProducer, pg: AsyncConnectionPool) -> None:
+    def __init__(
+        self,
+        dispatcher: Dispatcher,
+        settings: DispatchSettings,
+        producer: EventProducer,
+        pg: AsyncConnectionPool,
+    ) -> None:
         self._dispatcher = dispatcher
         self._settings = settings
         self._producer = producer
@@ -182,16 +199,22 @@ class DispatchServicer(svc_grpc.DispatchServicer):
         self._pool = pool
         self._settings = settings
 
-    async def Generate(self, request: svc.GenerateRequest, context: grpc.aio.ServicerContext) -> ev.Generated:  # noqa: N802
+    async def Generate(self, request: svc.GenerateRequest, context: grpc.aio.ServicerContext) -> ev.Generated:
         if request.arm not in self._pool.arms:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown arm {request.arm!r}; known: {self._pool.arms}")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"unknown arm {request.arm!r}; known: {self._pool.arms}"
+            )
         if not request.text.strip():
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "text is empty")
         return await self._dispatcher.generate(
-            [request.arm], request.text, request.state, request.view, request.max_tokens or self._settings.default_max_tokens
+            [request.arm],
+            request.text,
+            request.state,
+            request.view,
+            request.max_tokens or self._settings.default_max_tokens,
         )
 
-    async def ListModels(self, request: svc.Empty, context: grpc.aio.ServicerContext) -> svc.ModelList:  # noqa: N802
+    async def ListModels(self, request: svc.Empty, context: grpc.aio.ServicerContext) -> svc.ModelList:
         return svc.ModelList(
             models=[
                 svc.ModelInfo(
@@ -214,11 +237,19 @@ async def build(ctx: ServiceContext) -> ServiceParts:
     dispatcher = Dispatcher(pool_cfg, clients, settings)
     stage = DispatchStage(dispatcher, settings, ctx.producer, ctx.pool)
     consumer = StageConsumer(
-        settings, ctx.producer, "dispatch", "mars-dispatch", [Subscription(TOPIC_ROUTED, ev.Routed, stage.on_routed)]
+        settings,
+        ctx.producer,
+        "dispatch",
+        "mars-dispatch",
+        [Subscription(TOPIC_ROUTED, ev.Routed, stage.on_routed)],
     )
     return ServiceParts(
         bindings=[
-            GrpcBinding(svc_grpc.add_DispatchServicer_to_server, DispatchServicer(dispatcher, pool_cfg, settings), "mars.v1.Dispatch")
+            GrpcBinding(
+                svc_grpc.add_DispatchServicer_to_server,
+                DispatchServicer(dispatcher, pool_cfg, settings),
+                "mars.v1.Dispatch",
+            )
         ],
         consumers=[consumer],
         on_stop=[clients.close],

@@ -12,9 +12,6 @@ import uuid
 from collections.abc import AsyncIterator
 
 import grpc
-from opentelemetry import trace
-from psycopg_pool import AsyncConnectionPool
-
 from mars.bus import EventProducer, StageConsumer, Subscription
 from mars.config import (
     SCHEMA_VERSION,
@@ -29,6 +26,8 @@ from mars.telemetry import context_from_metadata, current_trace_id
 from mars.v1 import events_pb2 as ev
 from mars.v1 import services_pb2 as svc
 from mars.v1 import services_pb2_grpc as svc_grpc
+from opentelemetry import trace
+from psycopg_pool import AsyncConnectionPool
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +81,9 @@ def validate_turn(req: svc.TurnRequest, max_chars: int) -> dict[str, str]:
         raise InvalidTurn(f"text has {len(req.text)} characters; the limit is {max_chars}")
     unknown = sorted(set(req.options) - KNOWN_OPTIONS)
     if unknown:
-        raise InvalidTurn(f"unknown option(s) {', '.join(unknown)}; known: {', '.join(sorted(KNOWN_OPTIONS))}")
+        raise InvalidTurn(
+            f"unknown option(s) {', '.join(unknown)}; known: {', '.join(sorted(KNOWN_OPTIONS))}"
+        )
     if "max_tokens" in req.options:
         raw = req.options["max_tokens"]
         if not raw.isdigit() or not 1 <= int(raw) <= 1024:
@@ -191,7 +192,9 @@ class IngressServicer(svc_grpc.IngressServicer):
             if generated.status != ev.OK:
                 chain = "; ".join(f"{a.arm}: {a.error}" for a in generated.attempts)
                 await self._finish(envelope.turn_id, "FAILED", generated.error)
-                raise TurnFailed(grpc.StatusCode.UNAVAILABLE, f"no model could answer ({chain or generated.error})")
+                raise TurnFailed(
+                    grpc.StatusCode.UNAVAILABLE, f"no model could answer ({chain or generated.error})"
+                )
             await self._finish(envelope.turn_id, "ANSWERED")
             return svc.TurnReply(
                 turn_id=envelope.turn_id,
@@ -208,7 +211,7 @@ class IngressServicer(svc_grpc.IngressServicer):
                 trace_id=current_trace_id(),
             )
 
-    async def SendTurn(self, request: svc.TurnRequest, context: grpc.aio.ServicerContext) -> svc.TurnReply:  # noqa: N802
+    async def SendTurn(self, request: svc.TurnRequest, context: grpc.aio.ServicerContext) -> svc.TurnReply:
         try:
             return await self._turn(request, context.invocation_metadata())
         except InvalidTurn as exc:
@@ -217,7 +220,7 @@ class IngressServicer(svc_grpc.IngressServicer):
             await context.abort(exc.code, str(exc))
         raise AssertionError("unreachable")
 
-    async def Converse(  # noqa: N802
+    async def Converse(
         self, request_iterator: AsyncIterator[svc.TurnRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[svc.TurnReply]:
         async for request in request_iterator:
@@ -228,7 +231,7 @@ class IngressServicer(svc_grpc.IngressServicer):
             except TurnFailed as exc:
                 await context.abort(exc.code, str(exc))
 
-    async def SubmitFeedback(  # noqa: N802
+    async def SubmitFeedback(
         self, request: svc.FeedbackRequest, context: grpc.aio.ServicerContext
     ) -> svc.FeedbackReply:
         if not request.turn_id:
@@ -242,7 +245,9 @@ class IngressServicer(svc_grpc.IngressServicer):
             )
             row = await cur.fetchone()
         if row is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"no turn {request.turn_id} for this tenant and user")
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND, f"no turn {request.turn_id} for this tenant and user"
+            )
         assert row is not None
         envelope = ev.TurnEnvelope(
             turn_id=request.turn_id,
@@ -254,7 +259,9 @@ class IngressServicer(svc_grpc.IngressServicer):
             schema_version=SCHEMA_VERSION,
         )
         await self._producer.publish(
-            TOPIC_FEEDBACK, ev.Feedback(turn=envelope, rating=request.rating, comment=request.comment), envelope
+            TOPIC_FEEDBACK,
+            ev.Feedback(turn=envelope, rating=request.rating, comment=request.comment),
+            envelope,
         )
         return svc.FeedbackReply(accepted=True)
 

@@ -6,8 +6,6 @@ from __future__ import annotations
 import logging
 
 import grpc
-from psycopg_pool import AsyncConnectionPool
-
 from mars import db
 from mars.bus import EventProducer, StageConsumer, Subscription
 from mars.config import TOPIC_FEEDBACK, TOPIC_GENERATED, TOPIC_JUDGED, ServiceSettings
@@ -15,6 +13,7 @@ from mars.domain.reward import judge_turn
 from mars.runtime import GrpcBinding, ServiceContext, ServiceParts, run
 from mars.v1 import events_pb2 as ev
 from mars.v1 import services_pb2_grpc as svc_grpc
+from psycopg_pool import AsyncConnectionPool
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +35,9 @@ class JudgeSettings(ServiceSettings):
 
 
 def score(event: ev.Generated, lambda_cost: float) -> ev.Judged:
-    judged = judge_turn(event.query, event.text, list(event.packed_blocks), event.state, event.cost_usd, lambda_cost)
+    judged = judge_turn(
+        event.query, event.text, list(event.packed_blocks), event.state, event.cost_usd, lambda_cost
+    )
     judged.turn.CopyFrom(event.turn)
     judged.arm = event.model
     judged.policy_id = event.policy_id
@@ -75,9 +76,11 @@ class JudgeServicer(svc_grpc.JudgeServicer):
     def __init__(self, settings: JudgeSettings) -> None:
         self._settings = settings
 
-    async def Score(self, request: ev.Generated, context: grpc.aio.ServicerContext) -> ev.Judged:  # noqa: N802
+    async def Score(self, request: ev.Generated, context: grpc.aio.ServicerContext) -> ev.Judged:
         if request.status != ev.OK:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "only a successful generation can be judged")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "only a successful generation can be judged"
+            )
         return score(request, self._settings.lambda_cost)
 
 
@@ -96,7 +99,9 @@ async def build(ctx: ServiceContext) -> ServiceParts:
         ],
     )
     return ServiceParts(
-        bindings=[GrpcBinding(svc_grpc.add_JudgeServicer_to_server, JudgeServicer(settings), "mars.v1.Judge")],
+        bindings=[
+            GrpcBinding(svc_grpc.add_JudgeServicer_to_server, JudgeServicer(settings), "mars.v1.Judge")
+        ],
         consumers=[consumer],
     )
 

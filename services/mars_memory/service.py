@@ -9,9 +9,6 @@ import time
 import uuid
 
 import grpc
-from psycopg import AsyncConnection
-from psycopg_pool import AsyncConnectionPool
-
 from mars import db
 from mars.bus import EventProducer, StageConsumer, Subscription
 from mars.config import TOPIC_GENERATED, TOPIC_MEMORY_COMMITTED, TOPIC_STATE, TOPIC_VIEW, ServiceSettings
@@ -20,6 +17,8 @@ from mars.runtime import GrpcBinding, ServiceContext, ServiceParts, run
 from mars.v1 import events_pb2 as ev
 from mars.v1 import services_pb2 as svc
 from mars.v1 import services_pb2_grpc as svc_grpc
+from psycopg import AsyncConnection
+from psycopg_pool import AsyncConnectionPool
 
 VIEW_STAGE = "memory-view"
 COMMIT_STAGE = "memory-commit"
@@ -134,7 +133,9 @@ class MemoryStore:
         out = ev.MemoryCommitted(turn=turn)
         async with self._pool.connection() as conn, conn.transaction():
             # Serialise a user's commits (two replicas during a rebalance, or a redelivery).
-            await conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"{turn.tenant}/{turn.user_id}",))
+            await conn.execute(
+                "SELECT pg_advisory_xact_lock(hashtext(%s))", (f"{turn.tenant}/{turn.user_id}",)
+            )
             cur = await conn.execute(
                 "SELECT record_id, thread_id FROM memory_records WHERE turn_id = %s", (turn.turn_id,)
             )
@@ -208,7 +209,11 @@ class MemoryStage:
         view = await self._store.view(turn.tenant, turn.user_id, event.text, event.state)
         view.possibly_stale = not fresh
         out = ev.ViewBuilt(
-            turn=turn, text=event.text, state=event.state, view=view, latency_ms=(time.perf_counter() - started) * 1000
+            turn=turn,
+            text=event.text,
+            state=event.state,
+            view=view,
+            latency_ms=(time.perf_counter() - started) * 1000,
         )
         await self._producer.publish(TOPIC_VIEW, out, turn)
         async with self._pool.connection() as conn:
@@ -228,7 +233,9 @@ class MemoryServicer(svc_grpc.MemoryServicer):
     def __init__(self, store: MemoryStore) -> None:
         self._store = store
 
-    async def BuildView(self, request: svc.BuildViewRequest, context: grpc.aio.ServicerContext) -> ev.CandidateView:  # noqa: N802
+    async def BuildView(
+        self, request: svc.BuildViewRequest, context: grpc.aio.ServicerContext
+    ) -> ev.CandidateView:
         if not request.tenant or not request.user_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "tenant and user_id are required")
         return await self._store.view(request.tenant, request.user_id, request.text, request.state)
@@ -241,7 +248,11 @@ async def build(ctx: ServiceContext) -> ServiceParts:
     stage = MemoryStage(store, ctx.producer, ctx.pool)
     # Two consumers: a view waiting for turn n-1 must never block the commit of turn n-1 behind it.
     views = StageConsumer(
-        settings, ctx.producer, "memory", "mars-memory-view", [Subscription(TOPIC_STATE, ev.StateEstimated, stage.on_state)]
+        settings,
+        ctx.producer,
+        "memory",
+        "mars-memory-view",
+        [Subscription(TOPIC_STATE, ev.StateEstimated, stage.on_state)],
     )
     writer = StageConsumer(
         settings,
@@ -251,7 +262,9 @@ async def build(ctx: ServiceContext) -> ServiceParts:
         [Subscription(TOPIC_GENERATED, ev.Generated, stage.on_generated)],
     )
     return ServiceParts(
-        bindings=[GrpcBinding(svc_grpc.add_MemoryServicer_to_server, MemoryServicer(store), "mars.v1.Memory")],
+        bindings=[
+            GrpcBinding(svc_grpc.add_MemoryServicer_to_server, MemoryServicer(store), "mars.v1.Memory")
+        ],
         consumers=[views, writer],
     )
 

@@ -7,9 +7,6 @@ from typing import Literal
 
 import grpc
 import numpy as np
-from psycopg import AsyncConnection
-from psycopg_pool import AsyncConnectionPool
-
 from mars import db
 from mars.bus import EventProducer, PoisonEvent, StageConsumer, Subscription
 from mars.config import TOPIC_JUDGED, TOPIC_ROUTED, TOPIC_VIEW, ServiceSettings
@@ -20,6 +17,8 @@ from mars.runtime import GrpcBinding, ServiceContext, ServiceParts, run
 from mars.v1 import events_pb2 as ev
 from mars.v1 import services_pb2 as svc
 from mars.v1 import services_pb2_grpc as svc_grpc
+from psycopg import AsyncConnection
+from psycopg_pool import AsyncConnectionPool
 
 STAGE = "router"
 
@@ -93,19 +92,22 @@ class PolicyStore:
     async def load(self, policy_id: str) -> tuple[dict[str, ArmModel], int]:
         async with self._pool.connection() as conn:
             await self._ensure(conn, policy_id)
+            cur = await conn.execute("SELECT version FROM router_policies WHERE policy_id = %s", (policy_id,))
+            row = await cur.fetchone()
+            version = int(row[0]) if row else 0
             cur = await conn.execute(
-                "SELECT a.arm, a.model, a.pulls, a.reward_sum, p.version FROM router_arms a "
-                "JOIN router_policies p USING (policy_id) WHERE policy_id = %s",
-                (policy_id,),
+                "SELECT arm, model, pulls, reward_sum FROM router_arms WHERE policy_id = %s", (policy_id,)
             )
             rows = await cur.fetchall()
-        models: dict[str, ArmModel] = {}
-        version = 0
-        for arm, blob, pulls, reward_sum, version in rows:
-            models[arm] = ArmModel.from_bytes(bytes(blob), FEATURE_DIM, int(pulls), float(reward_sum))
-        return {a: models[a] for a in self.arms if a in models}, int(version)
+        models = {
+            arm: ArmModel.from_bytes(bytes(blob), FEATURE_DIM, int(pulls), float(reward_sum))
+            for arm, blob, pulls, reward_sum in rows
+        }
+        return {a: models[a] for a in self.arms if a in models}, version
 
-    async def decide(self, tenant: str, user_id: str, x: np.ndarray) -> tuple[str, list[ev.ArmScore], str, int]:
+    async def decide(
+        self, tenant: str, user_id: str, x: np.ndarray
+    ) -> tuple[str, list[ev.ArmScore], str, int]:
         policy_id = policy_id_for(self._settings.policy_scope, tenant, user_id)
         models, version = await self.load(policy_id)
         arm, scores = self.policy.choose(x, models)
@@ -119,7 +121,9 @@ class PolicyStore:
                 (turn_id, policy_id, arm, [float(v) for v in x]),
             )
 
-    async def apply_reward(self, turn_id: str, answered_arm: str, reward: float, failed_arms: list[str]) -> bool:
+    async def apply_reward(
+        self, turn_id: str, answered_arm: str, reward: float, failed_arms: list[str]
+    ) -> bool:
         """Apply Eq. 11 once per turn_id; False when this turn was already applied.
 
         The reward updates the arm that answered (usually the chosen one); an arm whose call failed
@@ -145,10 +149,14 @@ class PolicyStore:
             x = np.asarray(features, dtype=np.float64)
             for target, r in [(arm, reward), *((a, 0.0) for a in dict.fromkeys(failed_arms) if a != arm)]:
                 await self._update_arm(conn, policy_id, target, x, r)
-            await conn.execute("UPDATE router_policies SET version = version + 1 WHERE policy_id = %s", (policy_id,))
+            await conn.execute(
+                "UPDATE router_policies SET version = version + 1 WHERE policy_id = %s", (policy_id,)
+            )
         return True
 
-    async def _update_arm(self, conn: AsyncConnection, policy_id: str, arm: str, x: np.ndarray, reward: float) -> None:
+    async def _update_arm(
+        self, conn: AsyncConnection, policy_id: str, arm: str, x: np.ndarray, reward: float
+    ) -> None:
         cur = await conn.execute(
             "SELECT model, pulls, reward_sum FROM router_arms WHERE policy_id = %s AND arm = %s FOR UPDATE",
             (policy_id, arm),
@@ -166,7 +174,9 @@ class PolicyStore:
 
 
 class RouterStage:
-    def __init__(self, store: PolicyStore, pool_cfg: ModelPool, producer: EventProducer, pg: AsyncConnectionPool) -> None:
+    def __init__(
+        self, store: PolicyStore, pool_cfg: ModelPool, producer: EventProducer, pg: AsyncConnectionPool
+    ) -> None:
         self._store = store
         self._pool_cfg = pool_cfg
         self._producer = producer
@@ -206,16 +216,22 @@ class RouterServicer(svc_grpc.RouterServicer):
         self._store = store
         self._settings = settings
 
-    async def Route(self, request: svc.RouteRequest, context: grpc.aio.ServicerContext) -> svc.RouteDecision:  # noqa: N802
+    async def Route(self, request: svc.RouteRequest, context: grpc.aio.ServicerContext) -> svc.RouteDecision:
         if not request.tenant or not request.user_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "tenant and user_id are required")
         x = featurize(request.state, request.view.load, request.turn_depth or 1)
         arm, scores, policy_id, version = await self._store.decide(request.tenant, request.user_id, x)
         return svc.RouteDecision(
-            features=[float(v) for v in x], scores=scores, chosen_arm=arm, policy_id=policy_id, policy_version=version
+            features=[float(v) for v in x],
+            scores=scores,
+            chosen_arm=arm,
+            policy_id=policy_id,
+            policy_version=version,
         )
 
-    async def GetPolicy(self, request: svc.PolicyRequest, context: grpc.aio.ServicerContext) -> svc.PolicyInfo:  # noqa: N802
+    async def GetPolicy(
+        self, request: svc.PolicyRequest, context: grpc.aio.ServicerContext
+    ) -> svc.PolicyInfo:
         policy_id = policy_id_for(self._settings.policy_scope, request.tenant, request.user_id)
         models, version = await self._store.load(policy_id)
         return svc.PolicyInfo(
@@ -233,13 +249,25 @@ async def build(ctx: ServiceContext) -> ServiceParts:
     store = PolicyStore(ctx.pool, settings, pool_cfg.arms)
     stage = RouterStage(store, pool_cfg, ctx.producer, ctx.pool)
     routes = StageConsumer(
-        settings, ctx.producer, "router", "mars-router", [Subscription(TOPIC_VIEW, ev.ViewBuilt, stage.on_view)]
+        settings,
+        ctx.producer,
+        "router",
+        "mars-router",
+        [Subscription(TOPIC_VIEW, ev.ViewBuilt, stage.on_view)],
     )
     updates = StageConsumer(
-        settings, ctx.producer, "router", "mars-router-updates", [Subscription(TOPIC_JUDGED, ev.Judged, stage.on_judged)]
+        settings,
+        ctx.producer,
+        "router",
+        "mars-router-updates",
+        [Subscription(TOPIC_JUDGED, ev.Judged, stage.on_judged)],
     )
     return ServiceParts(
-        bindings=[GrpcBinding(svc_grpc.add_RouterServicer_to_server, RouterServicer(store, settings), "mars.v1.Router")],
+        bindings=[
+            GrpcBinding(
+                svc_grpc.add_RouterServicer_to_server, RouterServicer(store, settings), "mars.v1.Router"
+            )
+        ],
         consumers=[routes, updates],
     )
 

@@ -6,9 +6,6 @@ from __future__ import annotations
 import time
 
 import grpc
-from psycopg.types.json import Jsonb
-from psycopg_pool import AsyncConnectionPool
-
 from mars import db
 from mars.bus import EventProducer, StageConsumer, Subscription
 from mars.config import TOPIC_RECEIVED, TOPIC_STATE, ServiceSettings
@@ -17,6 +14,8 @@ from mars.runtime import GrpcBinding, ServiceContext, ServiceParts, run
 from mars.v1 import events_pb2 as ev
 from mars.v1 import services_pb2 as svc
 from mars.v1 import services_pb2_grpc as svc_grpc
+from psycopg.types.json import Jsonb
+from psycopg_pool import AsyncConnectionPool
 
 STAGE = "state"
 
@@ -38,7 +37,9 @@ class StateSettings(ServiceSettings):
 
 
 class StateEstimatorServicer(svc_grpc.StateEstimatorServicer):
-    async def Estimate(self, request: svc.EstimateRequest, context: grpc.aio.ServicerContext) -> ev.SessionState:  # noqa: N802
+    async def Estimate(
+        self, request: svc.EstimateRequest, context: grpc.aio.ServicerContext
+    ) -> ev.SessionState:
         if not request.text.strip():
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "text is empty")
         return estimate_state(request.text, list(request.active_context))
@@ -93,12 +94,18 @@ async def build(ctx: ServiceContext) -> ServiceParts:
     assert isinstance(settings, StateSettings)
     stage = StateStage(settings, ctx.producer, ctx.pool)
     consumer = StageConsumer(
-        settings, ctx.producer, "state", "mars-state", [Subscription(TOPIC_RECEIVED, ev.TurnReceived, stage.on_received)]
+        settings,
+        ctx.producer,
+        "state",
+        "mars-state",
+        [Subscription(TOPIC_RECEIVED, ev.TurnReceived, stage.on_received)],
     )
     return ServiceParts(
         bindings=[
             GrpcBinding(
-                svc_grpc.add_StateEstimatorServicer_to_server, StateEstimatorServicer(), "mars.v1.StateEstimator"
+                svc_grpc.add_StateEstimatorServicer_to_server,
+                StateEstimatorServicer(),
+                "mars.v1.StateEstimator",
             )
         ],
         consumers=[consumer],

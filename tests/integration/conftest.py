@@ -45,12 +45,14 @@ def read_topic(bootstrap: str, topic: str, idle_s: float = 1.5) -> list[Any]:
     """
 
     async def _read() -> list[Any]:
-        consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, fetch_max_wait_ms=50)
+        consumer = AIOKafkaConsumer(
+            bootstrap_servers=bootstrap, enable_auto_commit=False, fetch_max_wait_ms=50
+        )
         await consumer.start()
         try:
             parts = consumer.partitions_for_topic(topic)
             if not parts:
-                await consumer._client.force_metadata_update()  # noqa: SLF001 - first look-up of a topic
+                await consumer._client.force_metadata_update()
                 parts = consumer.partitions_for_topic(topic) or set()
             tps = [TopicPartition(topic, p) for p in sorted(parts)]
             consumer.assign(tps)

@@ -74,7 +74,11 @@ def conversation(stack: LocalStack) -> dict[str, list[svc.TurnReply]]:
             for session in SESSIONS:
                 for text in SCRIPTS[user]:
                     req = svc.TurnRequest(
-                        tenant=TENANT, user_id=user, session_id=session, text=text, options={"max_tokens": "32"}
+                        tenant=TENANT,
+                        user_id=user,
+                        session_id=session,
+                        text=text,
+                        options={"max_tokens": "32"},
                     )
                     replies[user].append(stub.SendTurn(req, timeout=180))
         except BaseException as exc:
@@ -89,13 +93,21 @@ def conversation(stack: LocalStack) -> dict[str, list[svc.TurnReply]]:
     turn_ids = [r.turn_id for rs in replies.values() for r in rs]
     # The learning path runs after the answers: wait until every turn is judged, applied and committed.
     wait_for(
-        lambda: query(stack, "SELECT count(*) FROM router_ledger WHERE turn_id = ANY(%s)", (turn_ids,))[0][0]
-        == len(turn_ids),
+        lambda: (
+            query(stack, "SELECT count(*) FROM router_ledger WHERE turn_id = ANY(%s)", (turn_ids,))[0][0]
+            == len(turn_ids)
+        ),
         what="router updates for all turns",
     )
     wait_for(
-        lambda: query(stack, "SELECT count(*) FROM stage_emitted WHERE stage = 'memory-commit' AND turn_id = ANY(%s)",
-                      (turn_ids,))[0][0] == len(turn_ids),
+        lambda: (
+            query(
+                stack,
+                "SELECT count(*) FROM stage_emitted WHERE stage = 'memory-commit' AND turn_id = ANY(%s)",
+                (turn_ids,),
+            )[0][0]
+            == len(turn_ids)
+        ),
         what="memory commits for all turns",
     )
     return replies
@@ -120,13 +132,15 @@ def test_failing_endpoint_falls_back_with_repacking(conversation: dict[str, list
     # Cold start ties go to the first arm, the broken endpoint: the first turn of each user falls back.
     for rs in conversation.values():
         first = rs[0]
-        assert [a.arm for a in first.attempts][0] == "broken-endpoint"
+        assert first.attempts[0].arm == "broken-endpoint"
         assert not first.attempts[0].ok and first.attempts[0].error
         assert first.attempts[-1].ok and first.attempts[-1].arm == first.model
         assert all(a.packed_prompt_tokens > 0 for a in first.attempts)
 
 
-def test_each_stage_topic_holds_one_event_per_turn(stack: LocalStack, conversation: dict[str, list[svc.TurnReply]]) -> None:
+def test_each_stage_topic_holds_one_event_per_turn(
+    stack: LocalStack, conversation: dict[str, list[svc.TurnReply]]
+) -> None:
     turns = all_turn_ids(conversation)
     types = {
         TOPIC_RECEIVED: ev.TurnReceived,
@@ -148,16 +162,27 @@ def test_each_stage_topic_holds_one_event_per_turn(stack: LocalStack, conversati
         assert set(counts.values()) == {1}, f"{topic}: duplicates {[t for t, c in counts.items() if c > 1]}"
 
 
-def test_router_ledger_has_one_row_per_judged_turn(stack: LocalStack, conversation: dict[str, list[svc.TurnReply]]) -> None:
+def test_router_ledger_has_one_row_per_judged_turn(
+    stack: LocalStack, conversation: dict[str, list[svc.TurnReply]]
+) -> None:
     turns = list(all_turn_ids(conversation))
-    judged = {ev.Judged.FromString(r.value).turn.turn_id for r in read_topic(stack.env["MARS_KAFKA_BOOTSTRAP"], TOPIC_JUDGED)}
-    rows = query(stack, "SELECT turn_id, count(*) FROM router_ledger WHERE turn_id = ANY(%s) GROUP BY turn_id", (turns,))
+    judged = {
+        ev.Judged.FromString(r.value).turn.turn_id
+        for r in read_topic(stack.env["MARS_KAFKA_BOOTSTRAP"], TOPIC_JUDGED)
+    }
+    rows = query(
+        stack,
+        "SELECT turn_id, count(*) FROM router_ledger WHERE turn_id = ANY(%s) GROUP BY turn_id",
+        (turns,),
+    )
     assert {r[0] for r in rows} == judged & set(turns)
     assert all(r[1] == 1 for r in rows)
     assert len(rows) == 20
 
 
-def test_view_never_contains_another_users_memory(stack: LocalStack, conversation: dict[str, list[svc.TurnReply]]) -> None:
+def test_view_never_contains_another_users_memory(
+    stack: LocalStack, conversation: dict[str, list[svc.TurnReply]]
+) -> None:
     turns = all_turn_ids(conversation)
     codeword = {"user-zebra": "zebra", "user-quokka": "quokka"}
     saw_memory = 0
@@ -175,7 +200,9 @@ def test_view_never_contains_another_users_memory(stack: LocalStack, conversatio
     assert saw_memory > 0, "no view exposed any memory: the isolation check would be vacuous"
 
 
-def test_read_your_writes_view_includes_previous_turn(stack: LocalStack, conversation: dict[str, list[svc.TurnReply]]) -> None:
+def test_read_your_writes_view_includes_previous_turn(
+    stack: LocalStack, conversation: dict[str, list[svc.TurnReply]]
+) -> None:
     turns = all_turn_ids(conversation)
     seq_of = {r.turn_id: r.seq for rs in conversation.values() for r in rs}
     for record in read_topic(stack.env["MARS_KAFKA_BOOTSTRAP"], TOPIC_VIEW):
@@ -187,11 +214,17 @@ def test_read_your_writes_view_includes_previous_turn(stack: LocalStack, convers
                     assert seq_of[block.source_turn_id] < view.turn.seq
 
 
-def test_redelivered_judged_event_updates_router_once(stack: LocalStack, conversation: dict[str, list[svc.TurnReply]]) -> None:
+def test_redelivered_judged_event_updates_router_once(
+    stack: LocalStack, conversation: dict[str, list[svc.TurnReply]]
+) -> None:
     user = "user-zebra"
     old = conversation[user][3]
     bootstrap = stack.env["MARS_KAFKA_BOOTSTRAP"]
-    record = next(r for r in read_topic(bootstrap, TOPIC_JUDGED) if ev.Judged.FromString(r.value).turn.turn_id == old.turn_id)
+    record = next(
+        r
+        for r in read_topic(bootstrap, TOPIC_JUDGED)
+        if ev.Judged.FromString(r.value).turn.turn_id == old.turn_id
+    )
     policy = f"user:{TENANT}/{user}"
     (version_before,) = query(stack, "SELECT version FROM router_policies WHERE policy_id = %s", (policy,))[0]
     arms_before = dict(query(stack, "SELECT arm, model FROM router_arms WHERE policy_id = %s", (policy,)))
@@ -201,21 +234,29 @@ def test_redelivered_judged_event_updates_router_once(stack: LocalStack, convers
     # A fresh turn of the same user lands on the same partition after the duplicates, so once its
     # update is applied the duplicates have been processed too.
     fresh = ingress(stack).SendTurn(
-        svc.TurnRequest(tenant=TENANT, user_id=user, session_id="s3", text="One more zebra question: best month?"),
+        svc.TurnRequest(
+            tenant=TENANT, user_id=user, session_id="s3", text="One more zebra question: best month?"
+        ),
         timeout=180,
     )
-    wait_for(lambda: bool(query(stack, "SELECT 1 FROM router_ledger WHERE turn_id = %s", (fresh.turn_id,))),
-             what="the fresh turn's router update")
+    wait_for(
+        lambda: bool(query(stack, "SELECT 1 FROM router_ledger WHERE turn_id = %s", (fresh.turn_id,))),
+        what="the fresh turn's router update",
+    )
     (version_after,) = query(stack, "SELECT version FROM router_policies WHERE policy_id = %s", (policy,))[0]
     assert version_after == version_before + 1, "duplicates changed the policy"
     assert query(stack, "SELECT count(*) FROM router_ledger WHERE turn_id = %s", (old.turn_id,))[0][0] == 1
     arms_after = dict(query(stack, "SELECT arm, model FROM router_arms WHERE policy_id = %s", (policy,)))
     changed = {a for a in arms_before if bytes(arms_before[a]) != bytes(arms_after[a])}
-    assert changed <= {fresh.model, *[a.arm for a in fresh.attempts]}, "an arm changed that the fresh turn did not touch"
+    assert changed <= {fresh.model, *[a.arm for a in fresh.attempts]}, (
+        "an arm changed that the fresh turn did not touch"
+    )
     assert len(changed) == len({a.arm for a in fresh.attempts})
 
 
-def test_one_trace_covers_every_stage(stack: LocalStack, conversation: dict[str, list[svc.TurnReply]]) -> None:
+def test_one_trace_covers_every_stage(
+    stack: LocalStack, conversation: dict[str, list[svc.TurnReply]]
+) -> None:
     reply = conversation["user-quokka"][2]
     trace_dir = Path(stack.env["MARS_TRACE_DIR"])
     spans = []
@@ -259,21 +300,30 @@ def test_poison_messages_are_dead_lettered_and_consumers_go_on(stack: LocalStack
     bootstrap = stack.env["MARS_KAFKA_BOOTSTRAP"]
     garbage = b"\xff\xfe not a protobuf \x00\x01"
     produce_raw(bootstrap, TOPIC_RECEIVED, garbage, b"e2e/poison")
-    no_turn_id = ev.TurnReceived(turn=ev.TurnEnvelope(tenant=TENANT, user_id="poison", seq=1, schema_version=1), text="hi")
+    no_turn_id = ev.TurnReceived(
+        turn=ev.TurnEnvelope(tenant=TENANT, user_id="poison", seq=1, schema_version=1), text="hi"
+    )
     produce_raw(bootstrap, TOPIC_RECEIVED, no_turn_id.SerializeToString(), b"e2e/poison")
     future = ev.TurnReceived(
-        turn=ev.TurnEnvelope(turn_id="future-schema", tenant=TENANT, user_id="poison", seq=1, schema_version=99), text="hi"
+        turn=ev.TurnEnvelope(
+            turn_id="future-schema", tenant=TENANT, user_id="poison", seq=1, schema_version=99
+        ),
+        text="hi",
     )
     produce_raw(bootstrap, TOPIC_RECEIVED, future.SerializeToString(), b"e2e/poison")
 
     reply = ingress(stack).SendTurn(
-        svc.TurnRequest(tenant=TENANT, user_id="after-poison", session_id="s", text="Is the pipeline still alive?"),
+        svc.TurnRequest(
+            tenant=TENANT, user_id="after-poison", session_id="s", text="Is the pipeline still alive?"
+        ),
         timeout=180,
     )
     assert reply.text.strip()
 
     def letters() -> list[ev.DeadLetter]:
-        return [ev.DeadLetter.FromString(r.value) for r in read_topic(bootstrap, TOPIC_DEAD_LETTER, idle_s=0.5)]
+        return [
+            ev.DeadLetter.FromString(r.value) for r in read_topic(bootstrap, TOPIC_DEAD_LETTER, idle_s=0.5)
+        ]
 
     wait_for(lambda: len([d for d in letters() if d.source_topic == TOPIC_RECEIVED]) >= 3, 30, "dead letters")
     by_payload = {d.payload: d for d in letters() if d.source_topic == TOPIC_RECEIVED}
@@ -283,21 +333,31 @@ def test_poison_messages_are_dead_lettered_and_consumers_go_on(stack: LocalStack
     assert by_payload[future.SerializeToString()].turn_id == "future-schema"
 
 
-def test_feedback_is_validated_and_recorded(stack: LocalStack, conversation: dict[str, list[svc.TurnReply]]) -> None:
+def test_feedback_is_validated_and_recorded(
+    stack: LocalStack, conversation: dict[str, list[svc.TurnReply]]
+) -> None:
     stub = ingress(stack)
     turn = conversation["user-quokka"][0]
     ok = stub.SubmitFeedback(
-        svc.FeedbackRequest(tenant=TENANT, user_id="user-quokka", turn_id=turn.turn_id, rating=0.9, comment="nice")
+        svc.FeedbackRequest(
+            tenant=TENANT, user_id="user-quokka", turn_id=turn.turn_id, rating=0.9, comment="nice"
+        )
     )
     assert ok.accepted
-    wait_for(lambda: bool(query(stack, "SELECT rating FROM judge_feedback WHERE turn_id = %s", (turn.turn_id,))),
-             what="feedback row")
+    wait_for(
+        lambda: bool(query(stack, "SELECT rating FROM judge_feedback WHERE turn_id = %s", (turn.turn_id,))),
+        what="feedback row",
+    )
     assert query(stack, "SELECT rating FROM judge_feedback WHERE turn_id = %s", (turn.turn_id,))[0][0] == 0.9
     for req, code in [
-        (svc.FeedbackRequest(tenant=TENANT, user_id="user-quokka", turn_id=turn.turn_id, rating=1.5),
-         grpc.StatusCode.INVALID_ARGUMENT),
-        (svc.FeedbackRequest(tenant=TENANT, user_id="user-zebra", turn_id=turn.turn_id, rating=0.5),
-         grpc.StatusCode.NOT_FOUND),
+        (
+            svc.FeedbackRequest(tenant=TENANT, user_id="user-quokka", turn_id=turn.turn_id, rating=1.5),
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
+        (
+            svc.FeedbackRequest(tenant=TENANT, user_id="user-zebra", turn_id=turn.turn_id, rating=0.5),
+            grpc.StatusCode.NOT_FOUND,
+        ),
     ]:
         with pytest.raises(grpc.RpcError) as info:
             stub.SubmitFeedback(req)
@@ -309,9 +369,14 @@ def test_services_answer_health_and_direct_calls(stack: LocalStack) -> None:
 
     for name in ("state", "memory", "router", "dispatch", "judge", "ingress"):
         health = health_pb2_grpc.HealthStub(grpc.insecure_channel(stack.addr(name)))
-        assert health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == health_pb2.HealthCheckResponse.SERVING
+        assert (
+            health.Check(health_pb2.HealthCheckRequest(), timeout=5).status
+            == health_pb2.HealthCheckResponse.SERVING
+        )
     state = svc_grpc.StateEstimatorStub(grpc.insecure_channel(stack.addr("state"))).Estimate(
-        svc.EstimateRequest(tenant=TENANT, user_id="u", text="Revise it to be shorter", active_context=["Write a poem"])
+        svc.EstimateRequest(
+            tenant=TENANT, user_id="u", text="Revise it to be shorter", active_context=["Write a poem"]
+        )
     )
     assert state.action == ev.MATCH and state.phase == ev.REVISE
     models = svc_grpc.DispatchStub(grpc.insecure_channel(stack.addr("dispatch"))).ListModels(svc.Empty())

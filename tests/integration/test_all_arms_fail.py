@@ -1,0 +1,55 @@
+"""When every arm fails the caller gets UNAVAILABLE and the turn is recorded as failed, never dropped."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import grpc
+import pytest
+from conftest import query, read_topic, start_stack, wait_for
+from mars.config import TOPIC_GENERATED
+from mars.v1 import events_pb2 as ev
+from mars.v1 import services_pb2 as svc
+from mars.v1 import services_pb2_grpc as svc_grpc
+from mars_stack import LocalStack
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def broken_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
+    s = start_stack(tmp_path_factory.mktemp("broken"), "models.broken.yaml", start_llm=False)
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+def test_all_arms_failing_is_unavailable_and_recorded(broken_stack: LocalStack) -> None:
+    stub = svc_grpc.IngressStub(grpc.insecure_channel(broken_stack.addr("ingress")))
+    for n in (1, 2):
+        with pytest.raises(grpc.RpcError) as info:
+            stub.SendTurn(
+                svc.TurnRequest(tenant="t", user_id="u", session_id="s", text=f"question {n}"), timeout=60
+            )
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        details = info.value.details() or ""
+        assert "broken-a" in details and "broken-b" in details
+
+    rows = query(
+        broken_stack, "SELECT seq, status, error FROM ingress_turns WHERE user_id = 'u' ORDER BY seq"
+    )
+    assert [(r[0], r[1]) for r in rows] == [(1, "FAILED"), (2, "FAILED")]
+    generated = [
+        ev.Generated.FromString(r.value)
+        for r in read_topic(broken_stack.env["MARS_KAFKA_BOOTSTRAP"], TOPIC_GENERATED)
+    ]
+    assert [g.status for g in generated] == [ev.FAILED, ev.FAILED]
+    assert all([a.arm for a in g.attempts] == ["broken-a", "broken-b"] for g in generated)
+    # A failed turn still advances memory's applied seq, so the next turn's view is not held up.
+    wait_for(
+        lambda: query(broken_stack, "SELECT applied_seq FROM memory_progress WHERE user_id = 'u'") == [(2,)],
+        what="memory progress",
+    )
+    assert query(broken_stack, "SELECT count(*) FROM memory_records WHERE user_id = 'u'")[0][0] == 0
+    assert query(broken_stack, "SELECT count(*) FROM router_ledger")[0][0] == 0

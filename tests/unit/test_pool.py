@@ -1,0 +1,47 @@
+from pathlib import Path
+
+import pytest
+from mars.pool import PoolFileError, load_pool
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_shipped_local_pool_loads_with_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MARS_LOCAL_LLM_URL", "http://127.0.0.1:1234")
+    pool = load_pool(REPO / "config" / "models.local.yaml")
+    assert len(pool.arms) >= 2
+    assert pool.models[0].base_url == "http://127.0.0.1:1234/v1"
+    short = pool.get("smollm2-135m-short")
+    assert short.input_budget == short.context_window - short.output_reserve - short.safety_margin
+    assert short.cost_usd(1_000_000, 0) == pytest.approx(short.input_price_per_m)
+    assert pool.fallbacks_after(pool.arms[0]) == pool.arms[1:]
+
+
+def test_default_applies_when_env_unset(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MARS_LOCAL_LLM_URL", raising=False)
+    assert load_pool(REPO / "config" / "models.local.yaml").models[0].base_url == "http://127.0.0.1:8080/v1"
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ("models: []", "invalid"),
+        (
+            "models:\n  - name: a\n    base_url: x\n    context_window: 100\n    output_reserve: 90\n"
+            "    safety_margin: 20\n    input_price_per_m: 0\n    output_price_per_m: 0\n",
+            "exceed",
+        ),
+        ("models: [", "not valid YAML"),
+        ("models:\n  - name: a\n    base_url: ${NOT_SET_ANYWHERE}\n", "NOT_SET_ANYWHERE"),
+    ],
+)
+def test_bad_pool_files_fail_clearly(tmp_path: Path, body: str, message: str) -> None:
+    path = tmp_path / "pool.yaml"
+    path.write_text(body)
+    with pytest.raises(PoolFileError, match=message):
+        load_pool(path)
+
+
+def test_missing_pool_file(tmp_path: Path) -> None:
+    with pytest.raises(PoolFileError, match="cannot read"):
+        load_pool(tmp_path / "nope.yaml")
