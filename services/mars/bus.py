@@ -4,6 +4,7 @@ commit after their side effects, process each partition in order, and dead-lette
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -178,14 +179,27 @@ class StageConsumer:
                 pass
         await self._consumer.stop()
 
+    @property
+    def task(self) -> asyncio.Task[None] | None:
+        return self._task
+
     async def _run(self) -> None:
         while True:
             batches = await self._consumer.getmany(timeout_ms=200)
             if not batches:
                 continue
-            await asyncio.gather(*(self._handle_partition(records) for records in batches.values()))
-            offsets = {tp: records[-1].offset + 1 for tp, records in batches.items()}
-            await self._consumer.commit(offsets)
+            try:
+                await asyncio.gather(*(self._handle_partition(records) for records in batches.values()))
+                offsets = {tp: records[-1].offset + 1 for tp, records in batches.items()}
+                await self._consumer.commit(offsets)
+            except Exception:
+                # E.g. the broker refused the output or a rebalance broke the commit: rewind to the
+                # batch start so nothing is skipped (handlers are idempotent by turn_id), then go on.
+                log.exception("batch on %s failed; rewinding and retrying", self._group_id)
+                for tp, records in batches.items():
+                    with contextlib.suppress(Exception):
+                        self._consumer.seek(tp, records[0].offset)
+                await asyncio.sleep(1.0)
 
     async def _handle_partition(self, records: list[ConsumerRecord[Any, Any]]) -> None:
         for record in records:

@@ -12,7 +12,8 @@ from pathlib import Path
 
 from rich.console import Console
 
-console = Console()
+# A pipe or CI log gets a wide table rather than rich's 80-column default.
+console = Console(width=None if sys.stdout.isatty() else 180)
 
 
 def _rewards(dsn: str, turn_ids: list[str], wait_s: float = 30.0) -> dict[str, float]:

@@ -96,7 +96,13 @@ async def serve(name: str, settings: ServiceSettings, build: Builder, migrations
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    stop_task = asyncio.create_task(stop.wait())
+    watched = [c.task for c in parts.consumers if c.task is not None]
+    done, _ = await asyncio.wait([stop_task, *watched], return_when=asyncio.FIRST_COMPLETED)
+    crashed = [t for t in done if t is not stop_task]
+    if crashed:
+        # A consumer that stopped for good must take the process down, so an orchestrator restarts it.
+        log.error("%s: a consumer stopped unexpectedly: %r", name, crashed[0].exception())
 
     log.info("%s stopping", name)
     for svc in ["", *names]:
@@ -109,6 +115,8 @@ async def serve(name: str, settings: ServiceSettings, build: Builder, migrations
     await producer.stop()
     await pool.close()
     provider.shutdown()
+    if crashed:
+        raise SystemExit(1)
 
 
 def run(name: str, settings: ServiceSettings, build: Builder, migrations: Sequence[str] = ()) -> None:

@@ -385,3 +385,22 @@ def test_services_answer_health_and_direct_calls(stack: LocalStack) -> None:
         svc.PolicyRequest(tenant=TENANT, user_id="user-zebra")
     )
     assert policy.dimension > 20 and sum(a.pulls for a in policy.arms) >= 10
+
+
+def test_converse_stream_answers_each_turn_in_order(stack: LocalStack) -> None:
+    texts = ["Name a fruit that is yellow.", "Revise that: name a red one instead.", "Summarize both answers."]
+    requests = iter(
+        svc.TurnRequest(tenant=TENANT, user_id="streamer", session_id="s", text=t, options={"max_tokens": "16"})
+        for t in texts
+    )
+    replies = list(ingress(stack).Converse(requests, timeout=300))
+    assert [r.seq for r in replies] == [1, 2, 3]
+    assert all(r.text.strip() for r in replies)
+    assert replies[1].state.action == ev.MATCH and replies[1].state.phase == ev.REVISE
+
+
+def test_converse_stream_rejects_bad_turn_with_status(stack: LocalStack) -> None:
+    requests = iter([svc.TurnRequest(tenant=TENANT, user_id="streamer2", session_id="s", text=" ")])
+    with pytest.raises(grpc.RpcError) as info:
+        list(ingress(stack).Converse(requests, timeout=60))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
