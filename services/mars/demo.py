@@ -91,9 +91,13 @@ def render(rows: list[DemoRow], console: Console, rewards: dict[str, float] | No
             r.reply.text.strip().replace("\n", " ")[:60],
         )
     console.print(table)
-    lat = sorted(r.reply.latency_ms for r in rows if r.reply)
-    if lat:
-        p50 = lat[len(lat) // 2]
+    answered = [r.reply for r in rows if r.reply]
+    if answered:
+        lat = sorted(r.latency_ms for r in answered)
+        # Everything but the model calls: Kafka hops, state, memory view, routing, Postgres.
+        overhead = sorted(r.latency_ms - sum(a.latency_ms for a in r.attempts) for r in answered)
         console.print(
-            f"per-turn latency: p50 {p50:.0f} ms, max {lat[-1]:.0f} ms over {len(lat)} answered turns"
+            f"per-turn latency over {len(lat)} answered turns: p50 {lat[len(lat) // 2]:.0f} ms, "
+            f"max {lat[-1]:.0f} ms; pipeline overhead without model calls: "
+            f"p50 {overhead[len(overhead) // 2]:.0f} ms, max {overhead[-1]:.0f} ms"
         )
