@@ -388,9 +388,15 @@ def test_services_answer_health_and_direct_calls(stack: LocalStack) -> None:
 
 
 def test_converse_stream_answers_each_turn_in_order(stack: LocalStack) -> None:
-    texts = ["Name a fruit that is yellow.", "Revise that: name a red one instead.", "Summarize both answers."]
+    texts = [
+        "Name a fruit that is yellow.",
+        "Revise that: name a red one instead.",
+        "Summarize both answers.",
+    ]
     requests = iter(
-        svc.TurnRequest(tenant=TENANT, user_id="streamer", session_id="s", text=t, options={"max_tokens": "16"})
+        svc.TurnRequest(
+            tenant=TENANT, user_id="streamer", session_id="s", text=t, options={"max_tokens": "16"}
+        )
         for t in texts
     )
     replies = list(ingress(stack).Converse(requests, timeout=300))

@@ -1,51 +1,85 @@
-"""Okapi BM25 over tokenize(); per-user corpora are small, so a pure-Python inverted index is enough."""
+"""Okapi BM25 over tokenize() with an incremental inverted index: documents are appended as memory grows
+and idf / average length always reflect the memory added so far (as in a live system)."""
 
 from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from mars.domain.text import tokenize
 
 
 class BM25Index:
-    """Okapi BM25 (k1=1.5, b=0.75) with the non-negative idf variant log(1 + (N - n + 0.5) / (n + 0.5))."""
+    """Okapi BM25 with the non-negative idf variant log(1 + (N - n + 0.5) / (n + 0.5))."""
 
-    def __init__(self, docs: Sequence[str], k1: float = 1.5, b: float = 0.75) -> None:
+    def __init__(
+        self,
+        docs: Sequence[str] = (),
+        k1: float = 1.5,
+        b: float = 0.75,
+        tokenizer: Callable[[str], list[str]] = tokenize,
+    ) -> None:
         self.k1 = k1
         self.b = b
-        self._tfs: list[Counter[str]] = [Counter(tokenize(d)) for d in docs]
-        self._lens: list[int] = [sum(tf.values()) for tf in self._tfs]
-        self.n_docs = len(self._tfs)
-        self.avgdl = (sum(self._lens) / self.n_docs) if self.n_docs else 0.0
-        df: Counter[str] = Counter()
+        self._tokenize = tokenizer
+        self._tfs: list[Counter[str]] = []
+        self._lens: list[int] = []
+        self._total_len = 0
+        self._df: Counter[str] = Counter()
         self._postings: dict[str, list[int]] = {}
-        for i, tf in enumerate(self._tfs):
-            for term in tf:
-                df[term] += 1
-                self._postings.setdefault(term, []).append(i)
-        # The +1 inside the log keeps idf positive even for terms present in every document.
-        self._idf: dict[str, float] = {
-            t: math.log(1.0 + (self.n_docs - n + 0.5) / (n + 0.5)) for t, n in df.items()
-        }
+        for d in docs:
+            self.add(d)
 
     def __len__(self) -> int:
-        return self.n_docs
+        return len(self._tfs)
+
+    @property
+    def n_docs(self) -> int:
+        return len(self._tfs)
+
+    @property
+    def avgdl(self) -> float:
+        return self._total_len / self.n_docs if self.n_docs else 0.0
+
+    def add(self, doc: str) -> int:
+        """Append a document; returns its index."""
+        tf = Counter(self._tokenize(doc))
+        i = len(self._tfs)
+        self._tfs.append(tf)
+        length = sum(tf.values())
+        self._lens.append(length)
+        self._total_len += length
+        for term in tf:
+            self._df[term] += 1
+            self._postings.setdefault(term, []).append(i)
+        return i
+
+    def idf(self, term: str) -> float:
+        n = self._df.get(term, 0)
+        # The +1 inside the log keeps idf positive even for terms present in every document.
+        return math.log(1.0 + (self.n_docs - n + 0.5) / (n + 0.5)) if n else 0.0
+
+    def scores(self, query: str) -> dict[int, float]:
+        """BM25 score of every document sharing a term with the query."""
+        scores: dict[int, float] = {}
+        avgdl = self.avgdl or 1.0
+        for term in set(self._tokenize(query)):
+            postings = self._postings.get(term)
+            if not postings:
+                continue
+            idf = self.idf(term)
+            for i in postings:
+                tf = self._tfs[i][term]
+                norm = tf + self.k1 * (1.0 - self.b + self.b * self._lens[i] / avgdl)
+                scores[i] = scores.get(i, 0.0) + idf * tf * (self.k1 + 1.0) / norm
+        return scores
 
     def search(self, query: str, k: int) -> list[tuple[int, float]]:
         """Top-k (doc index, score) with score > 0, sorted by score desc, ties by lower doc index."""
         if k <= 0 or not self.n_docs:
             return []
-        scores: dict[int, float] = {}
-        avgdl = self.avgdl or 1.0
-        for term in set(tokenize(query)):
-            idf = self._idf.get(term)
-            if idf is None:
-                continue
-            for i in self._postings[term]:
-                tf = self._tfs[i][term]
-                norm = tf + self.k1 * (1.0 - self.b + self.b * self._lens[i] / avgdl)
-                scores[i] = scores.get(i, 0.0) + idf * tf * (self.k1 + 1.0) / norm
-        ranked = sorted(((i, s) for i, s in scores.items() if s > 0.0), key=lambda p: (-p[1], p[0]))
+        ranked = sorted(
+            ((i, s) for i, s in self.scores(query).items() if s > 0.0), key=lambda p: (-p[1], p[0])
+        )
         return ranked[:k]

@@ -1,0 +1,1 @@
+"""Offline benchmarks for MARS retrieval (pure Python, no network, no database)."""

@@ -1,0 +1,174 @@
+"""Hybrid memory of one owner: dense chunk search (FAISS) + lexical group search (BM25), fused.
+
+Memory is stored as *groups* (a session, or a thread) of *chunks* (turn pairs, split when long). A query
+ranks groups: the dense side scores a group by its best chunks, the lexical side by BM25 over the group's
+whole text; the rankings are fused (reciprocal rank or weighted scores) and a recency prior is added,
+since memory a user needs again is more often recent. Chunks of the top groups are what a view exposes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+
+from mars.domain.bm25 import BM25Index
+from mars.retrieval.dense import DenseIndex
+from mars.retrieval.embedder import Embedder
+from mars.retrieval.fusion import reciprocal_rank_fusion, weighted_score_fusion
+
+
+def split_words(text: str, max_words: int = 160, overlap: int = 32) -> list[str]:
+    """Windows of at most max_words words; long texts are chunked with overlap, never silently cut."""
+    words = text.split()
+    if len(words) <= max_words:
+        return [text] if words else []
+    step = max(1, max_words - overlap)
+    out = []
+    for start in range(0, len(words), step):
+        out.append(" ".join(words[start : start + max_words]))
+        if start + max_words >= len(words):
+            break
+    return out
+
+
+@dataclass(frozen=True)
+class HybridConfig:
+    fusion: Literal["rrf", "weighted"] = "rrf"
+    rrf_k: float = 60.0
+    dense_weight: float = 1.0
+    lexical_weight: float = 1.0
+    #: Weight of the recency prior (reciprocal rank of the group by recency, fused like a third ranker).
+    recency_weight: float = 0.0
+    #: How a group's dense score aggregates its chunk similarities: the best, or best + mean of the top 2.
+    dense_aggregate: Literal["max", "top2"] = "max"
+    #: Weight of the secondary query texts (e.g. the previous user turn) relative to the query itself.
+    context_weight: float = 0.0
+    #: Boost for groups adjacent in time to the top-ranked groups (work tends to span neighbouring sessions).
+    neighbor_boost: float = 0.0
+    neighbor_top: int = 3
+    bm25_k1: float = 1.2
+    bm25_b: float = 0.75
+    max_chunk_words: int = 160
+
+
+@dataclass
+class _Group:
+    key: str
+    position: int
+    chunk_ids: list[int] = field(default_factory=list)
+
+
+class HybridMemory:
+    def __init__(
+        self, embedder: Embedder, config: HybridConfig | None = None, use_gpu: bool | None = None
+    ) -> None:
+        self.config = config or HybridConfig()
+        self._embedder = embedder
+        self._dense = DenseIndex(embedder.dim, use_gpu)
+        self._lexical = BM25Index(k1=self.config.bm25_k1, b=self.config.bm25_b)
+        self._groups: list[_Group] = []
+        self._group_index: dict[str, int] = {}
+        self._chunk_group: list[int] = []
+        self.chunk_texts: list[str] = []
+
+    def __len__(self) -> int:
+        return len(self._groups)
+
+    @property
+    def groups(self) -> list[str]:
+        return [g.key for g in self._groups]
+
+    def add_group(
+        self, key: str, position: int, chunks: Sequence[str], vectors: np.ndarray | None = None
+    ) -> None:
+        """Add one group with its chunk texts (split further when long). `vectors` skips embedding."""
+        if key in self._group_index:
+            raise ValueError(f"group {key!r} already added")
+        pieces = [p for c in chunks for p in split_words(c, self.config.max_chunk_words)]
+        gi = len(self._groups)
+        group = _Group(key, position)
+        self._groups.append(group)
+        self._group_index[key] = gi
+        self._lexical.add("\n".join(chunks))
+        if not pieces:
+            return
+        vecs = vectors if vectors is not None else self._embedder.encode(pieces)
+        ids = np.arange(len(self.chunk_texts), len(self.chunk_texts) + len(pieces), dtype=np.int64)
+        self._dense.add(ids, vecs)
+        for cid, text in zip(ids.tolist(), pieces, strict=True):
+            group.chunk_ids.append(cid)
+            self._chunk_group.append(gi)
+            self.chunk_texts.append(text)
+
+    def _dense_group_scores(self, qvecs: np.ndarray, qweights: Sequence[float]) -> dict[int, float]:
+        n = len(self._dense)
+        if n == 0:
+            return {}
+        sims, ids = self._dense.search_many(qvecs, n)
+        per_group: dict[int, list[float]] = {}
+        for qi, w in enumerate(qweights):
+            # Per query text, each group's best chunk similarity; query texts are combined by weight.
+            best: dict[int, list[float]] = {}
+            for cid, s in zip(ids[qi], sims[qi], strict=True):
+                if cid < 0:
+                    continue
+                best.setdefault(self._chunk_group[int(cid)], []).append(float(s))
+            for g, values in best.items():
+                values.sort(reverse=True)
+                if self.config.dense_aggregate == "top2" and len(values) > 1:
+                    score = 0.5 * (values[0] + (values[0] + values[1]) / 2)
+                else:
+                    score = values[0]
+                per_group.setdefault(g, [0.0] * len(qweights))[qi] = w * score
+        return {g: sum(v) for g, v in per_group.items()}
+
+    def _lexical_group_scores(self, queries: Sequence[str], qweights: Sequence[float]) -> dict[int, float]:
+        scores: dict[int, float] = {}
+        for q, w in zip(queries, qweights, strict=True):
+            for g, s in self._lexical.scores(q).items():
+                scores[g] = scores.get(g, 0.0) + w * s
+        return scores
+
+    def rank_groups(self, query: str, context: Sequence[str] = (), k: int = 20) -> list[tuple[str, float]]:
+        """Groups best first with fused scores; `context` holds secondary query texts (earlier turns)."""
+        if not self._groups:
+            return []
+        cfg = self.config
+        texts = [query, *[c for c in context if c.strip()]]
+        weights = [1.0] + [cfg.context_weight] * (len(texts) - 1)
+        if cfg.context_weight == 0.0:
+            texts, weights = texts[:1], weights[:1]
+        dense = self._dense_group_scores(self._embedder.encode(texts), weights)
+        lexical = self._lexical_group_scores(texts, weights)
+        by_recency = sorted(range(len(self._groups)), key=lambda g: -self._groups[g].position)
+        if cfg.fusion == "rrf":
+            rankings = [_ranking(dense), _ranking(lexical)]
+            ws = [cfg.dense_weight, cfg.lexical_weight]
+            if cfg.recency_weight:
+                rankings.append(by_recency)
+                ws.append(cfg.recency_weight)
+            fused = reciprocal_rank_fusion(rankings, ws, cfg.rrf_k)
+        else:
+            maps = [dense, lexical]
+            ws = [cfg.dense_weight, cfg.lexical_weight]
+            if cfg.recency_weight:
+                maps.append({g: 1.0 / math.log2(2 + r) for r, g in enumerate(by_recency)})
+                ws.append(cfg.recency_weight)
+            fused = weighted_score_fusion(maps, ws)
+        if cfg.neighbor_boost and fused:
+            top = sorted(fused, key=lambda g: -fused[g])[: cfg.neighbor_top]
+            top_pos = {self._groups[g].position for g in top}
+            bonus = cfg.neighbor_boost * max(fused.values())
+            for g in list(fused):
+                if any(abs(self._groups[g].position - p) == 1 for p in top_pos):
+                    fused[g] += bonus
+        ordered = sorted(fused.items(), key=lambda kv: (-kv[1], -self._groups[kv[0]].position))
+        return [(self._groups[g].key, s) for g, s in ordered[:k]]
+
+
+def _ranking(scores: dict[int, float]) -> list[int]:
+    return [g for g, _ in sorted(scores.items(), key=lambda kv: -kv[1])]
