@@ -187,6 +187,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--session", default="cli")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the answer")
     p.set_defaults(func=cmd_send)
+
+    bench = sub.add_parser("bench", help="benchmarks over real data (retrieval)")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    from mars.bench.cli import add_realmem_parser
+
+    add_realmem_parser(bench_sub)
     return parser
 
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import numpy as np
 
-from mars.bench.realmem import Query, Session
-from mars.retrieval.embedder import Embedder
-from mars.retrieval.hybrid import HybridConfig, HybridMemory, split_words
+from mars.bench.realmem import Query, Retriever, Session
+from mars.retrieval.embedder import Embedder, LruEmbedder
+from mars.retrieval.hybrid import HybridConfig, HybridMemory
 
 
 def session_chunks(session: Session) -> list[str]:
@@ -32,7 +32,7 @@ class CachingEmbedder:
     """Wraps an embedder with an on-disk cache keyed by text hash (benchmark re-runs and tuning)."""
 
     def __init__(self, inner: Embedder, cache_dir: str | Path | None = None) -> None:
-        self._inner = inner
+        self.inner = inner
         self._dir = Path(cache_dir) if cache_dir else None
         self._mem: dict[str, np.ndarray] = {}
         if self._dir:
@@ -45,13 +45,13 @@ class CachingEmbedder:
 
     @property
     def dim(self) -> int:
-        return self._inner.dim
+        return self.inner.dim
 
     def encode(self, texts: Sequence[str]) -> np.ndarray:
         keys = [hashlib.sha1(t.encode()).hexdigest() for t in texts]
         missing = [i for i, k in enumerate(keys) if k not in self._mem]
         if missing:
-            vecs = self._inner.encode([texts[i] for i in missing])
+            vecs = self.inner.encode([texts[i] for i in missing])
             for i, v in zip(missing, vecs, strict=True):
                 self._mem[keys[i]] = v
             self._dirty = True
@@ -68,17 +68,52 @@ class CachingEmbedder:
 class HybridSessionRetriever:
     """RealMem retriever over HybridMemory: sessions are groups, turn pairs are chunks."""
 
-    def __init__(self, embedder: Embedder, config: HybridConfig, context_turns: int = 1) -> None:
-        self._memory = HybridMemory(embedder, config)
-        self._embedder = embedder
+    def __init__(
+        self, embedder: Embedder, config: HybridConfig, context_turns: int = 1, user_turn_chunks: bool = False
+    ) -> None:
+        # Stored chunks may come from a cache; queries are always embedded live so latency is honest.
+        inner = embedder.inner if isinstance(embedder, CachingEmbedder) else embedder
+        self._memory = HybridMemory(embedder, config, query_embedder=LruEmbedder(inner))
         self._context_turns = context_turns
+        self._user_turn_chunks = user_turn_chunks
 
     def add_session(self, session: Session) -> None:
-        chunks = [
-            p for c in session_chunks(session) for p in split_words(c, self._memory.config.max_chunk_words)
-        ]
-        self._memory.add_group(session.uuid, session.position, chunks, self._embedder.encode(chunks))
+        chunks = session_chunks(session)
+        if self._user_turn_chunks:
+            # User turns alone as extra chunks: queries are user utterances, long answers blur the pair.
+            chunks += [f"User: {t.text}" for t in session.turns if t.speaker == "User" and t.text.strip()]
+        self._memory.add_group(session.uuid, session.position, chunks)
 
     def retrieve(self, query: Query, k: int) -> list[str]:
-        context = [query.previous_user_text] if query.previous_user_text and self._context_turns else []
+        context = list(query.session_user_turns[-self._context_turns :]) if self._context_turns else []
         return [key for key, _ in self._memory.rank_groups(query.text, context, k)]
+
+
+#: Fusion settings tuned on the 7 RealMem personas (README, "RealMem"): dense + BM25 + recency prior,
+#: centroid pseudo-relevance feedback, and the session's three earlier user turns as context.
+MARS_HYBRID = HybridConfig(recency_weight=1.0, prf_weight=1.0, prf_top=3, context_weight=0.3, rrf_k=30.0)
+#: Plain dense + BM25 reciprocal-rank fusion (the `hybrid` ablation row).
+PLAIN_HYBRID = HybridConfig()
+#: Dense only, raw query (the `semantic` ablation row).
+SEMANTIC = HybridConfig(lexical_weight=0.0)
+
+POLICIES = ("mars", "hybrid", "semantic", "bm25", "recent")
+
+
+def make_retriever(policy: str, embedder: Embedder | None) -> Retriever:
+    """A fresh retriever (empty memory) for one persona."""
+    from mars.bench.realmem import RecentRetriever, SessionBM25Retriever
+
+    if policy == "recent":
+        return RecentRetriever()
+    if policy == "bm25":
+        return SessionBM25Retriever()
+    if embedder is None:
+        raise ValueError(f"policy {policy!r} needs an embedder")
+    if policy == "mars":
+        return HybridSessionRetriever(embedder, MARS_HYBRID, context_turns=3)
+    if policy == "hybrid":
+        return HybridSessionRetriever(embedder, PLAIN_HYBRID, context_turns=0)
+    if policy == "semantic":
+        return HybridSessionRetriever(embedder, SEMANTIC, context_turns=0)
+    raise ValueError(f"unknown policy {policy!r}; known: {', '.join(POLICIES)}")

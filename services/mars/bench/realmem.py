@@ -19,13 +19,11 @@ Retrievers see only text, time and order: the loader keeps no topic, category or
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
 import os
 import re
-import sys
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -68,6 +66,8 @@ class Query:
     gold: frozenset[str]
     previous_user_text: str | None
     time: str
+    #: Every user turn of the query's session before it, oldest first (the live conversation context).
+    session_user_turns: tuple[str, ...] = ()
 
 
 @dataclass
@@ -122,6 +122,7 @@ def parse_persona(name: str, data: Mapping[str, Any]) -> Persona:
             )
         )
         previous_user: str | None = None
+        earlier_user: list[str] = []
         for j, t in enumerate(raw_turns):
             if t.get("speaker") != "User":
                 continue
@@ -148,9 +149,11 @@ def parse_persona(name: str, data: Mapping[str, Any]) -> Persona:
                             gold=gold,
                             previous_user_text=previous_user,
                             time=time,
+                            session_user_turns=tuple(earlier_user),
                         )
                     )
             previous_user = text
+            earlier_user.append(text)
     return Persona(name=name, sessions=sessions, queries=queries)
 
 
@@ -506,43 +509,3 @@ class SessionBM25Retriever:
 
 
 # ---------------------------------------------------------------------------------------------------- CLI
-
-
-def run_baseline(personas: Sequence[Persona], name: str, k: int = 20) -> list[Prediction]:
-    preds: list[Prediction] = []
-    for p in personas:
-        retriever: Retriever = RecentRetriever() if name == "recent" else SessionBM25Retriever()
-        preds.extend(replay(p, retriever, k))
-    return preds
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        description="RealMem session retrieval: run a baseline or score predictions."
-    )
-    ap.add_argument("--data", required=True, help="folder with *_dialogues_256k.json")
-    ap.add_argument("--baseline", choices=["recent", "bm25"], help="run a reference baseline")
-    ap.add_argument("--predictions", help="JSON lines to score (or, with --baseline, to write)")
-    ap.add_argument("--personas", nargs="*", help="restrict to these persona names")
-    args = ap.parse_args(argv)
-    personas = load_personas(args.data)
-    if args.personas:
-        personas = [p for p in personas if p.name in set(args.personas)]
-    counts = ", ".join(f"{p.name}={len(p.queries)}" for p in personas)
-    print(f"{len(personas)} personas, {sum(len(p.queries) for p in personas)} scored queries: {counts}")
-    if args.baseline:
-        preds = run_baseline(personas, args.baseline)
-        if args.predictions:
-            write_predictions(args.predictions, preds)
-        title = f"baseline {args.baseline}"
-    elif args.predictions:
-        preds = read_predictions(args.predictions)
-        title = f"predictions {args.predictions}"
-    else:
-        ap.error("give --baseline or --predictions")
-    print(format_table(evaluate(personas, preds), title))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -35,6 +35,7 @@ class SentenceTransformerEmbedder:
         device: str | None = None,
         batch_size: int = 64,
         threads: int | None = None,
+        max_seq_length: int | None = None,
     ) -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -45,7 +46,10 @@ class SentenceTransformerEmbedder:
             torch.set_num_threads(threads)
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self._model = SentenceTransformer(model or default_model_path(), device=self.device)
-        dim = self._model.get_sentence_embedding_dimension()
+        if max_seq_length:
+            # Attention cost grows with length; queries gain little past the first ~128 word pieces.
+            self._model.max_seq_length = max_seq_length
+        dim = self._model.get_embedding_dimension()
         if dim is None:
             raise ValueError(f"model {model!r} does not declare an embedding dimension")
         self._dim = int(dim)
@@ -69,3 +73,34 @@ class SentenceTransformerEmbedder:
                 show_progress_bar=False,
             )
         return np.ascontiguousarray(out, dtype=np.float32)
+
+
+class LruEmbedder:
+    """Keeps the most recent texts' vectors: a conversation's earlier turns are embedded once, not at
+    every later query that uses them as context."""
+
+    def __init__(self, inner: Embedder, size: int = 1024) -> None:
+        from collections import OrderedDict
+
+        self.inner = inner
+        self._size = size
+        self._cache: OrderedDict[str, np.ndarray] = OrderedDict()
+
+    @property
+    def dim(self) -> int:
+        return self.inner.dim
+
+    def encode(self, texts: Sequence[str]) -> np.ndarray:
+        missing = [t for t in dict.fromkeys(texts) if t not in self._cache]
+        if missing:
+            for t, v in zip(missing, self.inner.encode(missing), strict=True):
+                self._cache[t] = v
+        out = []
+        for t in texts:
+            self._cache.move_to_end(t)
+            out.append(self._cache[t])
+        while len(self._cache) > self._size:
+            self._cache.popitem(last=False)
+        if not out:
+            return np.zeros((0, self.dim), dtype=np.float32)
+        return np.stack(out).astype(np.float32)

@@ -50,6 +50,10 @@ class HybridConfig:
     #: Boost for groups adjacent in time to the top-ranked groups (work tends to span neighbouring sessions).
     neighbor_boost: float = 0.0
     neighbor_top: int = 3
+    #: Pseudo-relevance feedback: groups whose centroid is close to the top `prf_top` groups' centroids
+    #: are fused in as another ranking (multi-session work shares vocabulary and embeddings).
+    prf_weight: float = 0.0
+    prf_top: int = 2
     bm25_k1: float = 1.2
     bm25_b: float = 0.75
     max_chunk_words: int = 160
@@ -64,16 +68,23 @@ class _Group:
 
 class HybridMemory:
     def __init__(
-        self, embedder: Embedder, config: HybridConfig | None = None, use_gpu: bool | None = None
+        self,
+        embedder: Embedder,
+        config: HybridConfig | None = None,
+        use_gpu: bool | None = None,
+        query_embedder: Embedder | None = None,
     ) -> None:
         self.config = config or HybridConfig()
         self._embedder = embedder
+        # Queries may use a different (uncached) embedder than stored chunks, e.g. in benchmarks.
+        self._query_embedder = query_embedder or embedder
         self._dense = DenseIndex(embedder.dim, use_gpu)
         self._lexical = BM25Index(k1=self.config.bm25_k1, b=self.config.bm25_b)
         self._groups: list[_Group] = []
         self._group_index: dict[str, int] = {}
         self._chunk_group: list[int] = []
         self.chunk_texts: list[str] = []
+        self._centroids = np.zeros((0, embedder.dim), dtype=np.float32)
 
     def __len__(self) -> int:
         return len(self._groups)
@@ -95,8 +106,12 @@ class HybridMemory:
         self._group_index[key] = gi
         self._lexical.add("\n".join(chunks))
         if not pieces:
+            self._centroids = np.vstack([self._centroids, np.zeros((1, self._embedder.dim), np.float32)])
             return
         vecs = vectors if vectors is not None else self._embedder.encode(pieces)
+        centroid = vecs.mean(axis=0)
+        centroid /= max(float(np.linalg.norm(centroid)), 1e-9)
+        self._centroids = np.vstack([self._centroids, centroid[None, :].astype(np.float32)])
         ids = np.arange(len(self.chunk_texts), len(self.chunk_texts) + len(pieces), dtype=np.int64)
         self._dense.add(ids, vecs)
         for cid, text in zip(ids.tolist(), pieces, strict=True):
@@ -133,16 +148,19 @@ class HybridMemory:
                 scores[g] = scores.get(g, 0.0) + w * s
         return scores
 
-    def rank_groups(self, query: str, context: Sequence[str] = (), k: int = 20) -> list[tuple[str, float]]:
-        """Groups best first with fused scores; `context` holds secondary query texts (earlier turns)."""
+    def rank_groups(
+        self, query: str, context: Sequence[str] = (), k: int = 20, config: HybridConfig | None = None
+    ) -> list[tuple[str, float]]:
+        """Groups best first with fused scores; `context` holds secondary query texts (earlier turns);
+        `config` overrides the memory's own fusion settings for this query (state-guided retrieval)."""
         if not self._groups:
             return []
-        cfg = self.config
+        cfg = config or self.config
         texts = [query, *[c for c in context if c.strip()]]
         weights = [1.0] + [cfg.context_weight] * (len(texts) - 1)
         if cfg.context_weight == 0.0:
             texts, weights = texts[:1], weights[:1]
-        dense = self._dense_group_scores(self._embedder.encode(texts), weights)
+        dense = self._dense_group_scores(self._query_embedder.encode(texts), weights)
         lexical = self._lexical_group_scores(texts, weights)
         by_recency = sorted(range(len(self._groups)), key=lambda g: -self._groups[g].position)
         if cfg.fusion == "rrf":
@@ -159,6 +177,13 @@ class HybridMemory:
                 maps.append({g: 1.0 / math.log2(2 + r) for r, g in enumerate(by_recency)})
                 ws.append(cfg.recency_weight)
             fused = weighted_score_fusion(maps, ws)
+        if cfg.prf_weight and fused:
+            top = sorted(fused, key=lambda g: -fused[g])[: cfg.prf_top]
+            sims = (self._centroids @ self._centroids[top].T).max(axis=1)
+            prf = {g: float(sims[g]) for g in range(len(self._groups))}
+            extra = reciprocal_rank_fusion([_ranking(prf)], [cfg.prf_weight], cfg.rrf_k)
+            for g, v in extra.items():
+                fused[g] = fused.get(g, 0.0) + v
         if cfg.neighbor_boost and fused:
             top = sorted(fused, key=lambda g: -fused[g])[: cfg.neighbor_top]
             top_pos = {self._groups[g].position for g in top}

@@ -1,0 +1,145 @@
+"""Dense index (real FAISS), chunking and the hybrid memory with the real MiniLM embedder."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import pytest
+from mars.bench.policies import CachingEmbedder, make_retriever, session_chunks
+from mars.bench.realmem import Session, Turn
+from mars.retrieval.dense import DenseIndex, ShardedDenseIndex
+from mars.retrieval.embedder import LruEmbedder, SentenceTransformerEmbedder
+from mars.retrieval.hybrid import HybridConfig, HybridMemory, split_words
+
+
+@pytest.fixture(scope="module")
+def embedder() -> SentenceTransformerEmbedder:
+    return SentenceTransformerEmbedder()
+
+
+class Counting:
+    def __init__(self, inner: SentenceTransformerEmbedder) -> None:
+        self.inner = inner
+        self.calls: list[int] = []
+
+    @property
+    def dim(self) -> int:
+        return self.inner.dim
+
+    def encode(self, texts: Sequence[str]) -> np.ndarray:
+        self.calls.append(len(texts))
+        return self.inner.encode(texts)
+
+
+def test_dense_index_is_exact_inner_product() -> None:
+    rng = np.random.default_rng(0)
+    vecs = rng.normal(size=(200, 16)).astype(np.float32)
+    ids = np.arange(1000, 1200, dtype=np.int64)
+    index = DenseIndex(16, use_gpu=False)
+    index.add(ids, vecs)
+    q = rng.normal(size=16).astype(np.float32)
+    got = index.search(q, 5)
+    expected = np.argsort(-(vecs @ q))[:5]
+    assert [i for i, _ in got] == [int(ids[j]) for j in expected]
+    assert got[0][1] == pytest.approx(float(vecs[expected[0]] @ q), rel=1e-5)
+    assert index.search(q, 0) == [] and DenseIndex(16, use_gpu=False).search(q, 3) == []
+
+
+def test_sharded_index_never_crosses_owners() -> None:
+    sharded = ShardedDenseIndex(4, use_gpu=False)
+    sharded.owner("alice").add(np.array([1, 2]), np.eye(4, dtype=np.float32)[:2])
+    sharded.owner("bob").add(np.array([3]), np.eye(4, dtype=np.float32)[:1])
+    assert {i for i, _ in sharded.search("alice", np.eye(4, dtype=np.float32)[0], 10)} == {1, 2}
+    assert [i for i, _ in sharded.search("bob", np.eye(4, dtype=np.float32)[1], 10)] == [3]
+    assert sharded.search("carol", np.ones(4, dtype=np.float32), 10) == []
+    assert sharded.total == 3
+
+
+def test_split_words_chunks_long_text_without_losing_words() -> None:
+    text = " ".join(f"w{i}" for i in range(500))
+    pieces = split_words(text, max_words=100, overlap=20)
+    assert all(len(p.split()) <= 100 for p in pieces)
+    covered = {w for p in pieces for w in p.split()}
+    assert covered == set(text.split())
+    assert pieces[1].split()[0] == "w80"  # 20 words of overlap
+    assert split_words("short text") == ["short text"]
+    assert split_words("   ") == []
+
+
+def test_embedder_is_normalised_and_offline(embedder: SentenceTransformerEmbedder) -> None:
+    vecs = embedder.encode(["a zebra on the savanna", "a zebra in the grassland", "quarterly tax filing"])
+    assert vecs.shape == (3, 384) and vecs.dtype == np.float32
+    assert np.allclose(np.linalg.norm(vecs, axis=1), 1.0, atol=1e-4)
+    assert vecs[0] @ vecs[1] > vecs[0] @ vecs[2]
+
+
+def test_hybrid_memory_ranks_relevant_group_first(embedder: SentenceTransformerEmbedder) -> None:
+    memory = HybridMemory(embedder, HybridConfig(recency_weight=0.5, prf_weight=0.5), use_gpu=False)
+    memory.add_group("safari", 0, ["User: plan a zebra safari in Kenya\nAssistant: Day 1 Masai Mara"])
+    memory.add_group("poem", 1, ["User: write a poem about a quokka\nAssistant: Small smiling quokka"])
+    memory.add_group("taxes", 2, ["User: help me file my taxes\nAssistant: Gather your W-2 forms"])
+    ranked = [g for g, _ in memory.rank_groups("which park did we pick for the zebra trip?", k=3)]
+    assert ranked[0] == "safari"
+    assert set(ranked) == {"safari", "poem", "taxes"}
+    assert memory.rank_groups("anything", k=0) == []
+    with pytest.raises(ValueError):
+        memory.add_group("poem", 3, ["dup"])
+
+
+def test_hybrid_memory_rebuild_gives_identical_results(embedder: SentenceTransformerEmbedder) -> None:
+    groups = [
+        (f"g{i}", i, [f"User: topic {i} about {w}\nAssistant: notes on {w}"])
+        for i, w in enumerate(["gardening", "tomatoes", "car repair", "brakes", "baking bread", "sourdough"])
+    ]
+
+    def build() -> HybridMemory:
+        m = HybridMemory(embedder, HybridConfig(recency_weight=1.0, prf_weight=1.0), use_gpu=False)
+        for key, pos, chunks in groups:
+            m.add_group(key, pos, chunks)
+        return m
+
+    a, b = build(), build()
+    for q in ("how do I fix squeaky brakes", "growing tomatoes", "starter for bread"):
+        assert a.rank_groups(q, k=6) == b.rank_groups(q, k=6)
+
+
+def test_empty_memory_returns_empty_view(embedder: SentenceTransformerEmbedder) -> None:
+    assert HybridMemory(embedder, use_gpu=False).rank_groups("hello") == []
+
+
+def test_lru_embedder_embeds_each_text_once(embedder: SentenceTransformerEmbedder) -> None:
+    counting = Counting(embedder)
+    lru = LruEmbedder(counting, size=2)
+    first = lru.encode(["a", "b"])
+    again = lru.encode(["b", "a"])
+    assert counting.calls == [2]
+    assert np.allclose(first[0], again[1])
+    lru.encode(["c"])  # evicts the least recently used ("b")
+    lru.encode(["b"])
+    assert counting.calls == [2, 1, 1]
+
+
+def test_caching_embedder_persists(tmp_path: Path, embedder: SentenceTransformerEmbedder) -> None:
+    counting = Counting(embedder)
+    cache = CachingEmbedder(counting, tmp_path)
+    v = cache.encode(["persist me"])
+    cache.save()
+    reloaded = CachingEmbedder(counting, tmp_path)
+    assert np.allclose(reloaded.encode(["persist me"]), v)
+    assert counting.calls == [1]
+
+
+def test_session_chunks_are_turn_pairs() -> None:
+    s = Session(
+        "u", 0, "", (Turn("User", "q1"), Turn("Assistant", "a1"), Turn("User", "q2"), Turn("Assistant", "a2"))
+    )
+    assert session_chunks(s) == ["User: q1\nAssistant: a1", "User: q2\nAssistant: a2"]
+
+
+def test_unknown_policy_is_rejected(embedder: SentenceTransformerEmbedder) -> None:
+    with pytest.raises(ValueError, match="unknown policy"):
+        make_retriever("oracle", embedder)
+    with pytest.raises(ValueError, match="needs an embedder"):
+        make_retriever("mars", None)
