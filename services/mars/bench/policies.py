@@ -11,7 +11,7 @@ import numpy as np
 
 from mars.bench.realmem import Query, Retriever, Session
 from mars.retrieval.embedder import Embedder, LruEmbedder
-from mars.retrieval.hybrid import HybridConfig, HybridMemory
+from mars.retrieval.hybrid import POLICY_CONFIGS, HybridConfig, HybridMemory
 
 
 def session_chunks(session: Session) -> list[str]:
@@ -89,14 +89,6 @@ class HybridSessionRetriever:
         return [key for key, _ in self._memory.rank_groups(query.text, context, k)]
 
 
-#: Fusion settings tuned on the 7 RealMem personas (README, "RealMem"): dense + BM25 + recency prior,
-#: centroid pseudo-relevance feedback, and the session's three earlier user turns as context.
-MARS_HYBRID = HybridConfig(recency_weight=1.0, prf_weight=1.0, prf_top=3, context_weight=0.3, rrf_k=30.0)
-#: Plain dense + BM25 reciprocal-rank fusion (the `hybrid` ablation row).
-PLAIN_HYBRID = HybridConfig()
-#: Dense only, raw query (the `semantic` ablation row).
-SEMANTIC = HybridConfig(lexical_weight=0.0)
-
 POLICIES = ("mars", "hybrid", "semantic", "bm25", "recent")
 
 
@@ -111,9 +103,9 @@ def make_retriever(policy: str, embedder: Embedder | None) -> Retriever:
     if embedder is None:
         raise ValueError(f"policy {policy!r} needs an embedder")
     if policy == "mars":
-        return HybridSessionRetriever(embedder, MARS_HYBRID, context_turns=3)
+        return HybridSessionRetriever(embedder, POLICY_CONFIGS["mars"], context_turns=3)
     if policy == "hybrid":
-        return HybridSessionRetriever(embedder, PLAIN_HYBRID, context_turns=0)
+        return HybridSessionRetriever(embedder, POLICY_CONFIGS["hybrid"], context_turns=0)
     if policy == "semantic":
-        return HybridSessionRetriever(embedder, SEMANTIC, context_turns=0)
+        return HybridSessionRetriever(embedder, POLICY_CONFIGS["semantic"], context_turns=0)
     raise ValueError(f"unknown policy {policy!r}; known: {', '.join(POLICIES)}")

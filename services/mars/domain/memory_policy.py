@@ -8,12 +8,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from mars.domain.bm25 import BM25Index
 from mars.domain.text import estimate_tokens
 from mars.v1 import events_pb2 as ev
 
-# Recency boost for prefer_recent: the newest history record gets score * (1 + RECENCY_BOOST).
-RECENCY_BOOST = 0.1
 ACTIVE_BLOCK_ID = "active"
 
 
@@ -69,32 +66,17 @@ class MemoryRecord:
         return f"User: {self.user_text}\nAssistant: {self.assistant_text}"
 
 
-def _retrieve(
-    query: str, history: Sequence[MemoryRecord], k: int, prefer_recent: bool
-) -> list[tuple[MemoryRecord, float]]:
-    """BM25 top-k over history; with prefer_recent, newer records get up to a RECENCY_BOOST multiplier."""
-    if k <= 0 or not history:
-        return []
-    index = BM25Index([r.text for r in history])
-    # Score every match first so the recency boost can reorder beyond the raw top-k.
-    hits = index.search(query, len(history))
-    if prefer_recent and len(history) > 1:
-        order = sorted(range(len(history)), key=lambda i: history[i].seq)
-        rank = {idx: pos / (len(history) - 1) for pos, idx in enumerate(order)}  # 0 oldest .. 1 newest
-        hits = [(i, s * (1.0 + RECENCY_BOOST * rank[i])) for i, s in hits]
-        hits.sort(key=lambda p: (-p[1], -history[p[0]].seq))
-    return [(history[i], s) for i, s in hits[:k]]
-
-
 def build_view(
     controls: MemoryControls,
-    query: str,
     active_state: str | None,
     recent: Sequence[MemoryRecord],
-    history: Sequence[MemoryRecord],
+    retrieved: Sequence[tuple[MemoryRecord, float]],
     policy: str = "mars",
 ) -> ev.CandidateView:
-    """Assemble the ordered candidate view: active state, recent turns (oldest->newest), retrieved history."""
+    """Assemble the ordered candidate view: active state, recent turns (oldest->newest), retrieved history.
+
+    `retrieved` is the retriever's ranking (best first, scored); the controls decide how much of it enters.
+    """
     view = ev.CandidateView(policy=policy)
     if controls.include_active and active_state and active_state.strip():
         view.blocks.append(
@@ -109,7 +91,7 @@ def build_view(
     window = list(recent)[-controls.recent_window :] if controls.recent_window > 0 else []
     for rec in window:
         view.blocks.append(_record_block(rec, "recent", ev.RECENT_TURN, 1.0))
-    retrieved = _retrieve(query, history, controls.retrieve_k, controls.prefer_recent)
+    retrieved = list(retrieved)[: max(0, controls.retrieve_k)]
     for rec, score in retrieved:
         view.blocks.append(_record_block(rec, "hist", ev.RETRIEVED_HISTORY, score))
 

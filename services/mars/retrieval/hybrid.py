@@ -35,6 +35,16 @@ def split_words(text: str, max_words: int = 160, overlap: int = 32) -> list[str]
     return out
 
 
+def chunk_pieces(chunks: Sequence[str], max_words: int) -> list[str]:
+    """The texts actually embedded for `chunks` (long chunks split into windows)."""
+    return [p for c in chunks for p in split_words(c, max_words)]
+
+
+def embed_chunks(embedder: Embedder, chunks: Sequence[str], max_words: int) -> np.ndarray:
+    """Vectors for `chunks` exactly as HybridMemory.add_group stores them (to persist beside the text)."""
+    return embedder.encode(chunk_pieces(chunks, max_words))
+
+
 @dataclass(frozen=True)
 class HybridConfig:
     fusion: Literal["rrf", "weighted"] = "rrf"
@@ -89,6 +99,9 @@ class HybridMemory:
     def __len__(self) -> int:
         return len(self._groups)
 
+    def __contains__(self, key: str) -> bool:
+        return key in self._group_index
+
     @property
     def groups(self) -> list[str]:
         return [g.key for g in self._groups]
@@ -96,10 +109,12 @@ class HybridMemory:
     def add_group(
         self, key: str, position: int, chunks: Sequence[str], vectors: np.ndarray | None = None
     ) -> None:
-        """Add one group with its chunk texts (split further when long). `vectors` skips embedding."""
+        """Add one group with its chunk texts (split when long); `vectors` (from embed_chunks) skips embedding."""
         if key in self._group_index:
             raise ValueError(f"group {key!r} already added")
-        pieces = [p for c in chunks for p in split_words(c, self.config.max_chunk_words)]
+        pieces = chunk_pieces(chunks, self.config.max_chunk_words)
+        if vectors is not None and len(vectors) != len(pieces):
+            raise ValueError(f"group {key!r}: {len(vectors)} vectors for {len(pieces)} pieces")
         gi = len(self._groups)
         group = _Group(key, position)
         self._groups.append(group)
@@ -197,3 +212,14 @@ class HybridMemory:
 
 def _ranking(scores: dict[int, float]) -> list[int]:
     return [g for g, _ in sorted(scores.items(), key=lambda kv: -kv[1])]
+
+
+#: Named policies (paper Table 17 ablations), shared by the memory service and `mars bench realmem`.
+#: `mars` was tuned on the 7 RealMem personas: dense + BM25 + recency prior, centroid pseudo-relevance
+#: feedback, and the conversation's recent user turns as secondary queries.
+POLICY_CONFIGS: dict[str, HybridConfig] = {
+    "mars": HybridConfig(recency_weight=1.0, prf_weight=1.0, prf_top=3, context_weight=0.3, rrf_k=30.0),
+    "hybrid": HybridConfig(),
+    "semantic": HybridConfig(lexical_weight=0.0),
+    "bm25": HybridConfig(dense_weight=0.0),
+}
