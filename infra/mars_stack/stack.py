@@ -69,6 +69,7 @@ class StackSettings:
     model_pool: Path = DEFAULT_POOL
     llm_context: int = 4096
     start_llm: bool = True
+    start_broker: bool = True
     services: tuple[str, ...] = SERVICES
     extra_env: dict[str, str] = field(default_factory=dict)
     #: Per-service extra environment (e.g. a test's deliberately failing model pool for dispatch).
@@ -101,8 +102,9 @@ class LocalStack:
         try:
             progress("starting Postgres")
             self._start_postgres()
-            progress("starting the Kafka-protocol broker (Tansu)")
-            self._start_broker()
+            if self.settings.start_broker:
+                progress("starting the Kafka-protocol broker (Tansu)")
+                self._start_broker()
             if self.settings.start_llm:
                 progress("starting the llama.cpp server (SmolLM2-135M-Instruct)")
                 self._start_llm()

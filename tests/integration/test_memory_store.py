@@ -1,0 +1,181 @@
+"""The memory store against a real Postgres and real FAISS / MiniLM (no broker needed)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+
+import pytest
+from mars import db
+from mars.retrieval.embedder import SentenceTransformerEmbedder
+from mars.v1 import events_pb2 as ev
+from mars_memory.service import MIGRATIONS, MemorySettings, MemoryStore
+from mars_stack import LocalStack, StackSettings
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def postgres(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    stack = LocalStack(
+        StackSettings(workdir=tmp_path_factory.mktemp("pg"), start_llm=False, start_broker=False, services=())
+    ).start()
+    try:
+        yield stack.env["MARS_POSTGRES_DSN"]
+    finally:
+        stack.stop()
+
+
+@pytest.fixture(scope="module")
+def embedder() -> SentenceTransformerEmbedder:
+    return SentenceTransformerEmbedder()
+
+
+def state(**kw: object) -> ev.SessionState:
+    s = ev.SessionState(
+        action=ev.MATCH,
+        query_type=ev.DYNAMIC,
+        phase=ev.EXPLORE,
+        retrieval_scope=ev.GLOBAL,
+        top_k_hint=5,
+        prefer_recent=0,
+        lens_recommendation=3,
+    )
+    s.taxonomy.need_memory = 1
+    for key, value in kw.items():
+        if key == "need_memory":
+            s.taxonomy.need_memory = value  # type: ignore[assignment]
+        else:
+            setattr(s, key, value)
+    return s
+
+
+def generated(user: str, seq: int, query: str, answer: str, action: int = ev.MATCH) -> ev.Generated:
+    return ev.Generated(
+        turn=ev.TurnEnvelope(
+            turn_id=f"{user}-{seq}", tenant="t", user_id=user, session_id="s", seq=seq, schema_version=1
+        ),
+        status=ev.OK,
+        model="m",
+        text=answer,
+        query=query,
+        state=state(action=action),
+    )
+
+
+async def make_store(
+    dsn: str, embedder: SentenceTransformerEmbedder, **kw: object
+) -> tuple[MemoryStore, object]:
+    pool = await db.open_pool(dsn)
+    await db.migrate(pool, "memory", MIGRATIONS)
+    return MemoryStore(pool, MemorySettings(postgres_dsn=dsn, **kw), embedder), pool  # type: ignore[arg-type]
+
+
+ALICE = [
+    ("I keep bees in my garden and want to harvest honey", "Harvest when frames are capped."),
+    ("What about moving the beehive before winter?", "Move it at night, a short distance."),
+    ("Now a new question: how do I repot a fern?", "Use peat-free compost."),
+]
+BOB = [
+    ("Teach me to play chess openings", "Start with the Italian game."),
+    ("My honey cake recipe needs less sugar", "Swap half the sugar for applesauce."),
+]
+
+
+def test_views_isolate_users_and_survive_a_rebuild(
+    postgres: str, embedder: SentenceTransformerEmbedder
+) -> None:
+    async def scenario() -> None:
+        store, pool = await make_store(postgres, embedder)
+        for i, (q, a) in enumerate(ALICE, start=1):
+            await store.commit(generated("alice", i, q, a, ev.NEW_TOPIC if i in (1, 3) else ev.MATCH))
+        for i, (q, a) in enumerate(BOB, start=1):
+            await store.commit(generated("bob", i, q, a, ev.NEW_TOPIC))
+        probe = state(action=ev.NEW_TOPIC, query_type=ev.TEMPORAL, top_k_hint=8)
+        before = await store.view("t", "alice", "when should I harvest honey from the beehive?", probe)
+        texts = [b.text for b in before.blocks]
+        assert texts and all("chess" not in t and "honey cake" not in t for t in texts)
+        hist = [b for b in before.blocks if b.kind == ev.RETRIEVED_HISTORY]
+        assert "bees" in hist[0].text  # the beekeeping record ranks first
+        await pool.close()  # type: ignore[attr-defined]
+
+        # A new store (a restarted service) rebuilds its indexes from Postgres: same view.
+        store2, pool2 = await make_store(postgres, embedder)
+        after = await store2.view("t", "alice", "when should I harvest honey from the beehive?", probe)
+        assert [(b.block_id, round(b.score, 6)) for b in after.blocks] == [
+            (b.block_id, round(b.score, 6)) for b in before.blocks
+        ]
+        assert (
+            await store2.view("t", "nobody", "anything at all", probe)
+        ).blocks == []  # unknown user: empty view
+        await pool2.close()  # type: ignore[attr-defined]
+
+    asyncio.run(scenario())
+
+
+def test_table6_rows_produce_their_blocks(postgres: str, embedder: SentenceTransformerEmbedder) -> None:
+    async def scenario() -> None:
+        store, pool = await make_store(postgres, embedder)
+        for i, (q, a) in enumerate(ALICE, start=1):
+            await store.commit(generated("carol", i, q, a, ev.NEW_TOPIC if i in (1, 3) else ev.MATCH))
+
+        def kinds(view: ev.CandidateView) -> list[int]:
+            return [b.kind for b in view.blocks]
+
+        # need_memory=0 / lens 0: no active state, at most a short window, no retrieval.
+        minimal = await store.view("t", "carol", "what is 2+2?", state(need_memory=0, lens_recommendation=0))
+        assert ev.ACTIVE_STATE not in kinds(minimal) and ev.RETRIEVED_HISTORY not in kinds(minimal)
+        assert len(minimal.blocks) <= 1
+        # MATCH + LOCAL: active state and recent turns, no historical retrieval.
+        local = await store.view("t", "carol", "use a bigger pot?", state(retrieval_scope=ev.LOCAL))
+        assert kinds(local)[0] == ev.ACTIVE_STATE and ev.RECENT_TURN in kinds(local)
+        assert ev.RETRIEVED_HISTORY not in kinds(local)
+        # GLOBAL: ranked candidates from earlier threads, never the recent window again.
+        glob = await store.view(
+            "t", "carol", "the beehive again", state(retrieval_scope=ev.GLOBAL, top_k_hint=3)
+        )
+        hist = [b for b in glob.blocks if b.kind == ev.RETRIEVED_HISTORY]
+        recent = {b.source_turn_id for b in glob.blocks if b.kind == ev.RECENT_TURN}
+        assert hist and len(hist) <= 3 and not recent & {b.source_turn_id for b in hist}
+        # top_k_hint=8 (richest lens): more history than the hint-3 view.
+        rich = await store.view(
+            "t", "carol", "the beehive again", state(retrieval_scope=ev.GLOBAL, top_k_hint=8)
+        )
+        assert len([b for b in rich.blocks if b.kind == ev.RETRIEVED_HISTORY]) >= len(hist)
+        await pool.close()  # type: ignore[attr-defined]
+
+    asyncio.run(scenario())
+
+
+def test_read_your_writes_under_out_of_order_arrival(
+    postgres: str, embedder: SentenceTransformerEmbedder
+) -> None:
+    async def scenario() -> None:
+        store, pool = await make_store(postgres, embedder, read_your_writes_wait_s=5.0)
+        await store.commit(generated("dave", 1, "I am learning to bake sourdough", "Feed the starter daily."))
+
+        # The view for turn 3 arrives before turn 2 is applied: it must wait, then see turn 2.
+        async def late_commit() -> None:
+            await asyncio.sleep(0.5)
+            await store.commit(
+                generated("dave", 2, "My sourdough starter smells of acetone", "Feed it more often.")
+            )
+
+        t0 = time.monotonic()
+        waiter = asyncio.create_task(store.wait_applied("t", "dave", 2))
+        await late_commit()
+        assert await waiter is True
+        assert time.monotonic() - t0 >= 0.5
+        view = await store.view(
+            "t", "dave", "what did you say about the acetone smell?", state(retrieval_scope=ev.GLOBAL)
+        )
+        assert "dave-2" in {b.source_turn_id for b in view.blocks}
+
+        # Turn 4 is never applied: the bounded wait gives up (the view would be flagged possibly_stale).
+        store_fast, pool_fast = await make_store(postgres, embedder, read_your_writes_wait_s=0.3)
+        assert await store_fast.wait_applied("t", "dave", 4) is False
+        await pool.close()  # type: ignore[attr-defined]
+        await pool_fast.close()  # type: ignore[attr-defined]
+
+    asyncio.run(scenario())
