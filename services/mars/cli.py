@@ -193,6 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
     from mars.bench.cli import add_realmem_parser
 
     add_realmem_parser(bench_sub)
+    from mars.bench.memory_load import add_memory_load_parser
+
+    add_memory_load_parser(bench_sub)
     return parser
 
 
