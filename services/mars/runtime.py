@@ -37,6 +37,8 @@ class ServiceParts:
     bindings: list[GrpcBinding]
     consumers: list[StageConsumer]
     on_stop: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+    #: Component health entries beside the services' own (e.g. "mars.v1.Memory.dense": False when degraded).
+    health: dict[str, bool] = field(default_factory=dict)
 
 
 @dataclass
@@ -88,6 +90,9 @@ async def serve(name: str, settings: ServiceSettings, build: Builder, migrations
     await asyncio.gather(*(c.wait_assigned() for c in parts.consumers))
     for svc in ["", *names]:
         await health_servicer.set(svc, health_pb2.HealthCheckResponse.SERVING)
+    for component, ok in parts.health.items():
+        status = health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING
+        await health_servicer.set(component, status)
     log.info(
         "%s serving gRPC on %s:%d with %d consumer(s)", name, settings.grpc_host, port, len(parts.consumers)
     )

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 import uuid
 from typing import Literal
@@ -24,6 +25,8 @@ from mars.v1 import services_pb2 as svc
 from mars.v1 import services_pb2_grpc as svc_grpc
 from psycopg import AsyncConnection
 from psycopg_pool import AsyncConnectionPool
+
+log = logging.getLogger(__name__)
 
 VIEW_STAGE = "memory-view"
 COMMIT_STAGE = "memory-commit"
@@ -75,6 +78,10 @@ class MemorySettings(ServiceSettings):
     context_turns: int = 3
 
 
+def _blob(vectors: np.ndarray | None) -> bytes | None:
+    return vectors.astype(np.float32).tobytes() if vectors is not None else None
+
+
 def _record(row: tuple[object, ...]) -> MemoryRecord:
     return MemoryRecord(
         record_id=str(row[0]),
@@ -94,7 +101,7 @@ class UserIndex:
         self.records: dict[str, MemoryRecord] = {}
         self.thread_of: dict[str, str] = {}
 
-    def add(self, record: MemoryRecord, thread_id: str, vectors: np.ndarray) -> None:
+    def add(self, record: MemoryRecord, thread_id: str, vectors: np.ndarray | None) -> None:
         if record.record_id in self.memory:
             return
         self.memory.add_group(record.record_id, record.seq, [record.text], vectors)
@@ -110,11 +117,14 @@ class MemoryStore:
     the users of the partitions it owns, so indexes shard with the Kafka partitions).
     """
 
-    def __init__(self, pool: AsyncConnectionPool, settings: MemorySettings, embedder: Embedder) -> None:
+    def __init__(
+        self, pool: AsyncConnectionPool, settings: MemorySettings, embedder: Embedder | None
+    ) -> None:
         self._pool = pool
         self._settings = settings
+        # None: the embedder could not load; views are served from Postgres-backed BM25 alone.
         self._embedder = embedder
-        self._query_embedder = LruEmbedder(embedder)
+        self._query_embedder = LruEmbedder(embedder) if embedder is not None else None
         self._model_name = settings.embedding_model or "all-MiniLM-L6-v2"
         self._applied = asyncio.Condition()
         self._indexes: dict[tuple[str, str], UserIndex] = {}
@@ -143,7 +153,10 @@ class MemoryStore:
             for row in rows:
                 record = _record(row)
                 blob, model = row[7], row[8]
-                if blob is not None and model == self._model_name:
+                vectors = None
+                if self._embedder is None:
+                    pass
+                elif blob is not None and model == self._model_name:
                     vectors = np.frombuffer(bytes(blob), dtype=np.float32).reshape(-1, self._embedder.dim)
                 else:
                     # Written by another embedding model (or none): re-embed and store back.
@@ -151,7 +164,7 @@ class MemoryStore:
                     async with self._pool.connection() as conn:
                         await conn.execute(
                             "UPDATE memory_records SET embedding = %s, embedding_model = %s WHERE record_id = %s",
-                            (vectors.astype(np.float32).tobytes(), self._model_name, record.record_id),
+                            (_blob(vectors), self._model_name, record.record_id),
                         )
                 index.add(record, str(row[6]), vectors)
             self._indexes[key] = index
@@ -240,7 +253,7 @@ class MemoryStore:
         """Store the turn pair and advance the user's applied seq, in one transaction (idempotent by turn_id)."""
         turn = event.turn
         out = ev.MemoryCommitted(turn=turn)
-        added: tuple[MemoryRecord, str, np.ndarray] | None = None
+        added: tuple[MemoryRecord, str, np.ndarray | None] | None = None
         async with self._pool.connection() as conn, conn.transaction():
             # Serialise a user's commits (two replicas during a rebalance, or a redelivery).
             await conn.execute(
@@ -291,8 +304,8 @@ class MemoryStore:
                         turn.seq,
                         event.query,
                         event.text,
-                        vectors.astype(np.float32).tobytes(),
-                        self._model_name,
+                        _blob(vectors),
+                        self._model_name if vectors is not None else None,
                     ),
                 )
                 out.stored = True
@@ -314,8 +327,14 @@ class MemoryStore:
             self._applied.notify_all()
         return out
 
-    def _embed_record(self, record: MemoryRecord) -> np.ndarray:
+    def _embed_record(self, record: MemoryRecord) -> np.ndarray | None:
+        if self._embedder is None:
+            return None
         return embed_chunks(self._embedder, [record.text], self._config.max_chunk_words)
+
+    @property
+    def dense_available(self) -> bool:
+        return self._embedder is not None
 
 
 class MemoryStage:
@@ -369,7 +388,13 @@ class MemoryServicer(svc_grpc.MemoryServicer):
 async def build(ctx: ServiceContext) -> ServiceParts:
     settings = ctx.settings
     assert isinstance(settings, MemorySettings)
-    embedder = await asyncio.to_thread(SentenceTransformerEmbedder, settings.embedding_model)
+    embedder: Embedder | None
+    try:
+        embedder = await asyncio.to_thread(SentenceTransformerEmbedder, settings.embedding_model)
+    except Exception:
+        # Keep serving: BM25 over the Postgres records still builds views. Health says dense is down.
+        log.exception("embedding model failed to load; serving lexical-only views")
+        embedder = None
     store = MemoryStore(ctx.pool, settings, embedder)
     stage = MemoryStage(store, ctx.producer, ctx.pool)
     # Two consumers: a view waiting for turn n-1 must never block the commit of turn n-1 behind it.
@@ -392,6 +417,7 @@ async def build(ctx: ServiceContext) -> ServiceParts:
             GrpcBinding(svc_grpc.add_MemoryServicer_to_server, MemoryServicer(store), "mars.v1.Memory")
         ],
         consumers=[views, writer],
+        health={"mars.v1.Memory.dense": store.dense_available},
     )
 
 

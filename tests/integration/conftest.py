@@ -17,12 +17,15 @@ from mars_stack import LocalStack, StackSettings
 HERE = Path(__file__).parent
 
 
-def start_stack(tmp: Path, pool: str, start_llm: bool = True) -> LocalStack:
+def start_stack(
+    tmp: Path, pool: str, start_llm: bool = True, service_env: dict[str, dict[str, str]] | None = None
+) -> LocalStack:
     settings = StackSettings(
         workdir=tmp / "stack",
         model_pool=HERE / pool,
         trace_dir=tmp / "traces",
         start_llm=start_llm,
+        service_env=service_env or {},
         # Answers take seconds here; the bound only matters when something hangs.
         extra_env={"MARS_INGRESS_TURN_TIMEOUT_S": "120"},
     )

@@ -18,7 +18,13 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def broken_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
-    s = start_stack(tmp_path_factory.mktemp("broken"), "models.broken.yaml", start_llm=False)
+    # The memory service also gets an embedding model path that does not exist: it must keep serving.
+    s = start_stack(
+        tmp_path_factory.mktemp("broken"),
+        "models.broken.yaml",
+        start_llm=False,
+        service_env={"memory": {"MARS_EMBEDDING_MODEL": "/nonexistent/embedding-model"}},
+    )
     try:
         yield s
     finally:
@@ -53,3 +59,17 @@ def test_all_arms_failing_is_unavailable_and_recorded(broken_stack: LocalStack) 
     )
     assert query(broken_stack, "SELECT count(*) FROM memory_records WHERE user_id = 'u'")[0][0] == 0
     assert query(broken_stack, "SELECT count(*) FROM router_ledger")[0][0] == 0
+
+
+def test_memory_without_embedder_reports_dense_down_and_keeps_serving(broken_stack: LocalStack) -> None:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    health = health_pb2_grpc.HealthStub(grpc.insecure_channel(broken_stack.addr("memory")))
+    serving = health_pb2.HealthCheckResponse.SERVING
+    assert health.Check(health_pb2.HealthCheckRequest(service="mars.v1.Memory"), timeout=5).status == serving
+    dense = health.Check(health_pb2.HealthCheckRequest(service="mars.v1.Memory.dense"), timeout=5)
+    assert dense.status == health_pb2.HealthCheckResponse.NOT_SERVING
+    view = svc_grpc.MemoryStub(grpc.insecure_channel(broken_stack.addr("memory"))).BuildView(
+        svc.BuildViewRequest(tenant="t", user_id="nobody", text="hello", state=ev.SessionState()), timeout=10
+    )
+    assert list(view.blocks) == []

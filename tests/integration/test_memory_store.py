@@ -179,3 +179,26 @@ def test_read_your_writes_under_out_of_order_arrival(
         await pool_fast.close()  # type: ignore[attr-defined]
 
     asyncio.run(scenario())
+
+
+def test_store_without_embedder_serves_lexical_views(
+    postgres: str, embedder: SentenceTransformerEmbedder
+) -> None:
+    async def scenario() -> None:
+        store, pool = await make_store(postgres, embedder)
+        for i, (q, a) in enumerate(ALICE, start=1):
+            await store.commit(generated("erin", i, q, a, ev.NEW_TOPIC if i in (1, 3) else ev.MATCH))
+        degraded, pool2 = await make_store(postgres, None)  # type: ignore[arg-type]
+        assert not degraded.dense_available
+        view = await degraded.view("t", "erin", "harvest honey from the bees", state(action=ev.NEW_TOPIC))
+        hist = [b for b in view.blocks if b.kind == ev.RETRIEVED_HISTORY]
+        assert hist and "bees" in hist[0].text
+        # A record written while degraded has no vector; a healthy store re-embeds it on rebuild.
+        await degraded.commit(generated("erin", 4, "Should I feed the bees sugar syrup?", "Yes, in autumn."))
+        healthy, pool3 = await make_store(postgres, embedder)
+        view = await healthy.view("t", "erin", "sugar syrup for bees", state(action=ev.NEW_TOPIC))
+        assert "erin-4" in {b.source_turn_id for b in view.blocks}
+        for p in (pool, pool2, pool3):
+            await p.close()  # type: ignore[attr-defined]
+
+    asyncio.run(scenario())

@@ -143,3 +143,11 @@ def test_unknown_policy_is_rejected(embedder: SentenceTransformerEmbedder) -> No
         make_retriever("oracle", embedder)
     with pytest.raises(ValueError, match="needs an embedder"):
         make_retriever("mars", None)
+
+
+def test_lexical_only_memory_when_no_embedder() -> None:
+    memory = HybridMemory(None, HybridConfig(recency_weight=0.5, prf_weight=1.0), use_gpu=False)
+    memory.add_group("safari", 0, ["User: plan a zebra safari in Kenya"])
+    memory.add_group("poem", 1, ["User: write a poem about a quokka"])
+    assert not memory.dense
+    assert memory.rank_groups("zebra safari dates", k=2)[0][0] == "safari"

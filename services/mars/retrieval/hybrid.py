@@ -77,9 +77,11 @@ class _Group:
 
 
 class HybridMemory:
+    """With `embedder=None` the memory is lexical only (the degraded mode when no embedder can load)."""
+
     def __init__(
         self,
-        embedder: Embedder,
+        embedder: Embedder | None,
         config: HybridConfig | None = None,
         use_gpu: bool | None = None,
         query_embedder: Embedder | None = None,
@@ -88,13 +90,18 @@ class HybridMemory:
         self._embedder = embedder
         # Queries may use a different (uncached) embedder than stored chunks, e.g. in benchmarks.
         self._query_embedder = query_embedder or embedder
-        self._dense = DenseIndex(embedder.dim, use_gpu)
+        self._dense = DenseIndex(embedder.dim, use_gpu) if embedder is not None else None
         self._lexical = BM25Index(k1=self.config.bm25_k1, b=self.config.bm25_b)
         self._groups: list[_Group] = []
         self._group_index: dict[str, int] = {}
         self._chunk_group: list[int] = []
         self.chunk_texts: list[str] = []
-        self._centroids = np.zeros((0, embedder.dim), dtype=np.float32)
+        self._centroid_rows: list[np.ndarray] = []
+        self._centroids: np.ndarray | None = None  # stacked lazily; appends stay O(1)
+
+    @property
+    def dense(self) -> bool:
+        return self._dense is not None
 
     def __len__(self) -> int:
         return len(self._groups)
@@ -120,13 +127,16 @@ class HybridMemory:
         self._groups.append(group)
         self._group_index[key] = gi
         self._lexical.add("\n".join(chunks))
+        if self._embedder is None or self._dense is None:
+            return
+        self._centroids = None
         if not pieces:
-            self._centroids = np.vstack([self._centroids, np.zeros((1, self._embedder.dim), np.float32)])
+            self._centroid_rows.append(np.zeros(self._embedder.dim, np.float32))
             return
         vecs = vectors if vectors is not None else self._embedder.encode(pieces)
         centroid = vecs.mean(axis=0)
         centroid /= max(float(np.linalg.norm(centroid)), 1e-9)
-        self._centroids = np.vstack([self._centroids, centroid[None, :].astype(np.float32)])
+        self._centroid_rows.append(centroid.astype(np.float32))
         ids = np.arange(len(self.chunk_texts), len(self.chunk_texts) + len(pieces), dtype=np.int64)
         self._dense.add(ids, vecs)
         for cid, text in zip(ids.tolist(), pieces, strict=True):
@@ -134,10 +144,11 @@ class HybridMemory:
             self._chunk_group.append(gi)
             self.chunk_texts.append(text)
 
-    def _dense_group_scores(self, qvecs: np.ndarray, qweights: Sequence[float]) -> dict[int, float]:
-        n = len(self._dense)
-        if n == 0:
+    def _dense_group_scores(self, queries: Sequence[str], qweights: Sequence[float]) -> dict[int, float]:
+        if self._dense is None or self._query_embedder is None or len(self._dense) == 0:
             return {}
+        n = len(self._dense)
+        qvecs = self._query_embedder.encode(queries)
         sims, ids = self._dense.search_many(qvecs, n)
         per_group: dict[int, list[float]] = {}
         for qi, w in enumerate(qweights):
@@ -175,7 +186,7 @@ class HybridMemory:
         weights = [1.0] + [cfg.context_weight] * (len(texts) - 1)
         if cfg.context_weight == 0.0:
             texts, weights = texts[:1], weights[:1]
-        dense = self._dense_group_scores(self._query_embedder.encode(texts), weights)
+        dense = self._dense_group_scores(texts, weights)
         lexical = self._lexical_group_scores(texts, weights)
         by_recency = sorted(range(len(self._groups)), key=lambda g: -self._groups[g].position)
         if cfg.fusion == "rrf":
@@ -192,7 +203,9 @@ class HybridMemory:
                 maps.append({g: 1.0 / math.log2(2 + r) for r, g in enumerate(by_recency)})
                 ws.append(cfg.recency_weight)
             fused = weighted_score_fusion(maps, ws)
-        if cfg.prf_weight and fused:
+        if cfg.prf_weight and fused and self._centroid_rows:
+            if self._centroids is None:
+                self._centroids = np.stack(self._centroid_rows)
             top = sorted(fused, key=lambda g: -fused[g])[: cfg.prf_top]
             sims = (self._centroids @ self._centroids[top].T).max(axis=1)
             prf = {g: float(sims[g]) for g in range(len(self._groups))}
