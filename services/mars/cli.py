@@ -196,6 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
     from mars.bench.memory_load import add_memory_load_parser
 
     add_memory_load_parser(bench_sub)
+    from mars.bench.locomo import add_locomo_parser
+
+    add_locomo_parser(bench_sub)
     return parser
 
 
