@@ -46,5 +46,5 @@ def test_loader_counts_sessions_by_key_and_drops_questions_without_evidence(tmp_
     assert conv.turns[0].text.startswith("[1 May] A: hi")
     assert "a dog" in conv.turns[1].text
     assert [q.question for q in conv.questions] == ["q1"]
-    with pytest.raises(ZeroDivisionError):
+    with pytest.raises(ValueError, match="without evidence"):
         score_question([], frozenset())

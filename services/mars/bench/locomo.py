@@ -92,6 +92,8 @@ def session_of(dia_id: str) -> int:
 
 def score_question(ranked_turns: list[str], evidence: frozenset[str]) -> dict[str, float]:
     """Turn and session evidence recall at the benchmark's ks."""
+    if not evidence:
+        raise ValueError("a question without evidence cannot be scored")
     out: dict[str, float] = {}
     for k in TURN_KS:
         out[f"turn@{k}"] = len(evidence & set(ranked_turns[:k])) / len(evidence)
