@@ -25,6 +25,7 @@ from mars.v1 import services_pb2 as svc
 from mars.v1 import services_pb2_grpc as svc_grpc
 from psycopg import AsyncConnection
 from psycopg_pool import AsyncConnectionPool
+from pydantic import Field
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +77,9 @@ class MemorySettings(ServiceSettings):
     use_gpu: bool | None = None
     #: The conversation's recent user turns used as secondary queries by the mars policy.
     context_turns: int = 3
+    #: Overrides of the policy's fusion settings (HybridConfig field names), e.g.
+    #: MARS_FUSION='{"fusion": "weighted", "dense_weight": 2.0, "recency_weight": 0.5}'.
+    fusion: dict[str, float | str] = Field(default_factory=dict)
 
 
 def _blob(vectors: np.ndarray | None) -> bytes | None:
@@ -129,7 +133,8 @@ class MemoryStore:
         self._applied = asyncio.Condition()
         self._indexes: dict[tuple[str, str], UserIndex] = {}
         self._locks: dict[tuple[str, str], asyncio.Lock] = {}
-        self._config = POLICY_CONFIGS.get(settings.view_policy, POLICY_CONFIGS["mars"])
+        base = POLICY_CONFIGS.get(settings.view_policy, POLICY_CONFIGS["mars"])
+        self._config = dataclasses.replace(base, **settings.fusion)  # type: ignore[arg-type]
 
     def _new_memory(self) -> HybridMemory:
         return HybridMemory(self._embedder, self._config, self._settings.use_gpu, self._query_embedder)

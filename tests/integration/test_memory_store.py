@@ -202,3 +202,14 @@ def test_store_without_embedder_serves_lexical_views(
             await p.close()  # type: ignore[attr-defined]
 
     asyncio.run(scenario())
+
+
+def test_fusion_settings_come_from_config(postgres: str, embedder: SentenceTransformerEmbedder) -> None:
+    async def scenario() -> None:
+        store, pool = await make_store(postgres, embedder, fusion={"fusion": "weighted", "dense_weight": 2.0})
+        assert store._config.fusion == "weighted" and store._config.dense_weight == 2.0
+        with pytest.raises(TypeError):
+            await make_store(postgres, embedder, fusion={"no_such_knob": 1.0})
+        await pool.close()  # type: ignore[attr-defined]
+
+    asyncio.run(scenario())

@@ -64,6 +64,8 @@ class HybridConfig:
     #: are fused in as another ranking (multi-session work shares vocabulary and embeddings).
     prf_weight: float = 0.0
     prf_top: int = 2
+    #: Weight of a ranking by query similarity to each group's centroid (the group's overall topic).
+    centroid_weight: float = 0.0
     bm25_k1: float = 1.2
     bm25_b: float = 0.75
     max_chunk_words: int = 160
@@ -203,9 +205,14 @@ class HybridMemory:
                 maps.append({g: 1.0 / math.log2(2 + r) for r, g in enumerate(by_recency)})
                 ws.append(cfg.recency_weight)
             fused = weighted_score_fusion(maps, ws)
-        if cfg.prf_weight and fused and self._centroid_rows:
-            if self._centroids is None:
-                self._centroids = np.stack(self._centroid_rows)
+        if (cfg.prf_weight or cfg.centroid_weight) and self._centroid_rows and self._centroids is None:
+            self._centroids = np.stack(self._centroid_rows)
+        if cfg.centroid_weight and self._centroids is not None and self._query_embedder is not None:
+            q = self._query_embedder.encode(texts[:1])[0]
+            topical = {g: float(v) for g, v in enumerate(self._centroids @ q)}
+            for g, v in reciprocal_rank_fusion([_ranking(topical)], [cfg.centroid_weight], cfg.rrf_k).items():
+                fused[g] = fused.get(g, 0.0) + v
+        if cfg.prf_weight and fused and self._centroids is not None:
             top = sorted(fused, key=lambda g: -fused[g])[: cfg.prf_top]
             sims = (self._centroids @ self._centroids[top].T).max(axis=1)
             prf = {g: float(sims[g]) for g in range(len(self._groups))}
@@ -229,9 +236,11 @@ def _ranking(scores: dict[int, float]) -> list[int]:
 
 #: Named policies (paper Table 17 ablations), shared by the memory service and `mars bench realmem`.
 #: `mars` was tuned on the 7 RealMem personas: dense + BM25 + recency prior, centroid pseudo-relevance
-#: feedback, and the conversation's recent user turns as secondary queries.
+#: feedback, a group-centroid topical ranking, and the conversation's recent user turns as secondary queries.
 POLICY_CONFIGS: dict[str, HybridConfig] = {
-    "mars": HybridConfig(recency_weight=1.0, prf_weight=1.0, prf_top=3, context_weight=0.3, rrf_k=30.0),
+    "mars": HybridConfig(
+        recency_weight=1.0, prf_weight=1.0, prf_top=3, context_weight=0.3, rrf_k=30.0, centroid_weight=0.5
+    ),
     "hybrid": HybridConfig(),
     "semantic": HybridConfig(lexical_weight=0.0),
     "bm25": HybridConfig(dense_weight=0.0),
