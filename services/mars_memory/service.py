@@ -17,6 +17,13 @@ from mars import db
 from mars.bus import EventProducer, StageConsumer, Subscription
 from mars.config import TOPIC_GENERATED, TOPIC_MEMORY_COMMITTED, TOPIC_STATE, TOPIC_VIEW, ServiceSettings
 from mars.domain.memory_policy import MemoryControls, MemoryRecord, build_view, memory_controls
+from mars.domain.thread_state import (
+    fold_turn,
+    new_thread,
+    render_active_state,
+    thread_from_json,
+    thread_to_json,
+)
 from mars.retrieval.embedder import Embedder, LruEmbedder, SentenceTransformerEmbedder
 from mars.retrieval.hybrid import POLICY_CONFIGS, HybridMemory, embed_chunks
 from mars.runtime import GrpcBinding, ServiceContext, ServiceParts, run
@@ -24,6 +31,7 @@ from mars.v1 import events_pb2 as ev
 from mars.v1 import services_pb2 as svc
 from mars.v1 import services_pb2_grpc as svc_grpc
 from psycopg import AsyncConnection
+from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 from pydantic import Field
 
@@ -50,6 +58,8 @@ MIGRATIONS = [
     )
     """,
     "CREATE INDEX IF NOT EXISTS memory_records_user ON memory_records (tenant, user_id, seq)",
+    # The active-thread state (subject, constraints, latest artifact version) as JSON.
+    "ALTER TABLE memory_threads ADD COLUMN IF NOT EXISTS state JSONB",
     # Chunk vectors (float32, one row per piece) beside the text, so indexes rebuild without re-embedding.
     "ALTER TABLE memory_records ADD COLUMN IF NOT EXISTS embedding BYTEA",
     "ALTER TABLE memory_records ADD COLUMN IF NOT EXISTS embedding_model TEXT",
@@ -209,7 +219,8 @@ class MemoryStore:
         index = await self.user_index(tenant, user_id)
         async with self._pool.connection() as conn:
             cur = await conn.execute(
-                "SELECT thread_id, title FROM memory_threads WHERE tenant = %s AND user_id = %s AND status = 'ACTIVE'",
+                "SELECT thread_id, title, state FROM memory_threads "
+                "WHERE tenant = %s AND user_id = %s AND status = 'ACTIVE'",
                 (tenant, user_id),
             )
             active = await cur.fetchone()
@@ -220,9 +231,10 @@ class MemoryStore:
         by_seq = sorted(index.records.values(), key=lambda r: r.seq)
         thread = [r for r in by_seq if index.thread_of[r.record_id] == thread_id]
         window = thread[-controls.recent_window :] if controls.recent_window > 0 else []
-        active_state = (
-            f"Active thread: {active[1]} ({len(thread)} turn(s) so far)." if continuing and active else None
-        )
+        active_state = None
+        if continuing and active:
+            thread_state = thread_from_json(active[2]) if active[2] else new_thread(str(active[1]))
+            active_state = render_active_state(thread_state)
         retrieved = await asyncio.to_thread(self._retrieve, index, text, thread, window, controls)
         return build_view(controls, active_state, window, retrieved, policy=self._settings.view_policy)
 
@@ -272,10 +284,12 @@ class MemoryStore:
                 out.record_id, out.thread_id, out.stored = existing[0], existing[1], True
             elif event.status == ev.OK:
                 cur = await conn.execute(
-                    "SELECT thread_id FROM memory_threads WHERE tenant = %s AND user_id = %s AND status = 'ACTIVE'",
+                    "SELECT thread_id, state, title FROM memory_threads "
+                    "WHERE tenant = %s AND user_id = %s AND status = 'ACTIVE'",
                     (turn.tenant, turn.user_id),
                 )
                 active = await cur.fetchone()
+                thread_state = new_thread(event.query)
                 if active is None or event.state.action == ev.NEW_TOPIC:
                     if active is not None:
                         await conn.execute(
@@ -290,6 +304,12 @@ class MemoryStore:
                     )
                 else:
                     out.thread_id = active[0]
+                    thread_state = thread_from_json(active[1]) if active[1] else new_thread(str(active[2]))
+                thread_state = fold_turn(thread_state, turn.seq, event.query, event.text, event.state)
+                await conn.execute(
+                    "UPDATE memory_threads SET state = %s WHERE thread_id = %s",
+                    (Jsonb(thread_to_json(thread_state)), out.thread_id),
+                )
                 out.record_id = uuid.uuid4().hex
                 record = MemoryRecord(
                     out.record_id, turn.session_id, turn.turn_id, turn.seq, event.query, event.text

@@ -130,6 +130,9 @@ def test_table6_rows_produce_their_blocks(postgres: str, embedder: SentenceTrans
         # MATCH + LOCAL: active state and recent turns, no historical retrieval.
         local = await store.view("t", "carol", "use a bigger pot?", state(retrieval_scope=ev.LOCAL))
         assert kinds(local)[0] == ev.ACTIVE_STATE and ev.RECENT_TURN in kinds(local)
+        active_text = local.blocks[0].text
+        assert active_text.startswith("Active thread: Now a new question: how do I repot a fern?")
+        assert "Latest version (v1):\nUse peat-free compost." in active_text
         assert ev.RETRIEVED_HISTORY not in kinds(local)
         # GLOBAL: ranked candidates from earlier threads, never the recent window again.
         glob = await store.view(
