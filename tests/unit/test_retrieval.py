@@ -151,3 +151,17 @@ def test_lexical_only_memory_when_no_embedder() -> None:
     memory.add_group("poem", 1, ["User: write a poem about a quokka"])
     assert not memory.dense
     assert memory.rank_groups("zebra safari dates", k=2)[0][0] == "safari"
+
+
+def test_onnx_embedder_matches_torch(tmp_path: Path, embedder: SentenceTransformerEmbedder) -> None:
+    from mars.retrieval.embedder import OnnxEmbedder, load_embedder
+
+    onnx = OnnxEmbedder(cache_dir=str(tmp_path))
+    assert any(tmp_path.glob("*.onnx"))  # exported locally, nothing fetched
+    texts = ["a zebra on the savanna", "quarterly tax filing for a small bakery " * 5, "x"]
+    a, b = embedder.encode(texts), onnx.encode(texts)
+    assert b.shape == a.shape
+    assert np.all(np.sum(a * b, axis=1) > 0.9999)
+    assert onnx.encode([]).shape == (0, 384)
+    with pytest.raises(ValueError, match="unknown embedding backend"):
+        load_embedder(backend="tpu")

@@ -36,6 +36,18 @@ def add_realmem_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore
     p.add_argument("--out", help="write all results as JSON here")
     p.add_argument("--cache-dir", help="cache chunk embeddings here (speeds up re-runs)")
     p.add_argument("--k", type=int, default=20, help="ids retrieved per query (default 20)")
+    p.add_argument(
+        "--query-max-tokens",
+        type=int,
+        default=128,
+        help="query window of the embedder (default 128; chunks use 256)",
+    )
+    p.add_argument(
+        "--embedding-backend",
+        default="auto",
+        choices=["auto", "onnx", "torch"],
+        help="embedder runtime (default auto)",
+    )
     p.set_defaults(func=cmd_realmem)
 
 
@@ -57,10 +69,12 @@ def cmd_realmem(args: argparse.Namespace) -> int:
         return 2
     policies = list(POLICIES) if args.policy == "all" else [args.policy]
     embedder = None
+    query_embedder = None
     if any(p in ("mars", "hybrid", "semantic") for p in policies):
-        from mars.retrieval.embedder import SentenceTransformerEmbedder
+        from mars.retrieval.embedder import load_embedder
 
-        embedder = CachingEmbedder(SentenceTransformerEmbedder(), args.cache_dir)
+        embedder = CachingEmbedder(load_embedder(backend=args.embedding_backend), args.cache_dir)
+        query_embedder = load_embedder(backend=args.embedding_backend, max_seq_length=args.query_max_tokens)
     console.print(
         f"{len(personas)} personas, {sum(len(p.queries) for p in personas)} scored queries; policies: {', '.join(policies)}"
     )
@@ -77,7 +91,7 @@ def cmd_realmem(args: argparse.Namespace) -> int:
         ) as progress:
             for persona in personas:
                 task = progress.add_task(persona.name, total=len(persona.sessions))
-                retriever = make_retriever(policy, embedder)
+                retriever = make_retriever(policy, embedder, query_embedder)
                 timed = _Timed(retriever, latencies)
                 advance = functools.partial(_advance, progress, task)
                 preds += replay(persona, timed, args.k, progress=advance)

@@ -145,9 +145,9 @@ def cmd_locomo(args: argparse.Namespace) -> int:
         console.print(f"[red]--data {path} is not a file[/]")
         return 2
     conversations = load_locomo(path)
-    from mars.retrieval.embedder import SentenceTransformerEmbedder
+    from mars.retrieval.embedder import load_embedder
 
-    results = run(conversations, SentenceTransformerEmbedder(), console)
+    results = run(conversations, load_embedder(), console)
     keys = [f"turn@{k}" for k in TURN_KS] + [f"session@{k}" for k in SESSION_KS]
     table = Table(title=f"LoCoMo evidence recall ({len(conversations)} conversations, policy mars)")
     for col in ("category", "n", *keys):

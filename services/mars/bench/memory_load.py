@@ -101,10 +101,10 @@ def cmd_memory_load(args: argparse.Namespace) -> int:
 
 
 def _ingest_ratio(args: argparse.Namespace, console: Console) -> None:
-    from mars.retrieval.embedder import SentenceTransformerEmbedder
+    from mars.retrieval.embedder import load_embedder
     from mars.retrieval.hybrid import HybridMemory
 
-    embedder = SentenceTransformerEmbedder()
+    embedder = load_embedder()
     words = "plan trip budget poem revise garden recipe code bug meeting summary draft travel music".split()
     rng = np.random.default_rng(3)
     texts = [

@@ -69,11 +69,16 @@ class HybridSessionRetriever:
     """RealMem retriever over HybridMemory: sessions are groups, turn pairs are chunks."""
 
     def __init__(
-        self, embedder: Embedder, config: HybridConfig, context_turns: int = 1, user_turn_chunks: bool = False
+        self,
+        embedder: Embedder,
+        config: HybridConfig,
+        context_turns: int = 1,
+        user_turn_chunks: bool = False,
+        query_embedder: Embedder | None = None,
     ) -> None:
         # Stored chunks may come from a cache; queries are always embedded live so latency is honest.
         inner = embedder.inner if isinstance(embedder, CachingEmbedder) else embedder
-        self._memory = HybridMemory(embedder, config, query_embedder=LruEmbedder(inner))
+        self._memory = HybridMemory(embedder, config, query_embedder=LruEmbedder(query_embedder or inner))
         self._context_turns = context_turns
         self._user_turn_chunks = user_turn_chunks
 
@@ -92,8 +97,10 @@ class HybridSessionRetriever:
 POLICIES = ("mars", "hybrid", "semantic", "bm25", "recent")
 
 
-def make_retriever(policy: str, embedder: Embedder | None) -> Retriever:
-    """A fresh retriever (empty memory) for one persona."""
+def make_retriever(
+    policy: str, embedder: Embedder | None, query_embedder: Embedder | None = None
+) -> Retriever:
+    """A fresh retriever (empty memory) for one persona; `query_embedder` embeds queries (default: embedder)."""
     from mars.bench.realmem import RecentRetriever, SessionBM25Retriever
 
     if policy == "recent":
@@ -103,9 +110,9 @@ def make_retriever(policy: str, embedder: Embedder | None) -> Retriever:
     if embedder is None:
         raise ValueError(f"policy {policy!r} needs an embedder")
     if policy == "mars":
-        return HybridSessionRetriever(embedder, POLICY_CONFIGS["mars"], context_turns=3)
+        return HybridSessionRetriever(embedder, POLICY_CONFIGS["mars"], 3, query_embedder=query_embedder)
     if policy == "hybrid":
-        return HybridSessionRetriever(embedder, POLICY_CONFIGS["hybrid"], context_turns=0)
+        return HybridSessionRetriever(embedder, POLICY_CONFIGS["hybrid"], 0, query_embedder=query_embedder)
     if policy == "semantic":
-        return HybridSessionRetriever(embedder, POLICY_CONFIGS["semantic"], context_turns=0)
+        return HybridSessionRetriever(embedder, POLICY_CONFIGS["semantic"], 0, query_embedder=query_embedder)
     raise ValueError(f"unknown policy {policy!r}; known: {', '.join(POLICIES)}")

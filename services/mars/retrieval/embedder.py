@@ -104,3 +104,129 @@ class LruEmbedder:
         if not out:
             return np.zeros((0, self.dim), dtype=np.float32)
         return np.stack(out).astype(np.float32)
+
+
+class OnnxEmbedder:
+    """The same sentence-transformers model run by ONNX Runtime: about twice as fast as eager torch on CPU
+    for single queries (the answer-path case), identical vectors (fp32, cosine 1.0 to the torch output).
+
+    The model is exported locally on first use (no download) and cached under `cache_dir`. Only models
+    with mean pooling (MiniLM and most sentence-transformers models) are supported.
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        cache_dir: str | None = None,
+        threads: int = 2,
+        max_seq_length: int | None = None,
+    ) -> None:
+        import hashlib
+        from pathlib import Path
+
+        import onnxruntime as ort
+
+        source = SentenceTransformerEmbedder(model, device="cpu")
+        st = source._model
+        pooling = [m for m in st if type(m).__name__ == "Pooling"]
+        mode = getattr(pooling[0], "pooling_mode", None) if pooling else None
+        mean = (
+            mode == "mean"
+            or mode == ["mean"]
+            or getattr(pooling[0] if pooling else None, "pooling_mode_mean_tokens", False)
+        )
+        if not mean:
+            raise ValueError("OnnxEmbedder supports mean-pooling models only")
+        self._dim = source.dim
+        self._max_len = int(max_seq_length or st.max_seq_length or 256)
+        self._tokenizer = st.tokenizer
+        path = str(model or default_model_path())
+        key = hashlib.sha1(path.encode()).hexdigest()[:12]
+        base = Path(cache_dir or Path.home() / ".cache" / "mars" / "onnx")
+        base.mkdir(parents=True, exist_ok=True)
+        onnx_path = base / f"{key}.onnx"
+        if not onnx_path.exists():
+            self._export(st, onnx_path)
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads
+        self._session = ort.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
+        self._inputs = {i.name for i in self._session.get_inputs()}
+        self._lock = threading.Lock()
+
+    def _export(self, st: object, target: object) -> None:
+        import torch
+
+        hf = st[0].auto_model  # type: ignore[index]
+        hf.eval()
+
+        class _Wrapper(torch.nn.Module):
+            def __init__(self, inner: torch.nn.Module) -> None:
+                super().__init__()
+                self.inner = inner
+
+            def forward(
+                self, input_ids: torch.Tensor, attention_mask: torch.Tensor, token_type_ids: torch.Tensor
+            ):  # type: ignore[no-untyped-def]
+                out = self.inner(
+                    input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids
+                )
+                return out.last_hidden_state
+
+        sample = self._tokenizer(["export sample"], return_tensors="pt")
+        names = ["input_ids", "attention_mask", "token_type_ids"]
+        tmp = f"{target}.tmp"
+        torch.onnx.export(
+            _Wrapper(hf),
+            tuple(sample[n] for n in names),
+            tmp,
+            input_names=names,
+            output_names=["last_hidden_state"],
+            dynamic_axes={n: {0: "batch", 1: "seq"} for n in [*names, "last_hidden_state"]},
+            opset_version=17,
+            dynamo=False,
+        )
+        os.replace(tmp, str(target))
+
+    @property
+    def dim(self) -> int:
+        return self._dim
+
+    def encode(self, texts: Sequence[str]) -> np.ndarray:
+        if not texts:
+            return np.zeros((0, self._dim), dtype=np.float32)
+        batch = self._tokenizer(
+            list(texts), padding=True, truncation=True, max_length=self._max_len, return_tensors="np"
+        )
+        feeds = {k: np.asarray(batch[k], dtype=np.int64) for k in self._inputs}
+        with self._lock:
+            hidden = self._session.run(None, feeds)[0]
+        mask = np.asarray(batch["attention_mask"], dtype=np.float32)[..., None]
+        pooled = (hidden * mask).sum(axis=1) / np.maximum(mask.sum(axis=1), 1e-9)
+        pooled /= np.maximum(np.linalg.norm(pooled, axis=1, keepdims=True), 1e-12)
+        return np.ascontiguousarray(pooled, dtype=np.float32)
+
+
+def load_embedder(
+    model: str | None = None,
+    backend: str = "auto",
+    cache_dir: str | None = None,
+    max_seq_length: int | None = None,
+) -> Embedder:
+    """`onnx` (fast CPU inference), `torch` (sentence-transformers; CUDA when present), or `auto`:
+    torch on a CUDA machine, ONNX Runtime otherwise, torch if ONNX is unavailable. `max_seq_length`
+    shortens the model's window (queries: attention cost grows with the square of the length)."""
+    if backend not in ("auto", "onnx", "torch"):
+        raise ValueError(f"unknown embedding backend {backend!r}")
+    if backend == "torch":
+        return SentenceTransformerEmbedder(model, max_seq_length=max_seq_length)
+    if backend == "auto":
+        import torch
+
+        if torch.cuda.is_available():
+            return SentenceTransformerEmbedder(model, max_seq_length=max_seq_length)
+    try:
+        return OnnxEmbedder(model, cache_dir, max_seq_length=max_seq_length)
+    except ImportError:
+        if backend == "onnx":
+            raise
+        return SentenceTransformerEmbedder(model, max_seq_length=max_seq_length)
