@@ -199,6 +199,9 @@ def build_parser() -> argparse.ArgumentParser:
     from mars.bench.locomo import add_locomo_parser
 
     add_locomo_parser(bench_sub)
+    from mars.bench.router_sim import add_router_parser
+
+    add_router_parser(bench_sub)
     return parser
 
 

@@ -1,0 +1,303 @@
+"""`mars bench router`: routing policies in a simulated environment with a known (hidden) quality model.
+
+The environment
+---------------
+Each turn draws a session state (Table 5 fields) and a pre-packing view load, as the live pipeline
+would produce them, and the policy sees only x = featurize(state, load, depth) — the router's real
+feature function. The four arms are the paper's pool with Table 10 prices. The hidden expected
+quality of arm a on a turn is
+
+    q_a = clip(base_a + affinity_a[phase] - weakness_a * load - overflow_a, 0, 1)
+    load = 0.15 * need_memory + 0.3 * min(1, view_tokens / 12000) + 0.1 * [ambiguity HIGH]
+    overflow_a = 0.5 when the view does not fit the arm's input budget (truncated context), else 0
+
+for Llama-3.2-3B, Mixtral-8x7B, Qwen2.5-72B, GPT-4o: base 0.60 / 0.66 / 0.74 / 0.80, weakness
+0.9 / 0.6 / 0.4 / 0.2, and phase affinities (EXPLORE, CONSTRAIN, VERIFY, REVISE, SYNTHESIZE) of
+(+.15, 0, 0, -.10, -.20), (+.05, +.10, 0, 0, -.10), (0, 0, +.05, +.12, 0), (-.05, 0, +.05, 0, +.12):
+no arm is best everywhere. The observed utility is q_a plus N(0, 0.1) noise, clipped to [0, 1]; the
+reward is u - lambda * C_gen, with C_gen the cost of (view + 300 prompt tokens in, 300 out) at the
+arm's Table 10 price, in US cents (so lambda 0.5 weighs a cent as half a quality point, and the paper's
+0.002 makes routing quality-first). The oracle plays argmax of the expected reward; regret is in
+expected reward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from mars.domain.bandits import (
+    EpsilonGreedyRouting,
+    FixedArmRouting,
+    LinearThompsonRouting,
+    LinUCBRouting,
+    RandomRouting,
+    RoutingPolicy,
+)
+from mars.domain.features import FEATURE_DIM, featurize
+from mars.domain.linucb import ArmModel
+from mars.v1 import events_pb2 as ev
+
+
+@dataclass(frozen=True)
+class Arm:
+    name: str
+    base: float
+    weakness: float
+    context_window: int
+    input_price_per_m: float
+    output_price_per_m: float
+
+
+POOL = (
+    Arm("llama-3.2-3b", 0.60, 0.90, 8_192, 0.05, 0.10),
+    Arm("mixtral-8x7b", 0.66, 0.60, 32_768, 0.20, 0.20),
+    Arm("qwen2.5-72b", 0.74, 0.40, 32_768, 0.35, 0.40),
+    Arm("gpt-4o", 0.80, 0.20, 128_000, 2.50, 10.00),
+)
+PHASES = (ev.EXPLORE, ev.CONSTRAIN, ev.VERIFY, ev.REVISE, ev.SYNTHESIZE)
+AFFINITY = {
+    "llama-3.2-3b": (0.15, 0.0, 0.0, -0.10, -0.20),
+    "mixtral-8x7b": (0.05, 0.10, 0.0, 0.0, -0.10),
+    "qwen2.5-72b": (0.0, 0.0, 0.05, 0.12, 0.0),
+    "gpt-4o": (-0.05, 0.0, 0.05, 0.0, 0.12),
+}
+CENTS_PER_USD = 100.0
+PROMPT_OVERHEAD, OUTPUT_TOKENS, NOISE = 300, 300, 0.1
+
+
+@dataclass
+class Turn:
+    x: np.ndarray
+    expected_quality: np.ndarray  # per arm
+    cost: np.ndarray  # per arm, USD
+
+
+def draw_turn(rng: np.random.Generator, depth: int) -> Turn:
+    state = ev.SessionState()
+    state.action = ev.MATCH if rng.random() < 0.65 else ev.NEW_TOPIC
+    state.phase = int(rng.choice(list(PHASES), p=[0.35, 0.15, 0.15, 0.2, 0.15]))  # type: ignore[assignment]
+    state.query_type = int(
+        rng.choice([ev.STATIC, ev.DYNAMIC, ev.TEMPORAL, ev.PROACTIVE], p=[0.3, 0.4, 0.2, 0.1])
+    )  # type: ignore[assignment]
+    state.taxonomy.need_memory = int(rng.random() < 0.7)
+    state.taxonomy.ambiguity = int(rng.choice([ev.LOW, ev.MEDIUM, ev.HIGH], p=[0.4, 0.4, 0.2]))  # type: ignore[assignment]
+    state.retrieval_scope = ev.GLOBAL if rng.random() < 0.4 else ev.LOCAL
+    state.top_k_hint = int(rng.choice([3, 5, 8]))
+    state.prefer_recent = int(rng.random() < 0.3)
+    state.lens_recommendation = 3 if state.taxonomy.need_memory else 0
+    load = ev.ViewLoad()
+    if state.taxonomy.need_memory:
+        per_block = rng.lognormal(mean=6.0, sigma=0.8)  # ~400 tokens, heavy tail
+        blocks = 1 + state.top_k_hint + (4 if state.action == ev.MATCH else 0)
+        load.num_blocks = blocks
+        load.estimated_tokens = int(min(60_000, blocks * per_block))
+        load.num_retrieved = state.top_k_hint if state.retrieval_scope == ev.GLOBAL else 0
+        load.has_retrieved_history = load.num_retrieved > 0
+        load.max_retrieval_score = float(rng.uniform(2, 12)) if load.has_retrieved_history else 0.0
+        load.mean_retrieval_score = load.max_retrieval_score * 0.6
+    tokens = load.estimated_tokens
+    load_difficulty = (
+        0.15 * state.taxonomy.need_memory
+        + 0.3 * min(1.0, tokens / 12_000)
+        + (0.1 if state.taxonomy.ambiguity == ev.HIGH else 0.0)
+    )
+    phase = PHASES.index(state.phase)  # type: ignore[arg-type]
+    quality = np.array(
+        [
+            np.clip(
+                a.base
+                + AFFINITY[a.name][phase]
+                - a.weakness * load_difficulty
+                - (0.5 if tokens + PROMPT_OVERHEAD > a.context_window - 1024 else 0),
+                0,
+                1,
+            )
+            for a in POOL
+        ]
+    )
+    cost = np.array(
+        [
+            CENTS_PER_USD
+            * ((tokens + PROMPT_OVERHEAD) * a.input_price_per_m + OUTPUT_TOKENS * a.output_price_per_m)
+            / 1e6
+            for a in POOL
+        ]
+    )
+    return Turn(featurize(state, load, depth), quality, cost)
+
+
+@dataclass
+class RunResult:
+    utility: float
+    reward: float
+    regret: float
+    last_quarter_regret: float
+    shares: dict[str, float]
+    quality: float
+    cost: float
+
+
+def simulate(make: Callable[[int], RoutingPolicy | None], turns: int, lam: float, seed: int) -> RunResult:
+    """One run; `make(seed)` returns a policy, or None for the oracle."""
+    env = np.random.default_rng(seed)
+    policy = make(seed)
+    arms = [a.name for a in POOL]
+    models = {a: ArmModel.cold(FEATURE_DIM, 1.0) for a in arms}
+    picks = np.zeros(len(arms))
+    util = rew = regret = q_sum = c_sum = 0.0
+    regrets = []
+    for t in range(turns):
+        turn = draw_turn(env, depth=1 + t % 12)
+        expected = turn.expected_quality - lam * turn.cost
+        if policy is None:
+            i = int(np.argmax(expected))
+        else:
+            i = arms.index(policy.decide(turn.x, models).arm)
+        observed = float(np.clip(turn.expected_quality[i] + env.normal(0, NOISE), 0, 1))
+        reward = observed - lam * float(turn.cost[i])
+        if policy is not None:
+            models[arms[i]] = policy.update(models[arms[i]], turn.x, reward)
+        picks[i] += 1
+        util += float(turn.expected_quality[i])
+        rew += float(expected[i])
+        r = float(expected.max() - expected[i])
+        regret += r
+        regrets.append(r)
+        q_sum += float(turn.expected_quality[i])
+        c_sum += float(turn.cost[i])
+    q = len(regrets) // 4
+    return RunResult(
+        utility=util,
+        reward=rew,
+        regret=regret,
+        last_quarter_regret=float(np.mean(regrets[-q:])) if q else 0.0,
+        shares={a: float(picks[j] / turns) for j, a in enumerate(arms)},
+        quality=q_sum / turns,
+        cost=c_sum / turns,
+    )
+
+
+def policies() -> dict[str, Callable[[int], RoutingPolicy | None]]:
+    arms = [a.name for a in POOL]
+    out: dict[str, Callable[[int], RoutingPolicy | None]] = {
+        "linucb": lambda s: LinUCBRouting(arms, FEATURE_DIM, alpha=0.8, ridge=1.0),
+        "thompson": lambda s: LinearThompsonRouting(arms, FEATURE_DIM, v=0.3, seed=s + 101),
+        "eps-greedy": lambda s: EpsilonGreedyRouting(arms, FEATURE_DIM, epsilon=0.1, seed=s + 202),
+        "random": lambda s: RandomRouting(arms, FEATURE_DIM, seed=s + 303),
+    }
+    for a in arms:
+        out[f"fixed:{a}"] = lambda s, a=a: FixedArmRouting(arms, FEATURE_DIM, a)  # type: ignore[misc]
+    out["oracle"] = lambda s: None
+    return out
+
+
+def time_in_process(samples: int = 2000) -> tuple[list[float], list[float]]:
+    rng = np.random.default_rng(0)
+    arms = [a.name for a in POOL]
+    policy = LinUCBRouting(arms, FEATURE_DIM)
+    models = {a: ArmModel.cold(FEATURE_DIM, 1.0) for a in arms}
+    route, update = [], []
+    for t in range(samples):
+        turn = draw_turn(rng, 1 + t % 12)
+        t0 = time.perf_counter()
+        arm = policy.decide(turn.x, models).arm
+        route.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        models[arm] = policy.update(models[arm], turn.x, float(turn.expected_quality[0]))
+        update.append(time.perf_counter() - t0)
+    return route, update
+
+
+def add_router_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser(
+        "router",
+        help="routing policies in a simulated environment with a known quality model",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--turns", type=int, default=3000, help="turns per run (default 3000)")
+    p.add_argument("--seeds", type=int, default=5, help="runs per policy (default 5)")
+    p.add_argument(
+        "--lambdas", type=float, nargs="+", default=[0.002, 0.5], help="cost weights (paper: 0.002, 0.5)"
+    )
+    p.add_argument("--out", help="write results as JSON here")
+    p.set_defaults(func=cmd_router)
+
+
+def _pct(values: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values) * 1000.0, q))
+
+
+def cmd_router(args: argparse.Namespace) -> int:
+    console = Console(width=200)
+    if args.turns < 4 or args.seeds < 1:
+        console.print("[red]--turns must be at least 4 and --seeds at least 1[/]")
+        return 2
+    report: dict[str, dict[str, dict[str, float]]] = {}
+    for lam in args.lambdas:
+        results = {
+            name: [simulate(make, args.turns, lam, seed) for seed in range(args.seeds)]
+            for name, make in policies().items()
+        }
+        strongest = results["fixed:gpt-4o"]
+        ref_q = np.mean([r.quality for r in strongest])
+        ref_c = np.mean([r.cost for r in strongest])
+        table = Table(
+            title=f"lambda = {lam}: {args.turns} turns x {args.seeds} seeds (mean ± std over seeds)"
+        )
+        for col in (
+            "policy",
+            "cum. utility",
+            "cum. reward",
+            "regret",
+            "regret/turn last 25%",
+            "quality vs gpt-4o",
+            "cost vs gpt-4o",
+            "shares (llama/mixtral/qwen/gpt-4o)",
+        ):
+            table.add_column(col)
+        report[str(lam)] = {}
+        for name, runs in results.items():
+
+            def ms(values: list[float], fmt: str = "{:.1f}") -> str:
+                return f"{fmt.format(np.mean(values))} ± {fmt.format(np.std(values))}"
+
+            shares = "/".join(f"{np.mean([r.shares[a.name] for r in runs]):.2f}" for a in POOL)
+            quality = float(np.mean([r.quality for r in runs]) / ref_q)
+            cost = float(np.mean([r.cost for r in runs]) / ref_c)
+            table.add_row(
+                name,
+                ms([r.utility for r in runs]),
+                ms([r.reward for r in runs]),
+                ms([r.regret for r in runs]),
+                ms([r.last_quarter_regret for r in runs], "{:.4f}"),
+                f"{quality:.3f}",
+                f"{cost:.3f}",
+                shares,
+            )
+            report[str(lam)][name] = {
+                "utility": float(np.mean([r.utility for r in runs])),
+                "reward": float(np.mean([r.reward for r in runs])),
+                "regret": float(np.mean([r.regret for r in runs])),
+                "last_quarter_regret": float(np.mean([r.last_quarter_regret for r in runs])),
+                "quality_vs_strongest": quality,
+                "cost_vs_strongest": cost,
+            }
+        console.print(table)
+    route, update = time_in_process()
+    console.print(
+        f"in-process LinUCB ({FEATURE_DIM} features, {len(POOL)} arms): route p50 {_pct(route, 50):.3f} ms, "
+        f"p99 {_pct(route, 99):.3f} ms; update p50 {_pct(update, 50):.3f} ms, p99 {_pct(update, 99):.3f} ms"
+    )
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=2))
+    return 0
