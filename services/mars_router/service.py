@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import logging
+import math
 from typing import Literal
 
 import grpc
@@ -19,6 +21,8 @@ from mars.v1 import services_pb2 as svc
 from mars.v1 import services_pb2_grpc as svc_grpc
 from psycopg import AsyncConnection
 from psycopg_pool import AsyncConnectionPool
+
+log = logging.getLogger(__name__)
 
 STAGE = "router"
 
@@ -59,6 +63,11 @@ class RouterSettings(ServiceSettings):
     ridge: float = 1.0
     #: The paper keeps one policy per user; tenant or global share learning across users.
     policy_scope: Literal["user", "tenant", "global"] = "user"
+    #: Arm used when a policy's matrices fail the sanity check (default: the pool's first arm).
+    default_arm: str | None = None
+    #: Rewards outside this range are rejected (utility is in [0, 1]; cost only lowers it).
+    min_reward: float = -1000.0
+    max_reward: float = 1.0
 
 
 def policy_id_for(scope: str, tenant: str, user_id: str) -> str:
@@ -69,12 +78,19 @@ def policy_id_for(scope: str, tenant: str, user_id: str) -> str:
     return f"user:{tenant}/{user_id}"
 
 
+class PolicyCorrupt(Exception):
+    pass
+
+
 class PolicyStore:
     def __init__(self, pool: AsyncConnectionPool, settings: RouterSettings, arms: list[str]) -> None:
         self._pool = pool
         self._settings = settings
         self.arms = arms
         self.policy = LinUCBPolicy(arms, FEATURE_DIM, alpha=settings.alpha, ridge=settings.ridge)
+        self.default_arm = settings.default_arm or arms[0]
+        if self.default_arm not in arms:
+            raise ValueError(f"default_arm {self.default_arm!r} is not in the model pool {arms}")
 
     async def _ensure(self, conn: AsyncConnection, policy_id: str) -> None:
         await conn.execute(
@@ -103,13 +119,21 @@ class PolicyStore:
             arm: ArmModel.from_bytes(bytes(blob), FEATURE_DIM, int(pulls), float(reward_sum))
             for arm, blob, pulls, reward_sum in rows
         }
+        for arm, model in models.items():
+            if (why := model.sanity_error()) is not None:
+                raise PolicyCorrupt(f"policy {policy_id}, arm {arm}: {why}")
         return {a: models[a] for a in self.arms if a in models}, version
 
     async def decide(
         self, tenant: str, user_id: str, x: np.ndarray
     ) -> tuple[str, list[ev.ArmScore], str, int]:
         policy_id = policy_id_for(self._settings.policy_scope, tenant, user_id)
-        models, version = await self.load(policy_id)
+        try:
+            models, version = await self.load(policy_id)
+        except PolicyCorrupt as exc:
+            # Never route on broken matrices: the configured default arm answers, and we say so.
+            log.error("refusing policy: %s; routing to default arm %s", exc, self.default_arm)
+            return self.default_arm, [], policy_id, -1
         arm, scores = self.policy.choose(x, models)
         return arm, scores, policy_id, version
 
@@ -139,6 +163,21 @@ class PolicyStore:
                 raise PoisonEvent(f"judged turn {turn_id} has no routing decision")
             policy_id, chosen, features = decision
             arm = answered_arm or chosen
+            if (
+                not math.isfinite(reward)
+                or not self._settings.min_reward <= reward <= self._settings.max_reward
+            ):
+                raise PoisonEvent(
+                    f"reward {reward} for turn {turn_id} is outside "
+                    f"[{self._settings.min_reward}, {self._settings.max_reward}]"
+                )
+            if len(features) != FEATURE_DIM:
+                raise PoisonEvent(
+                    f"turn {turn_id} has {len(features)} features, this router uses {FEATURE_DIM}"
+                )
+            for name in (arm, *failed_arms):
+                if name not in self.arms:
+                    raise PoisonEvent(f"turn {turn_id} names arm {name!r}, which is not in the pool")
             cur = await conn.execute(
                 "INSERT INTO router_ledger (turn_id, policy_id, arm, reward) VALUES (%s, %s, %s, %s) "
                 "ON CONFLICT DO NOTHING RETURNING turn_id",
@@ -147,7 +186,9 @@ class PolicyStore:
             if await cur.fetchone() is None:
                 return False
             x = np.asarray(features, dtype=np.float64)
-            for target, r in [(arm, reward), *((a, 0.0) for a in dict.fromkeys(failed_arms) if a != arm)]:
+            targets = [(arm, reward), *((a, 0.0) for a in dict.fromkeys(failed_arms) if a != arm)]
+            # Lock arm rows in one global order, so concurrent replicas cannot deadlock.
+            for target, r in sorted(targets):
                 await self._update_arm(conn, policy_id, target, x, r)
             await conn.execute(
                 "UPDATE router_policies SET version = version + 1 WHERE policy_id = %s", (policy_id,)
@@ -165,6 +206,10 @@ class PolicyStore:
         if row is None:
             raise PoisonEvent(f"policy {policy_id} has no arm {arm}")
         model = ArmModel.from_bytes(bytes(row[0]), FEATURE_DIM, int(row[1]), float(row[2]))
+        if (why := model.sanity_error()) is not None:
+            raise PoisonEvent(
+                f"policy {policy_id}, arm {arm} failed its sanity check ({why}); update refused"
+            )
         updated = self.policy.update(model, x, reward)
         await conn.execute(
             "UPDATE router_arms SET model = %s, pulls = %s, reward_sum = %s, version = version + 1 "
@@ -233,7 +278,10 @@ class RouterServicer(svc_grpc.RouterServicer):
         self, request: svc.PolicyRequest, context: grpc.aio.ServicerContext
     ) -> svc.PolicyInfo:
         policy_id = policy_id_for(self._settings.policy_scope, request.tenant, request.user_id)
-        models, version = await self._store.load(policy_id)
+        try:
+            models, version = await self._store.load(policy_id)
+        except PolicyCorrupt as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         return svc.PolicyInfo(
             policy_id=policy_id,
             version=version,

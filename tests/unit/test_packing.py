@@ -107,3 +107,51 @@ def test_active_state_and_query_never_dropped() -> None:
 def test_custom_token_counter_is_used() -> None:
     p = pack_view(_view(), QUERY, STATE, 10**6, count_tokens=lambda s: 1)
     assert p.prompt_tokens == 2 * (1 + MESSAGE_OVERHEAD_TOKENS)
+
+
+def test_packer_never_exceeds_any_budget_on_random_views() -> None:
+    """Property test over random views and budgets: within budget when it fits, active state and query kept."""
+    import random
+
+    from mars.domain.text import estimate_tokens as count
+
+    rnd = random.Random(42)
+    words = "alpha beta gamma delta trip budget poem revise draft table chart memory".split()
+    for _ in range(500):
+        view = ev.CandidateView()
+        if rnd.random() < 0.7:
+            view.blocks.append(
+                ev.MemoryBlock(
+                    block_id="active",
+                    kind=ev.ACTIVE_STATE,
+                    text=" ".join(rnd.choices(words, k=rnd.randint(5, 80))),
+                )
+            )
+        for i in range(rnd.randint(0, 6)):
+            view.blocks.append(
+                ev.MemoryBlock(
+                    block_id=f"recent:{i}",
+                    kind=ev.RECENT_TURN,
+                    text=" ".join(rnd.choices(words, k=rnd.randint(5, 300))),
+                )
+            )
+        for i in range(rnd.randint(0, 8)):
+            view.blocks.append(
+                ev.MemoryBlock(
+                    block_id=f"hist:{i}",
+                    kind=ev.RETRIEVED_HISTORY,
+                    text=" ".join(rnd.choices(words, k=rnd.randint(5, 400))),
+                    score=rnd.random(),
+                )
+            )
+        for b in view.blocks:
+            b.token_estimate = count(b.text)
+        query = " ".join(rnd.choices(words, k=rnd.randint(1, 60)))
+        budget = rnd.randint(50, 4000)
+        packed = pack_view(view, query, ev.SessionState(phase=ev.REVISE), budget)
+        kept = {b.block_id for b in packed.blocks}
+        if packed.fits:
+            assert packed.prompt_tokens <= budget
+        assert all(b.block_id in kept for b in view.blocks if b.kind == ev.ACTIVE_STATE)
+        assert packed.messages[-1]["content"] == query
+        assert kept | set(packed.clipped_block_ids) == {b.block_id for b in view.blocks}

@@ -14,7 +14,8 @@ quality of arm a on a turn is
 for Llama-3.2-3B, Mixtral-8x7B, Qwen2.5-72B, GPT-4o: base 0.62 / 0.66 / 0.70 / 0.74, weakness
 0.9 / 0.6 / 0.4 / 0.2, and phase affinities (EXPLORE, CONSTRAIN, VERIFY, REVISE, SYNTHESIZE) of
 (+.25, -.05, 0, -.15, -.25), (0, +.20, 0, -.05, -.15), (-.05, 0, +.10, +.20, 0), (-.10, 0, +.05, 0, +.25):
-no arm is best everywhere (small models on light exploration, the strongest on heavy synthesis). The observed utility is q_a plus N(0, 0.1) noise, clipped to [0, 1]; the
+no arm is best everywhere (small models on light exploration, the strongest on heavy synthesis).
+The observed utility is q_a plus N(0, 0.1) noise, clipped to [0, 1]; the
 reward is u - lambda * C_gen, with C_gen the cost of (view + 300 prompt tokens in, 300 out) at the
 arm's Table 10 price, in US cents (so lambda 0.5 weighs a cent as half a quality point, and the paper's
 0.002 makes routing quality-first). The oracle plays argmax of the expected reward; regret is in
@@ -230,6 +231,11 @@ def add_router_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
         "--lambdas", type=float, nargs="+", default=[0.002, 0.5], help="cost weights (paper: 0.002, 0.5)"
     )
     p.add_argument("--out", help="write results as JSON here")
+    p.add_argument(
+        "--no-postgres",
+        action="store_true",
+        help="skip timing route/update against a local embedded Postgres",
+    )
     p.set_defaults(func=cmd_router)
 
 
@@ -298,6 +304,48 @@ def cmd_router(args: argparse.Namespace) -> int:
         f"in-process LinUCB ({FEATURE_DIM} features, {len(POOL)} arms): route p50 {_pct(route, 50):.3f} ms, "
         f"p99 {_pct(route, 99):.3f} ms; update p50 {_pct(update, 50):.3f} ms, p99 {_pct(update, 99):.3f} ms"
     )
+    if not args.no_postgres:
+        route_pg, update_pg = time_against_postgres()
+        console.print(
+            f"against local Postgres (router PolicyStore): route p50 {_pct(route_pg, 50):.3f} ms, "
+            f"p99 {_pct(route_pg, 99):.3f} ms; update p50 {_pct(update_pg, 50):.3f} ms, p99 {_pct(update_pg, 99):.3f} ms"
+        )
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2))
     return 0
+
+
+def time_against_postgres(samples: int = 500) -> tuple[list[float], list[float]]:
+    """route = load the user's policy + choose; update = the ledgered, row-locked Eq. 11 transaction."""
+    import asyncio
+
+    from mars_router.service import MIGRATIONS, PolicyStore, RouterSettings
+    from mars_stack import LocalStack, StackSettings
+
+    from mars import db
+
+    stack = LocalStack(StackSettings(start_llm=False, start_broker=False, services=())).start()
+
+    async def run() -> tuple[list[float], list[float]]:
+        dsn = stack.env["MARS_POSTGRES_DSN"]
+        pool = await db.open_pool(dsn)
+        await db.migrate(pool, "router", MIGRATIONS)
+        store = PolicyStore(pool, RouterSettings(postgres_dsn=dsn), [a.name for a in POOL])
+        rng = np.random.default_rng(1)
+        route, update = [], []
+        for t in range(samples):
+            turn = draw_turn(rng, 1 + t % 12)
+            t0 = time.perf_counter()
+            arm, _, policy_id, _ = await store.decide("bench", f"user-{t % 20}", turn.x)
+            route.append(time.perf_counter() - t0)
+            await store.record_decision(f"turn-{t}", policy_id, arm, turn.x)
+            t0 = time.perf_counter()
+            await store.apply_reward(f"turn-{t}", arm, float(turn.expected_quality[0]), [])
+            update.append(time.perf_counter() - t0)
+        await pool.close()
+        return route, update
+
+    try:
+        return asyncio.run(run())
+    finally:
+        stack.stop()

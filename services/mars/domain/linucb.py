@@ -43,6 +43,16 @@ class ArmModel:
     def theta(self) -> np.ndarray:
         return self.A_inv @ self.b
 
+    def sanity_error(self) -> str | None:
+        """Why these matrices must not be used (non-finite, or A not positive definite), or None."""
+        if not (np.isfinite(self.A).all() and np.isfinite(self.A_inv).all() and np.isfinite(self.b).all()):
+            return "non-finite values"
+        try:
+            np.linalg.cholesky(self.A)
+        except np.linalg.LinAlgError:
+            return "A is not positive definite"
+        return None
+
     def to_bytes(self) -> bytes:
         """Little-endian float64 A, A_inv (row-major) and b, plus the refactor counter as a trailing float.
 

@@ -1,0 +1,147 @@
+"""Router policies in a real Postgres: concurrency, idempotency, restart, bad input, corrupt matrices."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from mars import db
+from mars.bus import PoisonEvent
+from mars.domain.features import FEATURE_DIM
+from mars.domain.linucb import ArmModel
+from mars_router.service import MIGRATIONS, PolicyStore, RouterSettings
+from mars_stack import LocalStack, StackSettings
+
+pytestmark = pytest.mark.integration
+ARMS = ["small", "large"]
+HERE = Path(__file__).parent
+
+
+@pytest.fixture(scope="module")
+def dsn(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    stack = LocalStack(
+        StackSettings(
+            workdir=tmp_path_factory.mktemp("rpg"), start_llm=False, start_broker=False, services=()
+        )
+    ).start()
+    try:
+        yield stack.env["MARS_POSTGRES_DSN"]
+    finally:
+        stack.stop()
+
+
+async def store_for(dsn: str, **kw: object) -> tuple[PolicyStore, object]:
+    pool = await db.open_pool(dsn)
+    await db.migrate(pool, "router", MIGRATIONS)
+    settings = RouterSettings(postgres_dsn=dsn, **{"policy_scope": "global", **kw})  # type: ignore[arg-type]
+    return PolicyStore(pool, settings, ARMS), pool
+
+
+def features(i: int) -> np.ndarray:
+    rng = np.random.default_rng(i)
+    return rng.uniform(0, 1, FEATURE_DIM)
+
+
+def test_two_router_processes_lose_no_update(dsn: str) -> None:
+    n = 40
+    jobs = {w: [[f"conc-{w}-{i}", ARMS[i % 2], 0.5 + 0.01 * i] for i in range(n)] for w in (0, 1)}
+
+    async def prepare() -> None:
+        store, pool = await store_for(dsn)
+        await store.load("global")
+        for items in jobs.values():
+            for turn_id, arm, _ in items:
+                await store.record_decision(
+                    str(turn_id), "global", str(arm), features(hash(turn_id) % 10_000)
+                )
+        await pool.close()  # type: ignore[attr-defined]
+
+    asyncio.run(prepare())
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(HERE / "router_worker.py"), dsn, json.dumps(items), json.dumps(ARMS)],
+        )
+        for items in jobs.values()
+    ]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0]
+
+    async def check() -> None:
+        store, pool = await store_for(dsn)
+        models, version = await store.load("global")
+        assert version == 2 * n
+        for arm in ARMS:
+            xs = [features(hash(t) % 10_000) for items in jobs.values() for t, a, _ in items if a == arm]
+            rs = [r for items in jobs.values() for _, a, r in items if a == arm]
+            expected_a = np.eye(FEATURE_DIM) + sum(np.outer(x, x) for x in xs)
+            expected_b = sum(r * x for x, r in zip(xs, rs, strict=True))
+            assert models[arm].pulls == len(xs)
+            np.testing.assert_allclose(models[arm].A, expected_a, rtol=1e-9)
+            np.testing.assert_allclose(models[arm].b, expected_b, rtol=1e-9)
+            np.testing.assert_allclose(models[arm].A_inv @ models[arm].A, np.eye(FEATURE_DIM), atol=1e-6)
+        await pool.close()  # type: ignore[attr-defined]
+
+    asyncio.run(check())
+
+
+def test_replay_restart_and_bad_input(dsn: str) -> None:
+    async def scenario() -> None:
+        store, pool = await store_for(dsn)
+        await store.load("global")
+        x = features(7)
+        await store.record_decision("r-1", "global", "small", x)
+        assert await store.apply_reward("r-1", "small", 0.7, []) is True
+        before, v1 = await store.load("global")
+        assert await store.apply_reward("r-1", "small", 0.7, []) is False  # replay: no effect
+        after, v2 = await store.load("global")
+        assert v1 == v2 and after["small"].to_bytes() == before["small"].to_bytes()
+        await pool.close()  # type: ignore[attr-defined]
+
+        restarted, pool2 = await store_for(dsn)
+        again, v3 = await restarted.load("global")
+        assert v3 == v1 and all(again[a].to_bytes() == before[a].to_bytes() for a in ARMS)
+
+        with pytest.raises(PoisonEvent, match="no routing decision"):
+            await restarted.apply_reward("never-routed", "small", 0.5, [])
+        await restarted.record_decision("r-2", "global", "small", x)
+        with pytest.raises(PoisonEvent, match="outside"):
+            await restarted.apply_reward("r-2", "small", 7.5, [])
+        with pytest.raises(PoisonEvent, match="outside"):
+            await restarted.apply_reward("r-2", "small", float("nan"), [])
+        with pytest.raises(PoisonEvent, match="not in the pool"):
+            await restarted.apply_reward("r-2", "medium", 0.5, [])
+        await restarted.record_decision("r-3", "global", "small", x[:5])
+        with pytest.raises(PoisonEvent, match="features"):
+            await restarted.apply_reward("r-3", "small", 0.5, [])
+        unchanged, v4 = await restarted.load("global")
+        assert v4 == v1 and unchanged["small"].to_bytes() == before["small"].to_bytes()
+        await pool2.close()  # type: ignore[attr-defined]
+
+    asyncio.run(scenario())
+
+
+def test_corrupt_matrices_are_refused_and_routing_falls_back(dsn: str) -> None:
+    async def scenario() -> None:
+        store, pool = await store_for(dsn, policy_scope="user", default_arm="large")
+        arm, scores, policy_id, version = await store.decide("t", "corrupt-user", features(1))
+        assert version >= 0 and scores
+        bad = ArmModel.cold(FEATURE_DIM, 1.0)
+        bad.A[0, 0] = float("nan")
+        async with pool.connection() as conn:  # type: ignore[attr-defined]
+            await conn.execute(
+                "UPDATE router_arms SET model = %s WHERE policy_id = %s AND arm = 'small'",
+                (bad.to_bytes(), policy_id),
+            )
+        arm, scores, _, version = await store.decide("t", "corrupt-user", features(1))
+        assert (arm, scores, version) == ("large", [], -1)
+        await store.record_decision("c-1", policy_id, "small", features(1))
+        with pytest.raises(PoisonEvent, match="sanity check"):
+            await store.apply_reward("c-1", "small", 0.5, [])
+        await pool.close()  # type: ignore[attr-defined]
+
+    asyncio.run(scenario())
