@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass
 from typing import Literal
 
 import grpc
@@ -12,6 +13,7 @@ import numpy as np
 from mars import db
 from mars.bus import EventProducer, PoisonEvent, StageConsumer, Subscription
 from mars.config import TOPIC_JUDGED, TOPIC_ROUTED, TOPIC_VIEW, ServiceSettings
+from mars.domain.bandits import make_routing_policy
 from mars.domain.features import FEATURE_DIM, featurize
 from mars.domain.linucb import ArmModel, LinUCBPolicy
 from mars.pool import ModelPool, load_pool
@@ -47,6 +49,8 @@ MIGRATIONS = [
         features DOUBLE PRECISION[] NOT NULL, created_at TIMESTAMPTZ NOT NULL DEFAULT now()
     )
     """,
+    "ALTER TABLE router_decisions ADD COLUMN IF NOT EXISTS session_key TEXT",
+    "CREATE INDEX IF NOT EXISTS router_decisions_session ON router_decisions (session_key, created_at)",
     # The applied-update ledger: at-least-once delivery, exactly-once effect.
     """
     CREATE TABLE IF NOT EXISTS router_ledger (
@@ -63,6 +67,12 @@ class RouterSettings(ServiceSettings):
     ridge: float = 1.0
     #: The paper keeps one policy per user; tenant or global share learning across users.
     policy_scope: Literal["user", "tenant", "global"] = "user"
+    #: linucb (the paper's), thompson, eps-greedy, random or fixed:<arm>; propensities are logged.
+    routing_policy: str = "linucb"
+    epsilon: float = 0.1
+    thompson_v: float = 0.3
+    #: Session affinity: UCB points an arm other than the session's previous one loses (0 = off).
+    switch_penalty: float = 0.0
     #: Arm used when a policy's matrices fail the sanity check (default: the pool's first arm).
     default_arm: str | None = None
     #: Rewards outside this range are rejected (utility is in [0, 1]; cost only lowers it).
@@ -82,12 +92,32 @@ class PolicyCorrupt(Exception):
     pass
 
 
+@dataclass(frozen=True)
+class RouteResult:
+    arm: str
+    scores: list[ev.ArmScore]
+    policy_id: str
+    version: int
+    propensity: float
+    previous_arm: str | None = None
+    switch_penalty: float = 0.0
+
+
 class PolicyStore:
     def __init__(self, pool: AsyncConnectionPool, settings: RouterSettings, arms: list[str]) -> None:
         self._pool = pool
         self._settings = settings
         self.arms = arms
         self.policy = LinUCBPolicy(arms, FEATURE_DIM, alpha=settings.alpha, ridge=settings.ridge)
+        self.routing = make_routing_policy(
+            settings.routing_policy,
+            arms,
+            FEATURE_DIM,
+            settings.alpha,
+            settings.ridge,
+            settings.epsilon,
+            settings.thompson_v,
+        )
         self.default_arm = settings.default_arm or arms[0]
         if self.default_arm not in arms:
             raise ValueError(f"default_arm {self.default_arm!r} is not in the model pool {arms}")
@@ -125,24 +155,46 @@ class PolicyStore:
         return {a: models[a] for a in self.arms if a in models}, version
 
     async def decide(
-        self, tenant: str, user_id: str, x: np.ndarray
-    ) -> tuple[str, list[ev.ArmScore], str, int]:
+        self, tenant: str, user_id: str, x: np.ndarray, session_key: str | None = None
+    ) -> RouteResult:
         policy_id = policy_id_for(self._settings.policy_scope, tenant, user_id)
         try:
             models, version = await self.load(policy_id)
         except PolicyCorrupt as exc:
             # Never route on broken matrices: the configured default arm answers, and we say so.
             log.error("refusing policy: %s; routing to default arm %s", exc, self.default_arm)
-            return self.default_arm, [], policy_id, -1
-        arm, scores = self.policy.choose(x, models)
-        return arm, scores, policy_id, version
+            return RouteResult(self.default_arm, [], policy_id, -1, 1.0)
+        previous = None
+        penalties: dict[str, float] = {}
+        if self._settings.switch_penalty and session_key:
+            async with self._pool.connection() as conn:
+                cur = await conn.execute(
+                    "SELECT arm FROM router_decisions WHERE session_key = %s ORDER BY created_at DESC LIMIT 1",
+                    (session_key,),
+                )
+                row = await cur.fetchone()
+            previous = str(row[0]) if row else None
+            if previous:
+                penalties = {a: self._settings.switch_penalty for a in self.arms if a != previous}
+        decision = self.routing.decide(x, models, penalties)
+        return RouteResult(
+            decision.arm,
+            decision.scores,
+            policy_id,
+            version,
+            decision.propensity,
+            previous,
+            self._settings.switch_penalty if penalties else 0.0,
+        )
 
-    async def record_decision(self, turn_id: str, policy_id: str, arm: str, x: np.ndarray) -> None:
+    async def record_decision(
+        self, turn_id: str, policy_id: str, arm: str, x: np.ndarray, session_key: str | None = None
+    ) -> None:
         async with self._pool.connection() as conn:
             await conn.execute(
-                "INSERT INTO router_decisions (turn_id, policy_id, arm, features) VALUES (%s, %s, %s, %s) "
-                "ON CONFLICT DO NOTHING",
-                (turn_id, policy_id, arm, [float(v) for v in x]),
+                "INSERT INTO router_decisions (turn_id, policy_id, arm, features, session_key) "
+                "VALUES (%s, %s, %s, %s, %s) ON CONFLICT DO NOTHING",
+                (turn_id, policy_id, arm, [float(v) for v in x], session_key),
             )
 
     async def apply_reward(
@@ -210,7 +262,7 @@ class PolicyStore:
             raise PoisonEvent(
                 f"policy {policy_id}, arm {arm} failed its sanity check ({why}); update refused"
             )
-        updated = self.policy.update(model, x, reward)
+        updated = self.routing.update(model, x, reward)
         await conn.execute(
             "UPDATE router_arms SET model = %s, pulls = %s, reward_sum = %s, version = version + 1 "
             "WHERE policy_id = %s AND arm = %s",
@@ -233,19 +285,23 @@ class RouterStage:
             if await db.already_emitted(conn, STAGE, turn.turn_id):
                 return
         x = featurize(event.state, event.view.load, event.state.thread_depth)
-        arm, scores, policy_id, version = await self._store.decide(turn.tenant, turn.user_id, x)
-        await self._store.record_decision(turn.turn_id, policy_id, arm, x)
+        session_key = f"{turn.tenant}/{turn.user_id}/{turn.session_id}"
+        route = await self._store.decide(turn.tenant, turn.user_id, x, session_key)
+        arm = route.arm
+        await self._store.record_decision(turn.turn_id, route.policy_id, arm, x, session_key)
         out = ev.Routed(
             turn=turn,
             text=event.text,
             state=event.state,
             view=event.view,
             features=[float(v) for v in x],
-            scores=scores,
+            scores=route.scores,
             chosen_arm=arm,
-            propensity=1.0,  # greedy argmax: the chosen arm had probability 1
-            policy_id=policy_id,
-            policy_version=version,
+            propensity=route.propensity,
+            policy_id=route.policy_id,
+            policy_version=route.version,
+            previous_arm=route.previous_arm or "",
+            switch_penalty=route.switch_penalty,
             fallback_order=self._pool_cfg.fallbacks_after(arm),
         )
         await self._producer.publish(TOPIC_ROUTED, out, turn)
@@ -265,13 +321,13 @@ class RouterServicer(svc_grpc.RouterServicer):
         if not request.tenant or not request.user_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "tenant and user_id are required")
         x = featurize(request.state, request.view.load, request.turn_depth or 1)
-        arm, scores, policy_id, version = await self._store.decide(request.tenant, request.user_id, x)
+        route = await self._store.decide(request.tenant, request.user_id, x)
         return svc.RouteDecision(
             features=[float(v) for v in x],
-            scores=scores,
-            chosen_arm=arm,
-            policy_id=policy_id,
-            policy_version=version,
+            scores=route.scores,
+            chosen_arm=route.arm,
+            policy_id=route.policy_id,
+            policy_version=route.version,
         )
 
     async def GetPolicy(

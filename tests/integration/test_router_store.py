@@ -128,8 +128,9 @@ def test_replay_restart_and_bad_input(dsn: str) -> None:
 def test_corrupt_matrices_are_refused_and_routing_falls_back(dsn: str) -> None:
     async def scenario() -> None:
         store, pool = await store_for(dsn, policy_scope="user", default_arm="large")
-        arm, scores, policy_id, version = await store.decide("t", "corrupt-user", features(1))
-        assert version >= 0 and scores
+        first = await store.decide("t", "corrupt-user", features(1))
+        policy_id = first.policy_id
+        assert first.version >= 0 and first.scores
         bad = ArmModel.cold(FEATURE_DIM, 1.0)
         bad.A[0, 0] = float("nan")
         async with pool.connection() as conn:  # type: ignore[attr-defined]
@@ -137,11 +138,43 @@ def test_corrupt_matrices_are_refused_and_routing_falls_back(dsn: str) -> None:
                 "UPDATE router_arms SET model = %s WHERE policy_id = %s AND arm = 'small'",
                 (bad.to_bytes(), policy_id),
             )
-        arm, scores, _, version = await store.decide("t", "corrupt-user", features(1))
-        assert (arm, scores, version) == ("large", [], -1)
+        fallback = await store.decide("t", "corrupt-user", features(1))
+        assert (fallback.arm, fallback.scores, fallback.version) == ("large", [], -1)
         await store.record_decision("c-1", policy_id, "small", features(1))
         with pytest.raises(PoisonEvent, match="sanity check"):
             await store.apply_reward("c-1", "small", 0.5, [])
+        await pool.close()  # type: ignore[attr-defined]
+
+    asyncio.run(scenario())
+
+
+def test_session_affinity_penalty_keeps_the_previous_arm(dsn: str) -> None:
+    async def scenario() -> None:
+        store, pool = await store_for(dsn, policy_scope="user", switch_penalty=100.0)
+        x = features(3)
+        first = await store.decide("t", "sticky", x, "t/sticky/s1")
+        assert first.previous_arm is None and first.switch_penalty == 0.0
+        # The session's previous arm was "large": with a huge penalty, every other arm loses.
+        await store.record_decision("s-1", first.policy_id, "large", x, "t/sticky/s1")
+        second = await store.decide("t", "sticky", x, "t/sticky/s1")
+        assert (second.arm, second.previous_arm, second.switch_penalty) == ("large", "large", 100.0)
+        other_session = await store.decide("t", "sticky", x, "t/sticky/s2")
+        assert other_session.previous_arm is None
+        plain, pool2 = await store_for(dsn, policy_scope="user")
+        assert (await plain.decide("t", "sticky", x, "t/sticky/s1")).switch_penalty == 0.0
+        for p in (pool, pool2):
+            await p.close()  # type: ignore[attr-defined]
+
+    asyncio.run(scenario())
+
+
+def test_routing_policy_is_selectable_and_logs_propensity(dsn: str) -> None:
+    async def scenario() -> None:
+        store, pool = await store_for(dsn, policy_scope="user", routing_policy="eps-greedy", epsilon=0.5)
+        props = {(await store.decide("t", "explorer", features(i))).propensity for i in range(30)}
+        assert props <= {0.25, 0.75} and props  # eps/n for exploration picks, 1 - eps + eps/n for greedy
+        with pytest.raises(ValueError, match="unknown routing policy"):
+            await store_for(dsn, routing_policy="psychic")
         await pool.close()  # type: ignore[attr-defined]
 
     asyncio.run(scenario())

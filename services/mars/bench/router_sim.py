@@ -336,11 +336,11 @@ def time_against_postgres(samples: int = 500) -> tuple[list[float], list[float]]
         for t in range(samples):
             turn = draw_turn(rng, 1 + t % 12)
             t0 = time.perf_counter()
-            arm, _, policy_id, _ = await store.decide("bench", f"user-{t % 20}", turn.x)
+            decision = await store.decide("bench", f"user-{t % 20}", turn.x)
             route.append(time.perf_counter() - t0)
-            await store.record_decision(f"turn-{t}", policy_id, arm, turn.x)
+            await store.record_decision(f"turn-{t}", decision.policy_id, decision.arm, turn.x)
             t0 = time.perf_counter()
-            await store.apply_reward(f"turn-{t}", arm, float(turn.expected_quality[0]), [])
+            await store.apply_reward(f"turn-{t}", decision.arm, float(turn.expected_quality[0]), [])
             update.append(time.perf_counter() - t0)
         await pool.close()
         return route, update

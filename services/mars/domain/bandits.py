@@ -28,7 +28,9 @@ class Decision:
 class RoutingPolicy(Protocol):
     arms: tuple[str, ...]
 
-    def decide(self, x: np.ndarray, models: Mapping[str, ArmModel]) -> Decision: ...
+    def decide(
+        self, x: np.ndarray, models: Mapping[str, ArmModel], penalties: Mapping[str, float] | None = None
+    ) -> Decision: ...
 
     def update(self, model: ArmModel, x: np.ndarray, reward: float) -> ArmModel: ...
 
@@ -55,8 +57,19 @@ class LinUCBRouting(_RidgeBase):
         super().__init__(arms, dim, ridge)
         self._ucb = LinUCBPolicy(arms, dim, alpha=alpha, ridge=ridge)
 
-    def decide(self, x: np.ndarray, models: Mapping[str, ArmModel]) -> Decision:
+    def decide(
+        self, x: np.ndarray, models: Mapping[str, ArmModel], penalties: Mapping[str, float] | None = None
+    ) -> Decision:
         arm, scores = self._ucb.choose(x, models)
+        if penalties:
+            # Session affinity: a switch costs `penalty` UCB points; ties keep the pool order.
+            for sc in scores:
+                sc.ucb -= penalties.get(sc.arm, 0.0)
+            best = scores[0]
+            for sc in scores[1:]:
+                if sc.ucb > best.ucb:
+                    best = sc
+            arm = best.arm
         return Decision(arm, scores, 1.0)
 
 
@@ -67,7 +80,9 @@ class FixedArmRouting(_RidgeBase):
             raise ValueError(f"unknown arm {arm!r}")
         self._arm = arm
 
-    def decide(self, x: np.ndarray, models: Mapping[str, ArmModel]) -> Decision:
+    def decide(
+        self, x: np.ndarray, models: Mapping[str, ArmModel], penalties: Mapping[str, float] | None = None
+    ) -> Decision:
         return Decision(self._arm, self._means(x, models), 1.0)
 
 
@@ -76,7 +91,9 @@ class RandomRouting(_RidgeBase):
         super().__init__(arms, dim)
         self._rng = np.random.default_rng(seed)
 
-    def decide(self, x: np.ndarray, models: Mapping[str, ArmModel]) -> Decision:
+    def decide(
+        self, x: np.ndarray, models: Mapping[str, ArmModel], penalties: Mapping[str, float] | None = None
+    ) -> Decision:
         arm = self.arms[int(self._rng.integers(len(self.arms)))]
         return Decision(arm, self._means(x, models), 1.0 / len(self.arms))
 
@@ -89,7 +106,9 @@ class EpsilonGreedyRouting(_RidgeBase):
         self._eps = epsilon
         self._rng = np.random.default_rng(seed)
 
-    def decide(self, x: np.ndarray, models: Mapping[str, ArmModel]) -> Decision:
+    def decide(
+        self, x: np.ndarray, models: Mapping[str, ArmModel], penalties: Mapping[str, float] | None = None
+    ) -> Decision:
         scores = self._means(x, models)
         greedy = max(range(len(scores)), key=lambda i: (scores[i].mean, -i))
         n = len(self.arms)
@@ -111,7 +130,9 @@ class LinearThompsonRouting(_RidgeBase):
         self._v = v
         self._rng = np.random.default_rng(seed)
 
-    def decide(self, x: np.ndarray, models: Mapping[str, ArmModel]) -> Decision:
+    def decide(
+        self, x: np.ndarray, models: Mapping[str, ArmModel], penalties: Mapping[str, float] | None = None
+    ) -> Decision:
         scores = self._means(x, models)
         samples = []
         for arm in self.arms:
@@ -124,3 +145,28 @@ class LinearThompsonRouting(_RidgeBase):
         pick = int(np.argmax(samples))
         # The exact propensity has no closed form; log it as unknown (0) rather than guess.
         return Decision(self.arms[pick], scores, 0.0)
+
+
+def make_routing_policy(
+    name: str,
+    arms: Sequence[str],
+    dim: int,
+    alpha: float = 0.8,
+    ridge: float = 1.0,
+    epsilon: float = 0.1,
+    thompson_v: float = 0.3,
+    seed: int | None = None,
+) -> RoutingPolicy:
+    """By name: linucb (default), thompson, eps-greedy, random, or fixed:<arm>."""
+    rng_seed = seed if seed is not None else int(np.random.SeedSequence().entropy % (2**31))  # type: ignore[operator]
+    if name == "linucb":
+        return LinUCBRouting(arms, dim, alpha=alpha, ridge=ridge)
+    if name == "thompson":
+        return LinearThompsonRouting(arms, dim, v=thompson_v, ridge=ridge, seed=rng_seed)
+    if name == "eps-greedy":
+        return EpsilonGreedyRouting(arms, dim, epsilon=epsilon, seed=rng_seed)
+    if name == "random":
+        return RandomRouting(arms, dim, seed=rng_seed)
+    if name.startswith("fixed:"):
+        return FixedArmRouting(arms, dim, name.split(":", 1)[1])
+    raise ValueError(f"unknown routing policy {name!r}: linucb, thompson, eps-greedy, random or fixed:<arm>")
