@@ -298,6 +298,7 @@ class LocalStack:
         wait_until(ready, 120, "llama.cpp server", proc.popen, proc.log)
         self.ports["llm"] = port
         self.env["MARS_LOCAL_LLM_URL"] = f"http://127.0.0.1:{port}"
+        self.env["MARS_LOCAL_GGUF"] = str(gguf)
 
     def _write_env(self) -> None:
         self.env["MARS_MODEL_POOL"] = str(self.settings.model_pool)

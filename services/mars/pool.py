@@ -27,6 +27,8 @@ class ModelSpec(BaseModel):
     input_price_per_m: float = Field(ge=0)
     output_price_per_m: float = Field(ge=0)
     timeout_s: float = Field(default=60.0, gt=0)
+    #: Tokenizer for exact packing: gguf:<path> or hf:<tokenizer.json>; none = conservative estimate.
+    tokenizer: str | None = None
 
     @model_validator(mode="after")
     def _budget_positive(self) -> ModelSpec:

@@ -17,6 +17,7 @@ from mars.domain.packing import PackedPrompt, input_budget, pack_view
 from mars.domain.text import estimate_tokens
 from mars.pool import ModelPool, ModelSpec, load_pool
 from mars.runtime import GrpcBinding, ServiceContext, ServiceParts, run
+from mars.tokens import load_counter
 from mars.v1 import events_pb2 as ev
 from mars.v1 import services_pb2 as svc
 from mars.v1 import services_pb2_grpc as svc_grpc
@@ -117,7 +118,11 @@ class Dispatcher:
             spec = self._pool.get(arm)
             t0 = time.perf_counter()
             packed = pack_view(
-                view, text, state, input_budget(spec.context_window, spec.output_reserve, spec.safety_margin)
+                view,
+                text,
+                state,
+                input_budget(spec.context_window, spec.output_reserve, spec.safety_margin),
+                load_counter(spec.tokenizer),
             )
             attempt = ev.GenerationAttempt(
                 arm=arm,

