@@ -15,7 +15,7 @@ from mars.bus import EventProducer, PoisonEvent, StageConsumer, Subscription
 from mars.config import TOPIC_JUDGED, TOPIC_ROUTED, TOPIC_VIEW, ServiceSettings
 from mars.domain.bandits import make_routing_policy
 from mars.domain.features import FEATURE_DIM, featurize
-from mars.domain.linucb import ArmModel, LinUCBPolicy
+from mars.domain.linucb import ArmModel
 from mars.pool import ModelPool, load_pool
 from mars.runtime import GrpcBinding, ServiceContext, ServiceParts, run
 from mars.v1 import events_pb2 as ev
@@ -67,6 +67,8 @@ class RouterSettings(ServiceSettings):
     ridge: float = 1.0
     #: The paper keeps one policy per user; tenant or global share learning across users.
     policy_scope: Literal["user", "tenant", "global"] = "user"
+    #: A new user policy copies its tenant policy's matrices ("tenant:<tenant>") when one exists.
+    warm_start_from_tenant: bool = False
     #: linucb (the paper's), thompson, eps-greedy, random or fixed:<arm>; propensities are logged.
     routing_policy: str = "linucb"
     epsilon: float = 0.1
@@ -108,7 +110,6 @@ class PolicyStore:
         self._pool = pool
         self._settings = settings
         self.arms = arms
-        self.policy = LinUCBPolicy(arms, FEATURE_DIM, alpha=settings.alpha, ridge=settings.ridge)
         self.routing = make_routing_policy(
             settings.routing_policy,
             arms,
@@ -123,16 +124,26 @@ class PolicyStore:
             raise ValueError(f"default_arm {self.default_arm!r} is not in the model pool {arms}")
 
     async def _ensure(self, conn: AsyncConnection, policy_id: str) -> None:
-        await conn.execute(
+        cur = await conn.execute(
             "INSERT INTO router_policies (policy_id, scope, dim, alpha, ridge) VALUES (%s, %s, %s, %s, %s) "
-            "ON CONFLICT DO NOTHING",
+            "ON CONFLICT DO NOTHING RETURNING policy_id",
             (policy_id, self._settings.policy_scope, FEATURE_DIM, self._settings.alpha, self._settings.ridge),
         )
+        created = await cur.fetchone() is not None
         cold = ArmModel.cold(FEATURE_DIM, self._settings.ridge).to_bytes()
+        seed: dict[str, bytes] = {}
+        if created and self._settings.warm_start_from_tenant and policy_id.startswith("user:"):
+            # A new user's policy starts from its tenant's matrices (pull counts start at zero).
+            tenant = policy_id[len("user:") :].split("/", 1)[0]
+            cur = await conn.execute(
+                "SELECT arm, model FROM router_arms WHERE policy_id = %s",
+                (policy_id_for("tenant", tenant, ""),),
+            )
+            seed = {str(arm): bytes(blob) for arm, blob in await cur.fetchall()}
         for arm in self.arms:
             await conn.execute(
                 "INSERT INTO router_arms (policy_id, arm, model) VALUES (%s, %s, %s) ON CONFLICT DO NOTHING",
-                (policy_id, arm, cold),
+                (policy_id, arm, seed.get(arm, cold)),
             )
 
     async def load(self, policy_id: str) -> tuple[dict[str, ArmModel], int]:
@@ -186,6 +197,20 @@ class PolicyStore:
             previous,
             self._settings.switch_penalty if penalties else 0.0,
         )
+
+    async def reset(self, policy_id: str) -> None:
+        """Back to the cold start; the ledger stays, so rewards already applied are never re-applied."""
+        cold = ArmModel.cold(FEATURE_DIM, self._settings.ridge).to_bytes()
+        async with self._pool.connection() as conn, conn.transaction():
+            await self._ensure(conn, policy_id)
+            await conn.execute(
+                "UPDATE router_arms SET model = %s, pulls = 0, reward_sum = 0, version = version + 1 "
+                "WHERE policy_id = %s",
+                (cold, policy_id),
+            )
+            await conn.execute(
+                "UPDATE router_policies SET version = version + 1 WHERE policy_id = %s", (policy_id,)
+            )
 
     async def record_decision(
         self, turn_id: str, policy_id: str, arm: str, x: np.ndarray, session_key: str | None = None
@@ -329,6 +354,16 @@ class RouterServicer(svc_grpc.RouterServicer):
             policy_id=route.policy_id,
             policy_version=route.version,
         )
+
+    async def ResetPolicy(
+        self, request: svc.PolicyRequest, context: grpc.aio.ServicerContext
+    ) -> svc.PolicyInfo:
+        if not request.tenant or (self._settings.policy_scope == "user" and not request.user_id):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "tenant (and user_id for user policies) required"
+            )
+        await self._store.reset(policy_id_for(self._settings.policy_scope, request.tenant, request.user_id))
+        return await self.GetPolicy(request, context)
 
     async def GetPolicy(
         self, request: svc.PolicyRequest, context: grpc.aio.ServicerContext

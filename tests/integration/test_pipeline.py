@@ -385,6 +385,12 @@ def test_services_answer_health_and_direct_calls(stack: LocalStack) -> None:
         svc.PolicyRequest(tenant=TENANT, user_id="user-zebra")
     )
     assert policy.dimension > 20 and sum(a.pulls for a in policy.arms) >= 10
+    router = svc_grpc.RouterStub(grpc.insecure_channel(stack.addr("router")))
+    reset = router.ResetPolicy(svc.PolicyRequest(tenant=TENANT, user_id="user-quokka"))
+    assert sum(a.pulls for a in reset.arms) == 0 and reset.version > 0
+    with pytest.raises(grpc.RpcError) as info:
+        router.ResetPolicy(svc.PolicyRequest(tenant=TENANT))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
 def test_converse_stream_answers_each_turn_in_order(stack: LocalStack) -> None:

@@ -178,3 +178,34 @@ def test_routing_policy_is_selectable_and_logs_propensity(dsn: str) -> None:
         await pool.close()  # type: ignore[attr-defined]
 
     asyncio.run(scenario())
+
+
+def test_reset_and_tenant_warm_start(dsn: str) -> None:
+    async def scenario() -> None:
+        tenant_store, pool = await store_for(dsn, policy_scope="tenant")
+        x = features(11)
+        first = await tenant_store.decide("acme", "anyone", x)
+        assert first.policy_id == "tenant:acme"
+        await tenant_store.record_decision("w-1", first.policy_id, "large", x)
+        await tenant_store.apply_reward("w-1", "large", 0.9, [])
+        tenant_models, _ = await tenant_store.load("tenant:acme")
+
+        warm, pool2 = await store_for(dsn, policy_scope="user", warm_start_from_tenant=True)
+        new_user = await warm.decide("acme", "newcomer", x)
+        models, _ = await warm.load(new_user.policy_id)
+        assert models["large"].A.tolist() == tenant_models["large"].A.tolist()  # seeded from the tenant
+        assert models["large"].pulls == 0
+        cold_user = await warm.decide("other-tenant", "someone", x)
+        cold_models, _ = await warm.load(cold_user.policy_id)
+        assert cold_models["large"].A.tolist() == np.eye(FEATURE_DIM).tolist()
+
+        await tenant_store.reset("tenant:acme")
+        reset_models, version = await tenant_store.load("tenant:acme")
+        assert reset_models["large"].A.tolist() == np.eye(FEATURE_DIM).tolist() and version >= 2
+        assert (
+            await tenant_store.apply_reward("w-1", "large", 0.9, []) is False
+        )  # the ledger survives a reset
+        for p in (pool, pool2):
+            await p.close()  # type: ignore[attr-defined]
+
+    asyncio.run(scenario())
