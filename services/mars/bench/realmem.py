@@ -24,11 +24,12 @@ import json
 import math
 import os
 import re
-from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
+
+from mars.domain.bm25 import BM25Index
 
 FILE_SUFFIX = "_dialogues_256k.json"
 DEFAULT_KS: tuple[int, ...] = (5, 10, 20)
@@ -452,10 +453,9 @@ class RecentRetriever:
 
 
 class SessionBM25Retriever:
-    """Okapi BM25 over whole session text, online: IDF and avgdl over the sessions added so far.
-
-    idf = log(1 + (N - n + 0.5) / (n + 0.5)) (non-negative). Only sessions sharing a query term are returned,
-    ranked by score, ties by the earlier session.
+    """Okapi BM25 over whole session text, online: IDF and avgdl over the sessions added so far
+    (mars.domain.bm25, with the protocol baseline's k1 1.2, b 0.75 and plain lowercase word tokens).
+    Only sessions sharing a query term are returned, ranked by score, ties by the earlier session.
     """
 
     def __init__(
@@ -464,48 +464,18 @@ class SessionBM25Retriever:
         b: float = 0.75,
         tokenizer: Callable[[str], list[str]] = word_tokens,
     ) -> None:
-        self.k1 = k1
-        self.b = b
-        self.tokenizer = tokenizer
+        self._index = BM25Index(k1=k1, b=b, tokenizer=tokenizer)
         self._uuids: list[str] = []
-        self._tfs: list[Counter[str]] = []
-        self._lens: list[int] = []
-        self._df: Counter[str] = Counter()
-        self._postings: dict[str, list[int]] = {}
-        self._total_len = 0
 
     def add_session(self, session: Session) -> None:
-        tf = Counter(self.tokenizer(session.text))
-        idx = len(self._uuids)
+        self._index.add(session.text)
         self._uuids.append(session.uuid)
-        self._tfs.append(tf)
-        length = sum(tf.values())
-        self._lens.append(length)
-        self._total_len += length
-        for term in tf:
-            self._df[term] += 1
-            self._postings.setdefault(term, []).append(idx)
 
     def scores(self, text: str) -> dict[int, float]:
-        n_docs = len(self._uuids)
-        if not n_docs:
-            return {}
-        avgdl = self._total_len / n_docs or 1.0
-        out: dict[int, float] = {}
-        for term in set(self.tokenizer(text)):
-            df = self._df.get(term, 0)
-            if not df:
-                continue
-            idf = math.log(1.0 + (n_docs - df + 0.5) / (df + 0.5))
-            for i in self._postings[term]:
-                tf = self._tfs[i][term]
-                norm = tf + self.k1 * (1.0 - self.b + self.b * self._lens[i] / avgdl)
-                out[i] = out.get(i, 0.0) + idf * tf * (self.k1 + 1.0) / norm
-        return out
+        return self._index.scores(text)
 
     def retrieve(self, query: Query, k: int) -> list[str]:
-        ranked = sorted(self.scores(query.text).items(), key=lambda p: (-p[1], p[0]))
-        return [self._uuids[i] for i, s in ranked[:k] if s > 0.0]
+        return [self._uuids[i] for i, _ in self._index.search(query.text, k)]
 
 
 # ---------------------------------------------------------------------------------------------------- CLI
