@@ -19,6 +19,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 SERVICES = ("state", "memory", "router", "dispatch", "judge", "ingress")
+#: The gRPC service each process serves; readiness asks for it by name, so a port taken by some other
+#: server (a race on free ports) is detected instead of trusted.
+GRPC_SERVICE = {
+    "state": "mars.v1.StateEstimator",
+    "memory": "mars.v1.Memory",
+    "router": "mars.v1.Router",
+    "dispatch": "mars.v1.Dispatch",
+    "judge": "mars.v1.Judge",
+    "ingress": "mars.v1.Ingress",
+}
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_POOL = REPO_ROOT / "config" / "models.local.yaml"
 PG_SYSTEM_USER = "mars-pg"  # Postgres refuses to run as root
@@ -28,10 +38,18 @@ class StackError(RuntimeError):
     pass
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A free loopback port, never the same one twice in this process (the OS may repeat itself)."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 def wait_until(
@@ -326,7 +344,7 @@ class LocalStack:
         # Consumer-group joins take seconds each: all services start together, then we wait for all.
         for proc in procs:
             wait_until(
-                functools.partial(grpc_serving, self.ports[proc.name]),
+                functools.partial(grpc_serving, self.ports[proc.name], GRPC_SERVICE[proc.name]),
                 120,
                 f"service {proc.name}",
                 proc.popen,
@@ -341,11 +359,11 @@ class LocalStack:
             yield p.name, p.popen.poll() is None
 
 
-def grpc_serving(port: int) -> bool:
+def grpc_serving(port: int, service: str = "") -> bool:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = health_pb2_grpc.HealthStub(channel)
-        resp = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1)
+        resp = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1)
         return bool(resp.status == health_pb2.HealthCheckResponse.SERVING)

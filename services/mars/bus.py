@@ -275,3 +275,27 @@ __all__ = [
     "event_key",
     "validate_envelope",
 ]
+
+
+class StageOutput:
+    """A stage's one output event per turn: `done` says a redelivered input was already answered;
+    `emit` publishes, then records the turn in `stage_emitted` (at-least-once, duplicates suppressed)."""
+
+    def __init__(self, pool: Any, producer: EventProducer, stage: str, topic: str) -> None:
+        self._pool = pool
+        self._producer = producer
+        self._stage = stage
+        self._topic = topic
+
+    async def done(self, turn_id: str) -> bool:
+        from mars import db
+
+        async with self._pool.connection() as conn:
+            return await db.already_emitted(conn, self._stage, turn_id)
+
+    async def emit(self, event: Message, turn: ev.TurnEnvelope) -> None:
+        from mars import db
+
+        await self._producer.publish(self._topic, event, turn)
+        async with self._pool.connection() as conn:
+            await db.mark_emitted(conn, self._stage, turn.turn_id)

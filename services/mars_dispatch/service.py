@@ -10,8 +10,7 @@ from dataclasses import dataclass
 
 import grpc
 import httpx
-from mars import db
-from mars.bus import EventProducer, StageConsumer, Subscription
+from mars.bus import EventProducer, StageConsumer, StageOutput, Subscription
 from mars.config import TOPIC_GENERATED, TOPIC_ROUTED, ServiceSettings
 from mars.domain.packing import PackedPrompt, input_budget, pack_view
 from mars.domain.text import estimate_tokens
@@ -176,14 +175,12 @@ class DispatchStage:
     ) -> None:
         self._dispatcher = dispatcher
         self._settings = settings
-        self._producer = producer
-        self._pg = pg
+        self._out = StageOutput(pg, producer, STAGE, TOPIC_GENERATED)
 
     async def on_routed(self, event: ev.Routed) -> None:
         turn = event.turn
-        async with self._pg.connection() as conn:
-            if await db.already_emitted(conn, STAGE, turn.turn_id):
-                return
+        if await self._out.done(turn.turn_id):
+            return
         max_tokens = int(turn.options.get("max_tokens", self._settings.default_max_tokens))
         out = await self._dispatcher.generate(
             [event.chosen_arm, *event.fallback_order], event.text, event.state, event.view, max_tokens
@@ -193,9 +190,7 @@ class DispatchStage:
         out.features.extend(event.features)
         out.policy_id = event.policy_id
         out.propensity = event.propensity
-        await self._producer.publish(TOPIC_GENERATED, out, turn)
-        async with self._pg.connection() as conn:
-            await db.mark_emitted(conn, STAGE, turn.turn_id)
+        await self._out.emit(out, turn)
 
 
 class DispatchServicer(svc_grpc.DispatchServicer):

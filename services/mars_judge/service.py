@@ -6,8 +6,7 @@ from __future__ import annotations
 import logging
 
 import grpc
-from mars import db
-from mars.bus import EventProducer, StageConsumer, Subscription
+from mars.bus import EventProducer, StageConsumer, StageOutput, Subscription
 from mars.config import TOPIC_FEEDBACK, TOPIC_GENERATED, TOPIC_JUDGED, ServiceSettings
 from mars.domain.reward import judge_turn
 from mars.runtime import GrpcBinding, ServiceContext, ServiceParts, run
@@ -49,19 +48,17 @@ def score(event: ev.Generated, lambda_cost: float) -> ev.Judged:
 class JudgeStage:
     def __init__(self, settings: JudgeSettings, producer: EventProducer, pool: AsyncConnectionPool) -> None:
         self._settings = settings
-        self._producer = producer
         self._pool = pool
+        self._out = StageOutput(pool, producer, STAGE, TOPIC_JUDGED)
 
     async def on_generated(self, event: ev.Generated) -> None:
         if event.status != ev.OK:
             # No arm answered: there is nothing to reward; the failure stays on the generated event.
             log.info("turn %s failed before judging: %s", event.turn.turn_id, event.error)
             return
-        async with self._pool.connection() as conn:
-            if await db.already_emitted(conn, STAGE, event.turn.turn_id):
-                return
-            await self._producer.publish(TOPIC_JUDGED, score(event, self._settings.lambda_cost), event.turn)
-            await db.mark_emitted(conn, STAGE, event.turn.turn_id)
+        if await self._out.done(event.turn.turn_id):
+            return
+        await self._out.emit(score(event, self._settings.lambda_cost), event.turn)
 
     async def on_feedback(self, event: ev.Feedback) -> None:
         async with self._pool.connection() as conn:

@@ -13,8 +13,7 @@ from typing import Literal
 
 import grpc
 import numpy as np
-from mars import db
-from mars.bus import EventProducer, StageConsumer, Subscription
+from mars.bus import EventProducer, StageConsumer, StageOutput, Subscription
 from mars.config import TOPIC_GENERATED, TOPIC_MEMORY_COMMITTED, TOPIC_STATE, TOPIC_VIEW, ServiceSettings
 from mars.domain.memory_policy import MemoryControls, MemoryRecord, build_view, memory_controls
 from mars.domain.thread_state import (
@@ -367,15 +366,14 @@ class MemoryStore:
 class MemoryStage:
     def __init__(self, store: MemoryStore, producer: EventProducer, pool: AsyncConnectionPool) -> None:
         self._store = store
-        self._producer = producer
-        self._pool = pool
+        self._views = StageOutput(pool, producer, VIEW_STAGE, TOPIC_VIEW)
+        self._commits = StageOutput(pool, producer, COMMIT_STAGE, TOPIC_MEMORY_COMMITTED)
 
     async def on_state(self, event: ev.StateEstimated) -> None:
         turn = event.turn
         started = time.perf_counter()
-        async with self._pool.connection() as conn:
-            if await db.already_emitted(conn, VIEW_STAGE, turn.turn_id):
-                return
+        if await self._views.done(turn.turn_id):
+            return
         fresh = await self._store.wait_applied(turn.tenant, turn.user_id, turn.seq - 1)
         view = await self._store.view(turn.tenant, turn.user_id, event.text, event.state)
         view.possibly_stale = not fresh
@@ -386,18 +384,13 @@ class MemoryStage:
             view=view,
             latency_ms=(time.perf_counter() - started) * 1000,
         )
-        await self._producer.publish(TOPIC_VIEW, out, turn)
-        async with self._pool.connection() as conn:
-            await db.mark_emitted(conn, VIEW_STAGE, turn.turn_id)
+        await self._views.emit(out, turn)
 
     async def on_generated(self, event: ev.Generated) -> None:
         turn = event.turn
         committed = await self._store.commit(event)
-        async with self._pool.connection() as conn:
-            if await db.already_emitted(conn, COMMIT_STAGE, turn.turn_id):
-                return
-            await self._producer.publish(TOPIC_MEMORY_COMMITTED, committed, turn)
-            await db.mark_emitted(conn, COMMIT_STAGE, turn.turn_id)
+        if not await self._commits.done(turn.turn_id):
+            await self._commits.emit(committed, turn)
 
 
 class MemoryServicer(svc_grpc.MemoryServicer):

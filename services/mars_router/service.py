@@ -10,8 +10,7 @@ from typing import Literal
 
 import grpc
 import numpy as np
-from mars import db
-from mars.bus import EventProducer, PoisonEvent, StageConsumer, Subscription
+from mars.bus import EventProducer, PoisonEvent, StageConsumer, StageOutput, Subscription
 from mars.config import TOPIC_JUDGED, TOPIC_ROUTED, TOPIC_VIEW, ServiceSettings
 from mars.domain.bandits import make_routing_policy
 from mars.domain.features import FEATURE_DIM, featurize
@@ -301,14 +300,12 @@ class RouterStage:
     ) -> None:
         self._store = store
         self._pool_cfg = pool_cfg
-        self._producer = producer
-        self._pg = pg
+        self._out = StageOutput(pg, producer, STAGE, TOPIC_ROUTED)
 
     async def on_view(self, event: ev.ViewBuilt) -> None:
         turn = event.turn
-        async with self._pg.connection() as conn:
-            if await db.already_emitted(conn, STAGE, turn.turn_id):
-                return
+        if await self._out.done(turn.turn_id):
+            return
         x = featurize(event.state, event.view.load, event.state.thread_depth)
         session_key = f"{turn.tenant}/{turn.user_id}/{turn.session_id}"
         route = await self._store.decide(turn.tenant, turn.user_id, x, session_key)
@@ -329,9 +326,7 @@ class RouterStage:
             switch_penalty=route.switch_penalty,
             fallback_order=self._pool_cfg.fallbacks_after(arm),
         )
-        await self._producer.publish(TOPIC_ROUTED, out, turn)
-        async with self._pg.connection() as conn:
-            await db.mark_emitted(conn, STAGE, turn.turn_id)
+        await self._out.emit(out, turn)
 
     async def on_judged(self, event: ev.Judged) -> None:
         await self._store.apply_reward(event.turn.turn_id, event.arm, event.reward, list(event.failed_arms))

@@ -6,8 +6,7 @@ from __future__ import annotations
 import time
 
 import grpc
-from mars import db
-from mars.bus import EventProducer, StageConsumer, Subscription
+from mars.bus import EventProducer, StageConsumer, StageOutput, Subscription
 from mars.config import TOPIC_RECEIVED, TOPIC_STATE, ServiceSettings
 from mars.domain.state_rules import estimate_state
 from mars.runtime import GrpcBinding, ServiceContext, ServiceParts, run
@@ -48,15 +47,15 @@ class StateEstimatorServicer(svc_grpc.StateEstimatorServicer):
 class StateStage:
     def __init__(self, settings: StateSettings, producer: EventProducer, pool: AsyncConnectionPool) -> None:
         self._settings = settings
-        self._producer = producer
         self._pool = pool
+        self._out = StageOutput(pool, producer, STAGE, TOPIC_STATE)
 
     async def on_received(self, event: ev.TurnReceived) -> None:
         turn = event.turn
         started = time.perf_counter()
+        if await self._out.done(turn.turn_id):
+            return
         async with self._pool.connection() as conn:
-            if await db.already_emitted(conn, STAGE, turn.turn_id):
-                return
             cur = await conn.execute(
                 "SELECT recent_texts, thread_depth, last_seq FROM state_context WHERE tenant = %s AND user_id = %s",
                 (turn.tenant, turn.user_id),
@@ -85,8 +84,7 @@ class StateStage:
             out = ev.StateEstimated(
                 turn=turn, text=event.text, state=state, latency_ms=(time.perf_counter() - started) * 1000
             )
-            await self._producer.publish(TOPIC_STATE, out, turn)
-            await db.mark_emitted(conn, STAGE, turn.turn_id)
+        await self._out.emit(out, turn)
 
 
 async def build(ctx: ServiceContext) -> ServiceParts:
