@@ -27,6 +27,8 @@ class ModelSpec(BaseModel):
     input_price_per_m: float = Field(ge=0)
     output_price_per_m: float = Field(ge=0)
     timeout_s: float = Field(default=60.0, gt=0)
+    #: Whether the endpoint returns token log-probabilities (needed by the confidence cascade).
+    returns_logprobs: bool = False
     #: Tokenizer for exact packing: gguf:<path> or hf:<tokenizer.json>; none = conservative estimate.
     tokenizer: str | None = None
 
@@ -71,6 +73,10 @@ class ModelPool(BaseModel):
             if m.name == name:
                 return m
         raise KeyError(name)
+
+    def cheapest_first(self) -> list[str]:
+        """Arms by price (input + output per million tokens), cheapest first; ties keep file order."""
+        return [m.name for m in sorted(self.models, key=lambda m: m.input_price_per_m + m.output_price_per_m)]
 
     def fallbacks_after(self, chosen: str) -> list[str]:
         order = self.fallback_order or self.arms

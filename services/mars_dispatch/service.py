@@ -44,6 +44,7 @@ class Completion:
     input_tokens: int
     output_tokens: int
     usage_estimated: bool
+    mean_logprob: float | None = None
 
 
 class ModelClients:
@@ -59,7 +60,9 @@ class ModelClients:
     async def close(self) -> None:
         await asyncio.gather(*(c.aclose() for c in self._clients.values()))
 
-    async def complete(self, spec: ModelSpec, packed: PackedPrompt, max_tokens: int) -> Completion:
+    async def complete(
+        self, spec: ModelSpec, packed: PackedPrompt, max_tokens: int, want_logprobs: bool = False
+    ) -> Completion:
         headers = {}
         if key := spec.api_key():
             headers["Authorization"] = f"Bearer {key}"
@@ -69,6 +72,10 @@ class ModelClients:
             "max_tokens": max_tokens,
             "temperature": 0.0,
         }
+        if want_logprobs and spec.returns_logprobs:
+            # top_logprobs >= 1 as well: llama.cpp's server returns none without it.
+            body["logprobs"] = True
+            body["top_logprobs"] = 1
         last: Exception | None = None
         for attempt in range(self._retries + 1):
             try:
@@ -93,12 +100,19 @@ class ModelClients:
             text = str(choices[0]["message"]["content"] or "")  # type: ignore[index]
         except (KeyError, IndexError, TypeError) as exc:
             raise GenerationError(f"malformed completion: {exc!r}") from exc
+        mean_logprob = None
+        try:
+            tokens = choices[0].get("logprobs", {}).get("content") or []  # type: ignore[index]
+            values = [float(t["logprob"]) for t in tokens if t.get("logprob") is not None]
+            mean_logprob = sum(values) / len(values) if values else None
+        except (AttributeError, TypeError, ValueError, KeyError):
+            mean_logprob = None  # logprobs are optional; a malformed block is ignored, not fatal
         usage = payload.get("usage")
         if isinstance(usage, dict) and "prompt_tokens" in usage:
             return Completion(
-                text, int(usage["prompt_tokens"]), int(usage.get("completion_tokens", 0)), False
+                text, int(usage["prompt_tokens"]), int(usage.get("completion_tokens", 0)), False, mean_logprob
             )
-        return Completion(text, packed.prompt_tokens, estimate_tokens(text), True)
+        return Completion(text, packed.prompt_tokens, estimate_tokens(text), True, mean_logprob)
 
 
 class Dispatcher:
@@ -108,9 +122,18 @@ class Dispatcher:
         self._settings = settings
 
     async def generate(
-        self, arms: list[str], text: str, state: ev.SessionState, view: ev.CandidateView, max_tokens: int
+        self,
+        arms: list[str],
+        text: str,
+        state: ev.SessionState,
+        view: ev.CandidateView,
+        max_tokens: int,
+        cascade_min_logprob: float = 0.0,
     ) -> ev.Generated:
-        """Try each arm in order; each attempt packs the view for that arm's own budget."""
+        """Try each arm in order; each attempt packs the view for that arm's own budget.
+
+        With a cascade threshold (< 0), an answer whose mean token log-probability is below it is kept
+        only as a provisional answer and the next arm is asked; every call's cost is counted."""
         out = ev.Generated(status=ev.FAILED, query=text, state=state)
         started = time.perf_counter()
         for arm in arms:
@@ -134,7 +157,10 @@ class Dispatcher:
             else:
                 try:
                     completion = await self._clients.complete(
-                        spec, packed, min(max_tokens, spec.output_reserve)
+                        spec,
+                        packed,
+                        min(max_tokens, spec.output_reserve),
+                        want_logprobs=cascade_min_logprob < 0,
                     )
                 except GenerationError as exc:
                     attempt.error = str(exc)
@@ -150,15 +176,29 @@ class Dispatcher:
                             estimated=completion.usage_estimated,
                         )
                     )
-                    out.cost_usd = spec.cost_usd(completion.input_tokens, completion.output_tokens)
+                    out.cost_usd += spec.cost_usd(completion.input_tokens, completion.output_tokens)
+                    if completion.mean_logprob is not None:
+                        attempt.mean_logprob = completion.mean_logprob
+                        attempt.has_logprob = True
                     out.packed_prompt_tokens = packed.prompt_tokens
+                    del out.packed_block_ids[:]
+                    del out.packed_blocks[:]
                     out.packed_block_ids.extend(b.block_id for b in packed.blocks)
                     out.packed_blocks.extend(packed.blocks)
+                    low = (
+                        cascade_min_logprob < 0
+                        and completion.mean_logprob is not None
+                        and completion.mean_logprob < cascade_min_logprob
+                    )
+                    attempt.escalated = low and arm != arms[-1]
             attempt.latency_ms = (time.perf_counter() - t0) * 1000
             out.attempts.append(attempt)
-            if attempt.ok:
+            if attempt.ok and not attempt.escalated:
                 break
-            log.warning("arm %s failed: %s", arm, attempt.error)
+            if attempt.escalated:
+                log.info("arm %s answered with mean logprob %.3f: escalating", arm, attempt.mean_logprob)
+            else:
+                log.warning("arm %s failed: %s", arm, attempt.error)
         if out.status != ev.OK:
             out.error = "all arms failed"
         out.latency_ms = (time.perf_counter() - started) * 1000
@@ -183,7 +223,12 @@ class DispatchStage:
             return
         max_tokens = int(turn.options.get("max_tokens", self._settings.default_max_tokens))
         out = await self._dispatcher.generate(
-            [event.chosen_arm, *event.fallback_order], event.text, event.state, event.view, max_tokens
+            [event.chosen_arm, *event.fallback_order],
+            event.text,
+            event.state,
+            event.view,
+            max_tokens,
+            event.cascade_min_logprob,
         )
         out.turn.CopyFrom(turn)
         out.controller_cost_usd = event.state.usage.cost_usd

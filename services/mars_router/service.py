@@ -68,8 +68,10 @@ class RouterSettings(ServiceSettings):
     policy_scope: Literal["user", "tenant", "global"] = "user"
     #: A new user policy copies its tenant policy's matrices ("tenant:<tenant>") when one exists.
     warm_start_from_tenant: bool = False
-    #: linucb (the paper's), thompson, eps-greedy, random or fixed:<arm>; propensities are logged.
+    #: linucb (the paper's), thompson, eps-greedy, random, fixed:<arm>, or cascade (cheapest arm first,
+    #: escalating by price while the answer's mean token log-probability is below cascade_min_logprob).
     routing_policy: str = "linucb"
+    cascade_min_logprob: float = -1.0
     epsilon: float = 0.1
     thompson_v: float = 0.3
     #: Session affinity: UCB points an arm other than the session's previous one loses (0 = off).
@@ -296,10 +298,16 @@ class PolicyStore:
 
 class RouterStage:
     def __init__(
-        self, store: PolicyStore, pool_cfg: ModelPool, producer: EventProducer, pg: AsyncConnectionPool
+        self,
+        store: PolicyStore,
+        pool_cfg: ModelPool,
+        producer: EventProducer,
+        pg: AsyncConnectionPool,
+        settings: RouterSettings,
     ) -> None:
         self._store = store
         self._pool_cfg = pool_cfg
+        self._settings = settings
         self._out = StageOutput(pg, producer, STAGE, TOPIC_ROUTED)
 
     async def on_view(self, event: ev.ViewBuilt) -> None:
@@ -324,9 +332,19 @@ class RouterStage:
             policy_version=route.version,
             previous_arm=route.previous_arm or "",
             switch_penalty=route.switch_penalty,
-            fallback_order=self._pool_cfg.fallbacks_after(arm),
+            fallback_order=self._fallbacks(arm),
+            cascade_min_logprob=self._cascade_threshold,
         )
         await self._out.emit(out, turn)
+
+    @property
+    def _cascade_threshold(self) -> float:
+        return self._settings.cascade_min_logprob if self._settings.routing_policy == "cascade" else 0.0
+
+    def _fallbacks(self, arm: str) -> list[str]:
+        if self._settings.routing_policy == "cascade":
+            return [a for a in self._pool_cfg.cheapest_first() if a != arm]
+        return self._pool_cfg.fallbacks_after(arm)
 
     async def on_judged(self, event: ev.Judged) -> None:
         await self._store.apply_reward(event.turn.turn_id, event.arm, event.reward, list(event.failed_arms))
@@ -380,8 +398,14 @@ async def build(ctx: ServiceContext) -> ServiceParts:
     settings = ctx.settings
     assert isinstance(settings, RouterSettings)
     pool_cfg = load_pool(settings.model_pool)
-    store = PolicyStore(ctx.pool, settings, pool_cfg.arms)
-    stage = RouterStage(store, pool_cfg, ctx.producer, ctx.pool)
+    policy_settings = settings
+    if settings.routing_policy == "cascade":
+        # The cascade always starts from the cheapest arm; dispatch escalates by confidence.
+        policy_settings = settings.model_copy(
+            update={"routing_policy": f"fixed:{pool_cfg.cheapest_first()[0]}"}
+        )
+    store = PolicyStore(ctx.pool, policy_settings, pool_cfg.arms)
+    stage = RouterStage(store, pool_cfg, ctx.producer, ctx.pool, settings)
     routes = StageConsumer(
         settings,
         ctx.producer,

@@ -416,3 +416,45 @@ def test_converse_stream_rejects_bad_turn_with_status(stack: LocalStack) -> None
     with pytest.raises(grpc.RpcError) as info:
         list(ingress(stack).Converse(requests, timeout=60))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_confidence_cascade_escalates_on_low_logprob(stack: LocalStack) -> None:
+    """Dispatch against the real llama.cpp server, which returns token log-probabilities."""
+    import asyncio
+
+    from mars.pool import ModelPool, ModelSpec
+    from mars_dispatch.service import Dispatcher, DispatchSettings, ModelClients
+
+    url = stack.env["MARS_LOCAL_LLM_URL"] + "/v1"
+    common = {
+        "base_url": url,
+        "context_window": 2048,
+        "output_reserve": 64,
+        "safety_margin": 32,
+        "returns_logprobs": True,
+    }
+    pool = ModelPool(
+        models=[
+            ModelSpec(name="cheap", input_price_per_m=0.05, output_price_per_m=0.1, **common),  # type: ignore[arg-type]
+            ModelSpec(name="dear", input_price_per_m=2.5, output_price_per_m=10.0, **common),  # type: ignore[arg-type]
+        ]
+    )
+
+    async def run(threshold: float) -> ev.Generated:
+        clients = ModelClients(pool, retries=0)
+        try:
+            return await Dispatcher(pool, clients, DispatchSettings()).generate(
+                pool.cheapest_first(), "Name one colour.", ev.SessionState(), ev.CandidateView(), 8, threshold
+            )
+        finally:
+            await clients.close()
+
+    # Token log-probabilities are <= 0, so a threshold just below 0 always escalates...
+    escalated = asyncio.run(run(-1e-9))
+    assert [a.arm for a in escalated.attempts] == ["cheap", "dear"]
+    assert escalated.attempts[0].escalated and escalated.attempts[0].has_logprob
+    assert escalated.attempts[0].mean_logprob < 0 and not escalated.attempts[1].escalated
+    assert escalated.model == "dear" and escalated.text.strip()
+    single = asyncio.run(run(-1000.0))  # ...and a very low one never does
+    assert [a.arm for a in single.attempts] == ["cheap"] and single.model == "cheap"
+    assert escalated.cost_usd > single.cost_usd  # both calls of the cascade are paid for

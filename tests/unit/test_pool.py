@@ -45,3 +45,9 @@ def test_bad_pool_files_fail_clearly(tmp_path: Path, body: str, message: str) ->
 def test_missing_pool_file(tmp_path: Path) -> None:
     with pytest.raises(PoolFileError, match="cannot read"):
         load_pool(tmp_path / "nope.yaml")
+
+
+def test_cheapest_first_orders_by_price(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MARS_LOCAL_LLM_URL", "http://x")
+    pool = load_pool(REPO / "config" / "models.local.yaml")
+    assert pool.cheapest_first() == ["smollm2-135m-short", "smollm2-135m-long"]
