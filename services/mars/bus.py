@@ -153,8 +153,6 @@ class StageConsumer:
         )
         self._tracer = trace.get_tracer(f"mars.{service}")
         self._task: asyncio.Task[None] | None = None
-        self.processed = 0
-        self.dead_lettered = 0
 
     async def start(self) -> None:
         await self._consumer.start()
@@ -237,7 +235,6 @@ class StageConsumer:
             ) as span:
                 try:
                     await sub.handler(event)
-                    self.processed += 1
                     return
                 except PoisonEvent as exc:
                     span.record_exception(exc)
@@ -261,7 +258,6 @@ class StageConsumer:
             log.error("unreadable dead letter %d/%d skipped: %s", record.partition, record.offset, reason)
             return
         log.warning("dead-lettering %s@%d/%d: %s", record.topic, record.partition, record.offset, reason)
-        self.dead_lettered += 1
         await self._producer.dead_letter(record, reason, self._group_id, turn_id)
 
 

@@ -73,20 +73,15 @@ class HybridSessionRetriever:
         embedder: Embedder,
         config: HybridConfig,
         context_turns: int = 1,
-        user_turn_chunks: bool = False,
         query_embedder: Embedder | None = None,
     ) -> None:
         # Stored chunks may come from a cache; queries are always embedded live so latency is honest.
         inner = embedder.inner if isinstance(embedder, CachingEmbedder) else embedder
         self._memory = HybridMemory(embedder, config, query_embedder=LruEmbedder(query_embedder or inner))
         self._context_turns = context_turns
-        self._user_turn_chunks = user_turn_chunks
 
     def add_session(self, session: Session) -> None:
         chunks = session_chunks(session)
-        if self._user_turn_chunks:
-            # User turns alone as extra chunks: queries are user utterances, long answers blur the pair.
-            chunks += [f"User: {t.text}" for t in session.turns if t.speaker == "User" and t.text.strip()]
         self._memory.add_group(session.uuid, session.position, chunks)
 
     def retrieve(self, query: Query, k: int) -> list[str]:

@@ -53,13 +53,8 @@ class HybridConfig:
     lexical_weight: float = 1.0
     #: Weight of the recency prior (reciprocal rank of the group by recency, fused like a third ranker).
     recency_weight: float = 0.0
-    #: How a group's dense score aggregates its chunk similarities: the best, or best + mean of the top 2.
-    dense_aggregate: Literal["max", "top2"] = "max"
     #: Weight of the secondary query texts (e.g. the previous user turn) relative to the query itself.
     context_weight: float = 0.0
-    #: Boost for groups adjacent in time to the top-ranked groups (work tends to span neighbouring sessions).
-    neighbor_boost: float = 0.0
-    neighbor_top: int = 3
     #: Pseudo-relevance feedback: groups whose centroid is close to the top `prf_top` groups' centroids
     #: are fused in as another ranking (multi-session work shares vocabulary and embeddings).
     prf_weight: float = 0.0
@@ -111,10 +106,6 @@ class HybridMemory:
     def __contains__(self, key: str) -> bool:
         return key in self._group_index
 
-    @property
-    def groups(self) -> list[str]:
-        return [g.key for g in self._groups]
-
     def add_group(
         self, key: str, position: int, chunks: Sequence[str], vectors: np.ndarray | None = None
     ) -> None:
@@ -161,11 +152,7 @@ class HybridMemory:
                     continue
                 best.setdefault(self._chunk_group[int(cid)], []).append(float(s))
             for g, values in best.items():
-                values.sort(reverse=True)
-                if self.config.dense_aggregate == "top2" and len(values) > 1:
-                    score = 0.5 * (values[0] + (values[0] + values[1]) / 2)
-                else:
-                    score = values[0]
+                score = max(values)  # a group is as relevant as its best chunk
                 per_group.setdefault(g, [0.0] * len(qweights))[qi] = w * score
         return {g: sum(v) for g, v in per_group.items()}
 
@@ -219,13 +206,6 @@ class HybridMemory:
             extra = reciprocal_rank_fusion([_ranking(prf)], [cfg.prf_weight], cfg.rrf_k)
             for g, v in extra.items():
                 fused[g] = fused.get(g, 0.0) + v
-        if cfg.neighbor_boost and fused:
-            top = sorted(fused, key=lambda g: -fused[g])[: cfg.neighbor_top]
-            top_pos = {self._groups[g].position for g in top}
-            bonus = cfg.neighbor_boost * max(fused.values())
-            for g in list(fused):
-                if any(abs(self._groups[g].position - p) == 1 for p in top_pos):
-                    fused[g] += bonus
         ordered = sorted(fused.items(), key=lambda kv: (-kv[1], -self._groups[kv[0]].position))
         return [(self._groups[g].key, s) for g, s in ordered[:k]]
 
