@@ -4,6 +4,7 @@ write-to-searchable latency, and ingest throughput against the raw embedder in t
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 import numpy as np
@@ -32,6 +33,13 @@ def add_memory_load_parser(sub: argparse._SubParsersAction) -> None:  # type: ig
         "--ingest-texts", type=int, default=1_024, help="texts for the ingest ratio (default 1,024)"
     )
     p.add_argument("--k", type=int, default=8, help="neighbours per search (default 8)")
+    p.add_argument(
+        "--device",
+        choices=["auto", "cpu", "gpu"],
+        default="auto",
+        help="FAISS on GPU when present (auto, the memory service's default), or forced cpu / gpu",
+    )
+    p.add_argument("--no-ingest", action="store_true", help="skip the embedder ingest-ratio part")
     p.set_defaults(func=cmd_memory_load)
 
 
@@ -45,7 +53,7 @@ def cmd_memory_load(args: argparse.Namespace) -> int:
         console.print("[red]--vectors must be at least --users, and --users positive[/]")
         return 2
     rng = np.random.default_rng(7)
-    index = ShardedDenseIndex(args.dim, use_gpu=None)
+    index = ShardedDenseIndex(args.dim, use_gpu={"auto": None, "cpu": False, "gpu": True}[args.device])
     per_user = args.vectors // args.users
     batch_users = 250
     t0 = time.perf_counter()
@@ -96,7 +104,8 @@ def cmd_memory_load(args: argparse.Namespace) -> int:
         f"write-to-searchable: p50 {_pct(writes, 50):.3f} ms, p99 {_pct(writes, 99):.3f} ms "
         f"over {len(writes):,} writes"
     )
-    _ingest_ratio(args, console)
+    if not args.no_ingest:
+        _ingest_ratio(args, console)
     return 0
 
 
@@ -134,3 +143,16 @@ def _ingest_ratio(args: argparse.Namespace, console: Console) -> None:
         f"ingest: {ingest:,.0f} texts/s through chunking + embedding + index vs raw embedder {raw:,.0f} texts/s "
         f"(ratio {ingest / raw:.2f})"
     )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Standalone entry (`python -m mars.bench.memory_load`), needing only faiss, numpy and rich: how the
+    GPU node check runs it without the whole service stack installed."""
+    parser = argparse.ArgumentParser(prog="python -m mars.bench.memory_load")
+    add_memory_load_parser(parser.add_subparsers(dest="cmd", required=True))
+    args = parser.parse_args(["memory-load", *(sys.argv[1:] if argv is None else argv)])
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
