@@ -133,6 +133,11 @@ class _Timed:
     def add_session(self, session: object) -> None:
         self._inner.add_session(session)  # type: ignore[attr-defined]
 
+    def prepare(self, query: object) -> None:
+        from mars.bench.realmem import prepare_for
+
+        prepare_for(self._inner, query)  # type: ignore[arg-type]
+
     def retrieve(self, query: object, k: int) -> list[str]:
         t0 = time.perf_counter()
         out: list[str] = self._inner.retrieve(query, k)  # type: ignore[attr-defined]

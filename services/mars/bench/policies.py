@@ -84,8 +84,16 @@ class HybridSessionRetriever:
         chunks = session_chunks(session)
         self._memory.add_group(session.uuid, session.position, chunks)
 
+    def _context(self, query: Query) -> list[str]:
+        return list(query.session_user_turns[-self._context_turns :]) if self._context_turns else []
+
+    def prepare(self, query: Query) -> None:
+        # A live memory service embedded each earlier user turn when it arrived (its own view); the
+        # query-side LRU keeps those vectors, so only the new turn is embedded on this turn's path.
+        self._memory.embed_queries(self._context(query))
+
     def retrieve(self, query: Query, k: int) -> list[str]:
-        context = list(query.session_user_turns[-self._context_turns :]) if self._context_turns else []
+        context = self._context(query)
         return [key for key, _ in self._memory.rank_groups(query.text, context, k)]
 
 

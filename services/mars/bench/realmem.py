@@ -338,6 +338,14 @@ class Retriever(Protocol):
     def retrieve(self, query: Query, k: int) -> list[str]: ...
 
 
+def prepare_for(retriever: Retriever, query: Query) -> None:
+    """Work a live memory service did at the query's earlier turns (embedding each user turn as it
+    arrived); a retriever may define `prepare(query)` for it, called before the timed `retrieve`."""
+    prepare = getattr(retriever, "prepare", None)
+    if prepare is not None:
+        prepare(query)
+
+
 @dataclass(frozen=True)
 class Prediction:
     persona: str
@@ -392,6 +400,7 @@ def replay(
     for i, session in enumerate(persona.sessions):
         for q in by_session.get(i, []):
             blind = dataclasses.replace(q, gold=frozenset())
+            prepare_for(retriever, blind)
             out.append(Prediction(persona.name, q.query_id, list(retriever.retrieve(blind, k))))
         retriever.add_session(session)
         if progress is not None:

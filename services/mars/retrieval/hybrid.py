@@ -137,24 +137,31 @@ class HybridMemory:
             self._chunk_group.append(gi)
             self.chunk_texts.append(text)
 
+    def embed_queries(self, texts: Sequence[str]) -> None:
+        """Embed query texts ahead of use (a caching query embedder keeps them for later turns)."""
+        if self._query_embedder is not None and texts:
+            self._query_embedder.encode([t for t in texts if t.strip()])
+
     def _dense_group_scores(self, queries: Sequence[str], qweights: Sequence[float]) -> dict[int, float]:
         if self._dense is None or self._query_embedder is None or len(self._dense) == 0:
             return {}
         n = len(self._dense)
         qvecs = self._query_embedder.encode(queries)
         sims, ids = self._dense.search_many(qvecs, n)
-        per_group: dict[int, list[float]] = {}
+        chunk_group = np.asarray(self._chunk_group, dtype=np.int64)
+        total = np.zeros(len(self._groups), dtype=np.float64)
+        seen = np.zeros(len(self._groups), dtype=bool)
         for qi, w in enumerate(qweights):
-            # Per query text, each group's best chunk similarity; query texts are combined by weight.
-            best: dict[int, list[float]] = {}
-            for cid, s in zip(ids[qi], sims[qi], strict=True):
-                if cid < 0:
-                    continue
-                best.setdefault(self._chunk_group[int(cid)], []).append(float(s))
-            for g, values in best.items():
-                score = max(values)  # a group is as relevant as its best chunk
-                per_group.setdefault(g, [0.0] * len(qweights))[qi] = w * score
-        return {g: sum(v) for g, v in per_group.items()}
+            # Per query text, each group's best chunk similarity (a group is as relevant as its best
+            # chunk); query texts are combined by weight.
+            valid = ids[qi] >= 0
+            groups = chunk_group[ids[qi][valid]]
+            best = np.full(len(self._groups), -np.inf)
+            np.maximum.at(best, groups, sims[qi][valid].astype(np.float64))
+            hit = np.isfinite(best)
+            total[hit] += w * best[hit]
+            seen |= hit
+        return {int(g): float(total[g]) for g in np.flatnonzero(seen)}
 
     def _lexical_group_scores(self, queries: Sequence[str], qweights: Sequence[float]) -> dict[int, float]:
         scores: dict[int, float] = {}
