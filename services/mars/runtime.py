@@ -39,6 +39,8 @@ class ServiceParts:
     on_stop: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
     #: Component health entries beside the services' own (e.g. "mars.v1.Memory.dense": False when degraded).
     health: dict[str, bool] = field(default_factory=dict)
+    #: Component health that changes at run time (e.g. "mars.v1.StateEstimator.controller"), polled.
+    health_probes: dict[str, Callable[[], bool]] = field(default_factory=dict)
 
 
 @dataclass
@@ -93,6 +95,7 @@ async def serve(name: str, settings: ServiceSettings, build: Builder, migrations
     for component, ok in parts.health.items():
         status = health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING
         await health_servicer.set(component, status)
+    probes_task = asyncio.create_task(_poll_health(health_servicer, parts.health_probes))
     log.info(
         "%s serving gRPC on %s:%d with %d consumer(s)", name, settings.grpc_host, port, len(parts.consumers)
     )
@@ -110,6 +113,7 @@ async def serve(name: str, settings: ServiceSettings, build: Builder, migrations
         log.error("%s: a consumer stopped unexpectedly: %r", name, crashed[0].exception())
 
     log.info("%s stopping", name)
+    probes_task.cancel()
     for svc in ["", *names]:
         await health_servicer.set(svc, health_pb2.HealthCheckResponse.NOT_SERVING)
     for consumer in parts.consumers:
@@ -122,6 +126,27 @@ async def serve(name: str, settings: ServiceSettings, build: Builder, migrations
     provider.shutdown()
     if crashed:
         raise SystemExit(1)
+
+
+async def _poll_health(
+    servicer: health.aio.HealthServicer, probes: dict[str, Callable[[], bool]], every_s: float = 1.0
+) -> None:
+    last: dict[str, bool] = {}
+    while probes:
+        for component, probe in probes.items():
+            try:
+                ok = bool(probe())
+            except Exception:
+                ok = False
+            if last.get(component) != ok:
+                last[component] = ok
+                status = (
+                    health_pb2.HealthCheckResponse.SERVING
+                    if ok
+                    else health_pb2.HealthCheckResponse.NOT_SERVING
+                )
+                await servicer.set(component, status)
+        await asyncio.sleep(every_s)
 
 
 def run(name: str, settings: ServiceSettings, build: Builder, migrations: Sequence[str] = ()) -> None:

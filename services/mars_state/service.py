@@ -1,14 +1,17 @@
 """State service: the QTM step z_t = f(q, H, B). Keeps each user's active context in Postgres and
-estimates the Table 5 session state for every received turn (rule-based backend for now)."""
+estimates the Table 5 session state for every received turn through the guarded controller
+(`mars.qtm`): an LLM backend (openai / llamacpp / vllm) under a deadline, or the rules alone."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import grpc
 from mars.bus import EventProducer, StageConsumer, StageOutput, Subscription
 from mars.config import TOPIC_RECEIVED, TOPIC_STATE, ServiceSettings
-from mars.domain.state_rules import estimate_state
+from mars.qtm.controllers import make_controller
+from mars.qtm.guard import GuardedEstimator, QtmPricing
 from mars.runtime import GrpcBinding, ServiceContext, ServiceParts, run
 from mars.v1 import events_pb2 as ev
 from mars.v1 import services_pb2 as svc
@@ -33,20 +36,67 @@ MIGRATIONS = [
 class StateSettings(ServiceSettings):
     #: User turns of the active thread shown to the controller as PREVIOUS ACTIVE CONTEXT.
     context_turns: int = 6
+    #: QTM backend: rules (deterministic, default), openai (any OpenAI-compatible server, e.g. vLLM with
+    #: Qwen2.5-7B-Instruct), llamacpp (the local stack's server), vllm (in-process engine on a GPU node).
+    qtm_backend: str = "rules"
+    #: Endpoint base URL including /v1; for llamacpp it defaults to the local stack's server.
+    qtm_url: str = ""
+    #: Model name (openai / llamacpp) or model path (vllm).
+    qtm_model: str = ""
+    #: Name of the environment variable holding the endpoint's API key (never the key itself).
+    qtm_api_key_env: str = "MARS_QTM_API_KEY"
+    #: Prompt template version (mars/qtm/prompts) or path to a template file.
+    qtm_prompt: str = "qtm-v1"
+    #: After this the rules backend answers the turn (the controller call is abandoned).
+    qtm_deadline_ms: int = 1500
+    qtm_max_tokens: int = 200
+    #: Controller prices per million tokens (Table 10: Qwen2.5-7B-Instruct).
+    qtm_price_input_per_m: float = 0.04
+    qtm_price_output_per_m: float = 0.10
+    #: Set by the local stack launcher: its llama.cpp server.
+    local_llm_url: str = ""
+
+
+def make_estimator(settings: StateSettings) -> GuardedEstimator:
+    url = settings.qtm_url
+    if not url and settings.qtm_backend == "llamacpp" and settings.local_llm_url:
+        url = settings.local_llm_url.rstrip("/") + "/v1"
+    deadline_s = settings.qtm_deadline_ms / 1000
+    controller = make_controller(
+        settings.qtm_backend,
+        base_url=url,
+        model=settings.qtm_model,
+        prompt=settings.qtm_prompt,
+        api_key=os.environ.get(settings.qtm_api_key_env) or None,
+        timeout_s=deadline_s + 1.0,
+        max_tokens=settings.qtm_max_tokens,
+    )
+    pricing = QtmPricing(settings.qtm_price_input_per_m, settings.qtm_price_output_per_m)
+    return GuardedEstimator(controller, deadline_s, pricing)
 
 
 class StateEstimatorServicer(svc_grpc.StateEstimatorServicer):
+    def __init__(self, estimator: GuardedEstimator) -> None:
+        self._estimator = estimator
+
     async def Estimate(
         self, request: svc.EstimateRequest, context: grpc.aio.ServicerContext
     ) -> ev.SessionState:
         if not request.text.strip():
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "text is empty")
-        return estimate_state(request.text, list(request.active_context))
+        return await self._estimator.estimate(request.text, list(request.active_context))
 
 
 class StateStage:
-    def __init__(self, settings: StateSettings, producer: EventProducer, pool: AsyncConnectionPool) -> None:
+    def __init__(
+        self,
+        settings: StateSettings,
+        producer: EventProducer,
+        pool: AsyncConnectionPool,
+        estimator: GuardedEstimator,
+    ) -> None:
         self._settings = settings
+        self._estimator = estimator
         self._pool = pool
         self._out = StageOutput(pool, producer, STAGE, TOPIC_STATE)
 
@@ -61,14 +111,16 @@ class StateStage:
                 (turn.tenant, turn.user_id),
             )
             row = await cur.fetchone()
-            recent: list[str] = list(row[0]) if row else []
-            depth = int(row[1]) if row else 0
-            state = estimate_state(event.text, recent)
-            if state.action == ev.NEW_TOPIC:
-                recent, depth = [], 0
-            depth += 1
-            state.thread_depth = depth
-            recent = [*recent, event.text][-self._settings.context_turns :]
+        recent: list[str] = list(row[0]) if row else []
+        depth = int(row[1]) if row else 0
+        # No connection is held across the controller call (it may take up to the deadline).
+        state = await self._estimator.estimate(event.text, recent)
+        if state.action == ev.NEW_TOPIC:
+            recent, depth = [], 0
+        depth += 1
+        state.thread_depth = depth
+        recent = [*recent, event.text][-self._settings.context_turns :]
+        async with self._pool.connection() as conn:
             # Guarded by seq so a redelivered older turn cannot roll the context back.
             await conn.execute(
                 """
@@ -90,7 +142,8 @@ class StateStage:
 async def build(ctx: ServiceContext) -> ServiceParts:
     settings = ctx.settings
     assert isinstance(settings, StateSettings)
-    stage = StateStage(settings, ctx.producer, ctx.pool)
+    estimator = make_estimator(settings)
+    stage = StateStage(settings, ctx.producer, ctx.pool, estimator)
     consumer = StageConsumer(
         settings,
         ctx.producer,
@@ -102,11 +155,14 @@ async def build(ctx: ServiceContext) -> ServiceParts:
         bindings=[
             GrpcBinding(
                 svc_grpc.add_StateEstimatorServicer_to_server,
-                StateEstimatorServicer(),
+                StateEstimatorServicer(estimator),
                 "mars.v1.StateEstimator",
             )
         ],
         consumers=[consumer],
+        # NOT_SERVING while the controller keeps failing: turns still get states, from the rules.
+        health_probes={"mars.v1.StateEstimator.controller": lambda: estimator.healthy},
+        on_stop=[estimator.aclose],
     )
 
 

@@ -18,7 +18,11 @@ HERE = Path(__file__).parent
 
 
 def start_stack(
-    tmp: Path, pool: str, start_llm: bool = True, service_env: dict[str, dict[str, str]] | None = None
+    tmp: Path,
+    pool: str,
+    start_llm: bool = True,
+    service_env: dict[str, dict[str, str]] | None = None,
+    services: tuple[str, ...] | None = None,
 ) -> LocalStack:
     settings = StackSettings(
         workdir=tmp / "stack",
@@ -29,6 +33,8 @@ def start_stack(
         # Answers take seconds here; the bound only matters when something hangs.
         extra_env={"MARS_INGRESS_TURN_TIMEOUT_S": "120"},
     )
+    if services is not None:
+        settings.services = services
     return LocalStack(settings).start()
 
 

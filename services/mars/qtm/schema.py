@@ -1,0 +1,82 @@
+"""The controller's output contract (paper Table 5) as a JSON schema, derived from the proto `SessionState`
+so the event schema stays the one definition, and the lenient parser for what controllers actually return.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from mars.domain.state_rules import ALLOWED_LENS, ALLOWED_TOP_K
+from mars.v1 import events_pb2 as ev
+
+
+def _enum_names(enum: Any) -> list[str]:
+    # The proto's zero values (*_UNSPECIFIED) are "not set", never a controller answer.
+    return [name for name in enum.keys() if not name.endswith("_UNSPECIFIED")]
+
+
+def qtm_json_schema() -> dict[str, Any]:
+    """JSON schema of one controller answer: what `response_format` / guided decoding constrain to."""
+    return {
+        "type": "object",
+        "properties": {
+            "action": {"type": "string", "enum": _enum_names(ev.Action)},
+            "query_type": {"type": "string", "enum": _enum_names(ev.QueryType)},
+            "phase": {"type": "string", "enum": _enum_names(ev.Phase)},
+            "taxonomy": {
+                "type": "object",
+                "properties": {
+                    "need_memory": {"type": "integer", "enum": [0, 1]},
+                    "memory_span": {"type": "string", "enum": _enum_names(ev.MemorySpan)},
+                    "ambiguity": {"type": "string", "enum": _enum_names(ev.Ambiguity)},
+                },
+                "required": ["need_memory", "memory_span", "ambiguity"],
+            },
+            "lens_recommendation": {"type": "integer", "enum": list(ALLOWED_LENS)},
+            "top_k_hint": {"type": "integer", "enum": list(ALLOWED_TOP_K)},
+            "prefer_recent": {"type": "integer", "enum": [0, 1]},
+            "retrieval_scope": {"type": "string", "enum": _enum_names(ev.RetrievalScope)},
+            "lens_confidence": {"type": "number", "minimum": 0, "maximum": 1},
+            "lens_reason": {"type": "string", "maxLength": 200},
+        },
+        "required": [
+            "action",
+            "query_type",
+            "phase",
+            "taxonomy",
+            "lens_recommendation",
+            "top_k_hint",
+            "prefer_recent",
+            "retrieval_scope",
+            "lens_confidence",
+            "lens_reason",
+        ],
+    }
+
+
+class ControllerOutputError(ValueError):
+    """The controller's text holds no JSON object."""
+
+
+_FENCE = re.compile(r"```(?:json)?\s*(.*?)```", re.DOTALL)
+
+
+def parse_controller_output(text: str) -> dict[str, Any]:
+    """The first JSON object in `text`: bare, inside a ``` fence, or after chatter. Values are not
+    checked here; `clamp_state` does that. Raises ControllerOutputError when there is no object."""
+    candidates = [m.group(1) for m in _FENCE.finditer(text)] + [text]
+    decoder = json.JSONDecoder()
+    for candidate in candidates:
+        start = candidate.find("{")
+        while start != -1:
+            try:
+                obj, _ = decoder.raw_decode(candidate, start)
+            except json.JSONDecodeError:
+                start = candidate.find("{", start + 1)
+                continue
+            if isinstance(obj, dict):
+                return obj
+            start = candidate.find("{", start + 1)
+    raise ControllerOutputError(f"no JSON object in controller output ({len(text)} chars)")
