@@ -88,6 +88,7 @@ class StackSettings:
     llm_context: int = 4096
     start_llm: bool = True
     start_broker: bool = True
+    start_postgres: bool = True
     services: tuple[str, ...] = SERVICES
     extra_env: dict[str, str] = field(default_factory=dict)
     #: Per-service extra environment (e.g. a test's deliberately failing model pool for dispatch).
@@ -118,8 +119,9 @@ class LocalStack:
 
     def start(self, progress: Callable[[str], None] = lambda _: None) -> LocalStack:
         try:
-            progress("starting Postgres")
-            self._start_postgres()
+            if self.settings.start_postgres:
+                progress("starting Postgres")
+                self._start_postgres()
             if self.settings.start_broker:
                 progress("starting the Kafka-protocol broker (Tansu)")
                 self._start_broker()

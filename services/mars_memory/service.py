@@ -24,7 +24,7 @@ from mars.domain.thread_state import (
     thread_to_json,
 )
 from mars.retrieval.embedder import Embedder, LruEmbedder, load_embedder
-from mars.retrieval.hybrid import POLICY_CONFIGS, HybridMemory, embed_chunks
+from mars.retrieval.hybrid import POLICY_CONFIGS, HybridMemory, embed_chunks, state_conditioned
 from mars.runtime import GrpcBinding, ServiceContext, ServiceParts, run
 from mars.v1 import events_pb2 as ev
 from mars.v1 import services_pb2 as svc
@@ -261,8 +261,7 @@ class MemoryStore:
         context: list[str] = []
         if policy == "mars":
             context = [r.user_text for r in thread[-self._settings.context_turns :]]
-            if controls.prefer_recent:
-                cfg = dataclasses.replace(cfg, recency_weight=cfg.recency_weight * 1.5)
+            cfg = state_conditioned(cfg, controls.prefer_recent)
         ranked = index.memory.rank_groups(text, context, len(index.records), cfg)
         hits = [(index.records[rid], score) for rid, score in ranked if rid in allowed and rid not in shown]
         return hits[:k]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import numpy as np
@@ -215,6 +215,11 @@ class HybridMemory:
                 fused[g] = fused.get(g, 0.0) + v
         ordered = sorted(fused.items(), key=lambda kv: (-kv[1], -self._groups[kv[0]].position))
         return [(self._groups[g].key, s) for g, s in ordered[:k]]
+
+
+def state_conditioned(config: HybridConfig, prefer_recent: bool) -> HybridConfig:
+    """The fusion a state asks for: prefer_recent strengthens the recency prior (paper Table 6)."""
+    return replace(config, recency_weight=config.recency_weight * 1.5) if prefer_recent else config
 
 
 def _ranking(scores: dict[int, float]) -> list[int]:

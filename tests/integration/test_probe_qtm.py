@@ -1,0 +1,72 @@
+"""`mars probe qtm` and `mars probe qtm-boundaries` on the real RealMem bench data at a small N, with the
+rules backend against the real local llama.cpp controller (started by the probe itself)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+REALMEM = Path(
+    os.environ.get("MARS_REALMEM_DATA", Path(__file__).parents[2] / ".." / "shared" / "bench" / "realmem")
+)
+needs_data = pytest.mark.skipif(
+    not REALMEM.is_dir(), reason=f"RealMem bench data not found at {REALMEM} (set MARS_REALMEM_DATA)"
+)
+
+
+def mars(*args: str, timeout: float = 400) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(Path(sys.executable).parent / "mars"), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+@needs_data
+def test_probe_qtm_rules_vs_llamacpp(tmp_path: Path) -> None:
+    out = tmp_path / "probe.json"
+    run = mars(
+        "probe", "qtm", "--data", str(REALMEM), "--snapshots", "3", "--personas", "Lin_Wanyu",
+        "--max-sessions", "20", "--a", "rules", "--b", "backend=llamacpp,prompt=qtm-v1-paraphrased",
+        "--out", str(out),
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["configs"] == ["rules", "llamacpp:qtm-v1-paraphrased"]
+    assert result["overall"]["n"] == 3 and len(result["snapshots"]) == 3
+    lo, hi = result["overall"]["wilson95"]
+    assert 0.0 <= lo <= result["overall"]["action_agreement"] <= hi <= 1.0
+    assert 0.0 <= result["overall"]["jaccard_mean"] <= 1.0
+    # The controller answered every snapshot itself (schema-constrained), no fallback.
+    assert result["outcomes"][1].get("ok", 0) + result["outcomes"][1].get("clamped", 0) == 3
+    assert "Wilson 95%" in run.stdout
+
+
+@needs_data
+def test_probe_boundaries_scores_each_backend(tmp_path: Path) -> None:
+    out = tmp_path / "boundaries.json"
+    run = mars(
+        "probe", "qtm-boundaries", "--data", str(REALMEM), "--personas", "Lin_Wanyu", "--limit", "3",
+        "--configs", "rules", "backend=llamacpp", "--out", str(out),
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert set(report) == {"rules", "llamacpp:qtm-v1"}
+    for r in report.values():
+        assert r["tp"] + r["fn"] == report["rules"]["tp"] + report["rules"]["fn"]  # same ground truth
+        assert 0.0 <= r["precision"] <= 1.0 and 0.0 <= r["recall"] <= 1.0
+    assert report["llamacpp:qtm-v1"]["outcomes"].get("endpoint_error", 0) == 0
+
+
+def test_probe_rejects_bad_config_clearly(tmp_path: Path) -> None:
+    run = mars("probe", "qtm", "--data", str(tmp_path), "--a", "rules", "--b", "backend=gpt")
+    assert run.returncode == 2 and "unknown QTM backend" in run.stdout and "Traceback" not in run.stderr
