@@ -21,6 +21,7 @@ from typing import Any, Literal, Protocol
 
 import httpx
 
+from mars.domain.text import estimate_tokens
 from mars.qtm.prompts import SYSTEM_ROLE, PromptTemplate
 from mars.qtm.schema import qtm_json_schema
 
@@ -51,11 +52,6 @@ class Controller(Protocol):
         ...
 
     async def aclose(self) -> None: ...
-
-
-def estimate_tokens(text: str) -> int:
-    # ~4 characters a token for English; only used when a server reports no usage.
-    return max(1, len(text) // 4)
 
 
 class OpenAICompatibleController:
