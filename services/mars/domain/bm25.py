@@ -3,25 +3,11 @@ and idf / average length always reflect the memory added so far (as in a live sy
 
 from __future__ import annotations
 
-import functools
 import math
 from collections import Counter
 from collections.abc import Callable, Sequence
-from typing import Any
 
 from mars.domain.text import tokenize
-
-
-@functools.cache
-def _english_stemmer() -> Any:
-    import Stemmer  # PyStemmer: the Snowball stemmers in C
-
-    return Stemmer.Stemmer("english")
-
-
-def stemmed_tokenize(text: str) -> list[str]:
-    """tokenize() with English Snowball stems, so "plans", "planned" and "planning" share one term."""
-    return list(_english_stemmer().stemWords(tokenize(text)))
 
 
 class BM25Index:

@@ -15,8 +15,7 @@ from typing import Literal
 
 import numpy as np
 
-from mars.domain.bm25 import BM25Index, stemmed_tokenize
-from mars.domain.text import tokenize
+from mars.domain.bm25 import BM25Index
 from mars.retrieval.dense import DenseIndex
 from mars.retrieval.embedder import Embedder
 from mars.retrieval.fusion import reciprocal_rank_fusion, weighted_score_fusion
@@ -62,8 +61,6 @@ class HybridConfig:
     prf_top: int = 2
     #: Weight of a ranking by query similarity to each group's centroid (the group's overall topic).
     centroid_weight: float = 0.0
-    #: BM25 over Snowball-stemmed terms (fixed when the memory is built; a per-query override is ignored).
-    stem: bool = False
     bm25_k1: float = 1.2
     bm25_b: float = 0.75
     max_chunk_words: int = 160
@@ -91,11 +88,7 @@ class HybridMemory:
         # Queries may use a different (uncached) embedder than stored chunks, e.g. in benchmarks.
         self._query_embedder = query_embedder or embedder
         self._dense = DenseIndex(embedder.dim, use_gpu) if embedder is not None else None
-        self._lexical = BM25Index(
-            k1=self.config.bm25_k1,
-            b=self.config.bm25_b,
-            tokenizer=stemmed_tokenize if self.config.stem else tokenize,
-        )
+        self._lexical = BM25Index(k1=self.config.bm25_k1, b=self.config.bm25_b)
         self._groups: list[_Group] = []
         self._group_index: dict[str, int] = {}
         self._chunk_group: list[int] = []
