@@ -28,6 +28,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import Progress
 
+from mars.bench.policies import CachingEmbedder
 from mars.bench.realmem import Persona, Session, load_persona, persona_name_from_path
 from mars.domain.memory_policy import memory_controls
 from mars.qtm.controllers import BACKENDS, make_controller
@@ -253,9 +254,13 @@ def cmd_probe_qtm(args: argparse.Namespace) -> int:
         return 2
     from mars.retrieval.embedder import load_embedder
 
-    embedder = load_embedder()
+    embedder: Embedder = load_embedder()
+    if args.cache_dir:
+        embedder = CachingEmbedder(embedder, args.cache_dir)
     with _LocalLlm(configs, console) as llm:
         result = asyncio.run(_run_probe(personas, snapshots, configs, llm.url, embedder, console))
+    if isinstance(embedder, CachingEmbedder):
+        embedder.save()
     labels = [c.label() for c in configs]
     result["configs"] = labels
     _print_probe(console, result, labels)
@@ -497,6 +502,7 @@ def add_probe_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     p.add_argument("--b", required=True, help="the second controller config, same syntax as --a")
     p.add_argument("--personas", nargs="*", help="persona names (default: all in --data)")
     p.add_argument("--max-sessions", type=int, help="only queries in the first N sessions of each persona")
+    p.add_argument("--cache-dir", help="cache memory embeddings here (speeds up repeated probes)")
     p.add_argument("--out", help="write the full results (per snapshot too) as JSON here")
     p.set_defaults(func=cmd_probe_qtm)
 
