@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
+import random
 from dataclasses import dataclass
 from typing import Literal
 
@@ -81,6 +83,8 @@ class RouterSettings(ServiceSettings):
     #: Rewards outside this range are rejected (utility is in [0, 1]; cost only lowers it).
     min_reward: float = -1000.0
     max_reward: float = 1.0
+    #: Attempts at an optimistic policy update before the reward is handed back for redelivery.
+    update_attempts: int = 50
 
 
 def policy_id_for(scope: str, tenant: str, user_id: str) -> str:
@@ -106,6 +110,10 @@ class RouteResult:
     switch_penalty: float = 0.0
 
 
+class StaleArm(Exception):
+    """An arm row changed between our read and our conditional write (optimistic concurrency)."""
+
+
 class PolicyStore:
     def __init__(self, pool: AsyncConnectionPool, settings: RouterSettings, arms: list[str]) -> None:
         self._pool = pool
@@ -120,6 +128,8 @@ class PolicyStore:
             settings.epsilon,
             settings.thompson_v,
         )
+        #: Optimistic update conflicts retried (a replica wrote an arm between our read and write).
+        self.update_conflicts = 0
         self.default_arm = settings.default_arm or arms[0]
         if self.default_arm not in arms:
             raise ValueError(f"default_arm {self.default_arm!r} is not in the model pool {arms}")
@@ -148,19 +158,23 @@ class PolicyStore:
             )
 
     async def load(self, policy_id: str) -> tuple[dict[str, ArmModel], int]:
+        """The policy's arm models and its version: resets plus arm updates, so it grows with every
+        applied reward without a policy-wide row that every update would have to lock."""
         async with self._pool.connection() as conn:
             await self._ensure(conn, policy_id)
             cur = await conn.execute("SELECT version FROM router_policies WHERE policy_id = %s", (policy_id,))
             row = await cur.fetchone()
             version = int(row[0]) if row else 0
             cur = await conn.execute(
-                "SELECT arm, model, pulls, reward_sum FROM router_arms WHERE policy_id = %s", (policy_id,)
+                "SELECT arm, model, pulls, reward_sum, version FROM router_arms WHERE policy_id = %s",
+                (policy_id,),
             )
             rows = await cur.fetchall()
         models = {
             arm: ArmModel.from_bytes(bytes(blob), FEATURE_DIM, int(pulls), float(reward_sum))
-            for arm, blob, pulls, reward_sum in rows
+            for arm, blob, pulls, reward_sum, _ in rows
         }
+        version += sum(int(r[4]) for r in rows)
         for arm, model in models.items():
             if (why := model.sanity_error()) is not None:
                 raise PolicyCorrupt(f"policy {policy_id}, arm {arm}: {why}")
@@ -231,7 +245,25 @@ class PolicyStore:
         The reward updates the arm that answered (usually the chosen one); an arm whose call failed
         earlier in the fallback chain is updated with zero utility for the same context, so the router
         learns to stop choosing a broken endpoint.
+
+        Concurrency is optimistic: arm rows are read without locks and written only if their version is
+        unchanged; when another replica got there first the whole transaction (ledger row included) rolls
+        back and is retried on fresh matrices, so no update is lost and none is applied twice.
         """
+        for attempt in range(self._settings.update_attempts):
+            try:
+                return await self._apply_reward_once(turn_id, answered_arm, reward, failed_arms)
+            except StaleArm:
+                self.update_conflicts += 1
+                # Jittered backoff: replicas that collided should not collide again in lockstep.
+                await asyncio.sleep(random.uniform(0, 0.002 * (attempt + 1)))
+        raise RuntimeError(
+            f"reward for turn {turn_id}: {self._settings.update_attempts} optimistic update conflicts in a row"
+        )
+
+    async def _apply_reward_once(
+        self, turn_id: str, answered_arm: str, reward: float, failed_arms: list[str]
+    ) -> bool:
         async with self._pool.connection() as conn, conn.transaction():
             cur = await conn.execute(
                 "SELECT policy_id, arm, features FROM router_decisions WHERE turn_id = %s", (turn_id,)
@@ -265,19 +297,17 @@ class PolicyStore:
                 return False
             x = np.asarray(features, dtype=np.float64)
             targets = [(arm, reward), *((a, 0.0) for a in dict.fromkeys(failed_arms) if a != arm)]
-            # Lock arm rows in one global order, so concurrent replicas cannot deadlock.
+            # Written in one global order: a writer waiting on a row another replica is committing
+            # cannot wait in a cycle.
             for target, r in sorted(targets):
                 await self._update_arm(conn, policy_id, target, x, r)
-            await conn.execute(
-                "UPDATE router_policies SET version = version + 1 WHERE policy_id = %s", (policy_id,)
-            )
         return True
 
     async def _update_arm(
         self, conn: AsyncConnection, policy_id: str, arm: str, x: np.ndarray, reward: float
     ) -> None:
         cur = await conn.execute(
-            "SELECT model, pulls, reward_sum FROM router_arms WHERE policy_id = %s AND arm = %s FOR UPDATE",
+            "SELECT model, pulls, reward_sum, version FROM router_arms WHERE policy_id = %s AND arm = %s",
             (policy_id, arm),
         )
         row = await cur.fetchone()
@@ -289,11 +319,13 @@ class PolicyStore:
                 f"policy {policy_id}, arm {arm} failed its sanity check ({why}); update refused"
             )
         updated = self.routing.update(model, x, reward)
-        await conn.execute(
+        cur = await conn.execute(
             "UPDATE router_arms SET model = %s, pulls = %s, reward_sum = %s, version = version + 1 "
-            "WHERE policy_id = %s AND arm = %s",
-            (updated.to_bytes(), updated.pulls, updated.reward_sum, policy_id, arm),
+            "WHERE policy_id = %s AND arm = %s AND version = %s",
+            (updated.to_bytes(), updated.pulls, updated.reward_sum, policy_id, arm, int(row[3])),
         )
+        if cur.rowcount != 1:
+            raise StaleArm(f"policy {policy_id}, arm {arm} changed since it was read")
 
 
 class RouterStage:

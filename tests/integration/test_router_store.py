@@ -66,10 +66,15 @@ def test_two_router_processes_lose_no_update(dsn: str) -> None:
     procs = [
         subprocess.Popen(
             [sys.executable, str(HERE / "router_worker.py"), dsn, json.dumps(items), json.dumps(ARMS)],
+            stdout=subprocess.PIPE,
+            text=True,
         )
         for items in jobs.values()
     ]
-    assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    outputs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0]
+    conflicts = sum(json.loads(out.strip().splitlines()[-1])["update_conflicts"] for out in outputs)
+    print(f"optimistic update conflicts retried: {conflicts}")
 
     async def check() -> None:
         store, pool = await store_for(dsn)
