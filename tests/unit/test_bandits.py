@@ -62,3 +62,32 @@ def test_simulator_oracle_has_no_regret_and_learning_beats_random() -> None:
     random = simulate(make["random"], 400, 0.5, seed=0)
     assert linucb.last_quarter_regret < random.last_quarter_regret / 3
     assert sum(linucb.shares.values()) == pytest.approx(1.0)
+
+
+def test_query_features_are_deterministic_scale_free_and_bias_only_when_empty() -> None:
+    from mars.domain.features import QUERY_FEATURE_DIM, query_features
+
+    e = np.random.default_rng(3).normal(size=384)
+    x = query_features(e)
+    assert x.shape == (QUERY_FEATURE_DIM,) and x[0] == 1.0
+    np.testing.assert_allclose(x, query_features(5.0 * e))  # only the direction matters
+    np.testing.assert_array_equal(x, query_features(list(e)))  # same projection every call
+    assert query_features([]).tolist() == [1.0] + [0.0] * (QUERY_FEATURE_DIM - 1)
+    # Johnson-Lindenstrauss: similar queries stay closer than unrelated ones.
+    near = query_features(e + np.random.default_rng(4).normal(scale=0.1, size=384))
+    far = query_features(np.random.default_rng(5).normal(size=384))
+    assert np.linalg.norm(x[1:] - near[1:]) < np.linalg.norm(x[1:] - far[1:])
+
+
+def test_state_features_beat_the_query_embedding_baseline() -> None:
+    from mars.domain.bandits import make_routing_policy, uses_query_features
+
+    assert uses_query_features("query-linucb") and not uses_query_features("linucb")
+    make_routing_policy("query-linucb", ["a", "b"], 33)  # a known name
+    make = policies()
+    state = simulate(make["linucb"], 1500, 0.5, seed=1)
+    query = simulate(make["query-linucb"], 1500, 0.5, seed=1, query=True)
+    random = simulate(make["random"], 1500, 0.5, seed=1)
+    # The query's wording carries the phase, so it learns; the view load is invisible to it, so it
+    # stays behind the state-feature policy.
+    assert random.reward < query.reward < state.reward

@@ -20,6 +20,14 @@ reward is u - lambda * C_gen, with C_gen the cost of (view + 300 prompt tokens i
 arm's Table 10 price, in US cents (so lambda 0.5 weighs a cent as half a quality point, and the paper's
 0.002 makes routing quality-first). The oracle plays argmax of the expected reward; regret is in
 expected reward.
+
+The no-QTM baseline (`query-linucb`, as MetaLLM routes) sees a synthetic query embedding instead of x:
+
+    e = topic + 0.5 * phase_direction[phase] + 0.3 * need_memory * memory_direction + noise
+
+with 40 topics and the directions fixed random unit vectors in 64 dimensions and noise N(0, 0.5^2/64)
+per dimension: a query's wording reveals its phase and whether it leans on memory, but neither the view
+load nor ambiguity, which live in the session rather than the query text.
 """
 
 from __future__ import annotations
@@ -43,7 +51,7 @@ from mars.domain.bandits import (
     RandomRouting,
     RoutingPolicy,
 )
-from mars.domain.features import FEATURE_DIM, featurize
+from mars.domain.features import FEATURE_DIM, QUERY_FEATURE_DIM, featurize, query_features
 from mars.domain.linucb import ArmModel
 from mars.v1 import events_pb2 as ev
 
@@ -80,9 +88,28 @@ class Turn:
     x: np.ndarray
     expected_quality: np.ndarray  # per arm
     cost: np.ndarray  # per arm, USD
+    #: The no-QTM baseline's context: features of the synthetic query embedding.
+    xq: np.ndarray | None = None
 
 
-def draw_turn(rng: np.random.Generator, depth: int) -> Turn:
+EMBED_DIM = 64
+_directions = np.random.default_rng(4242).standard_normal((40 + len(PHASES) + 1, EMBED_DIM))
+_directions /= np.linalg.norm(_directions, axis=1, keepdims=True)
+TOPICS, PHASE_DIRECTIONS, MEMORY_DIRECTION = _directions[:40], _directions[40:-1], _directions[-1]
+
+
+def query_embedding(rng: np.random.Generator, phase_index: int, need_memory: int) -> np.ndarray:
+    """The synthetic query embedding of the module docstring (own RNG: the state stream is unchanged)."""
+    e = (
+        TOPICS[rng.integers(len(TOPICS))]
+        + 0.5 * PHASE_DIRECTIONS[phase_index]
+        + 0.3 * need_memory * MEMORY_DIRECTION
+        + rng.normal(0, 0.5 / np.sqrt(EMBED_DIM), EMBED_DIM)
+    )
+    return e / np.linalg.norm(e)
+
+
+def draw_turn(rng: np.random.Generator, depth: int, query_rng: np.random.Generator | None = None) -> Turn:
     state = ev.SessionState()
     state.action = ev.MATCH if rng.random() < 0.65 else ev.NEW_TOPIC
     state.phase = int(rng.choice(list(PHASES), p=[0.35, 0.15, 0.15, 0.2, 0.15]))  # type: ignore[assignment]
@@ -133,7 +160,12 @@ def draw_turn(rng: np.random.Generator, depth: int) -> Turn:
             for a in POOL
         ]
     )
-    return Turn(featurize(state, load, depth), quality, cost)
+    xq = (
+        query_features(query_embedding(query_rng, phase, state.taxonomy.need_memory))
+        if query_rng is not None
+        else None
+    )
+    return Turn(featurize(state, load, depth), quality, cost, xq)
 
 
 @dataclass
@@ -147,26 +179,35 @@ class RunResult:
     cost: float
 
 
-def simulate(make: Callable[[int], RoutingPolicy | None], turns: int, lam: float, seed: int) -> RunResult:
-    """One run; `make(seed)` returns a policy, or None for the oracle."""
+#: Policies that see the query-embedding features instead of the state features.
+QUERY_POLICIES = ("query-linucb",)
+
+
+def simulate(
+    make: Callable[[int], RoutingPolicy | None], turns: int, lam: float, seed: int, query: bool = False
+) -> RunResult:
+    """One run; `make(seed)` returns a policy, or None for the oracle; `query` feeds it xq, not x."""
     env = np.random.default_rng(seed)
+    query_rng = np.random.default_rng(seed + 7_000) if query else None
     policy = make(seed)
     arms = [a.name for a in POOL]
-    models = {a: ArmModel.cold(FEATURE_DIM, 1.0) for a in arms}
+    dim = QUERY_FEATURE_DIM if query else FEATURE_DIM
+    models = {a: ArmModel.cold(dim, 1.0) for a in arms}
     picks = np.zeros(len(arms))
     util = rew = regret = q_sum = c_sum = 0.0
     regrets = []
     for t in range(turns):
-        turn = draw_turn(env, depth=1 + t % 12)
+        turn = draw_turn(env, depth=1 + t % 12, query_rng=query_rng)
+        x = turn.xq if query and turn.xq is not None else turn.x
         expected = turn.expected_quality - lam * turn.cost
         if policy is None:
             i = int(np.argmax(expected))
         else:
-            i = arms.index(policy.decide(turn.x, models).arm)
+            i = arms.index(policy.decide(x, models).arm)
         observed = float(np.clip(turn.expected_quality[i] + env.normal(0, NOISE), 0, 1))
         reward = observed - lam * float(turn.cost[i])
         if policy is not None:
-            models[arms[i]] = policy.update(models[arms[i]], turn.x, reward)
+            models[arms[i]] = policy.update(models[arms[i]], x, reward)
         picks[i] += 1
         util += float(turn.expected_quality[i])
         rew += float(expected[i])
@@ -191,6 +232,7 @@ def policies() -> dict[str, Callable[[int], RoutingPolicy | None]]:
     arms = [a.name for a in POOL]
     out: dict[str, Callable[[int], RoutingPolicy | None]] = {
         "linucb": lambda s: LinUCBRouting(arms, FEATURE_DIM, alpha=0.8, ridge=1.0),
+        "query-linucb": lambda s: LinUCBRouting(arms, QUERY_FEATURE_DIM, alpha=0.8, ridge=1.0),
         "thompson": lambda s: LinearThompsonRouting(arms, FEATURE_DIM, v=0.3, seed=s + 101),
         "eps-greedy": lambda s: EpsilonGreedyRouting(arms, FEATURE_DIM, epsilon=0.1, seed=s + 202),
         "random": lambda s: RandomRouting(arms, FEATURE_DIM, seed=s + 303),
@@ -251,7 +293,9 @@ def cmd_router(args: argparse.Namespace) -> int:
     report: dict[str, dict[str, dict[str, float]]] = {}
     for lam in args.lambdas:
         results = {
-            name: [simulate(make, args.turns, lam, seed) for seed in range(args.seeds)]
+            name: [
+                simulate(make, args.turns, lam, seed, name in QUERY_POLICIES) for seed in range(args.seeds)
+            ]
             for name, make in policies().items()
         }
         strongest = results["fixed:gpt-4o"]

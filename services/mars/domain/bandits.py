@@ -157,9 +157,11 @@ def make_routing_policy(
     thompson_v: float = 0.3,
     seed: int | None = None,
 ) -> RoutingPolicy:
-    """By name: linucb (default), thompson, eps-greedy, random, or fixed:<arm>."""
+    """By name: linucb (default), thompson, eps-greedy, random, fixed:<arm>, or query-linucb (LinUCB over
+    query-embedding features instead of the session state: the no-QTM / MetaLLM-style baseline; the
+    caller passes QUERY_FEATURE_DIM and builds x with `query_features`)."""
     rng_seed = seed if seed is not None else int(np.random.SeedSequence().entropy % (2**31))  # type: ignore[operator]
-    if name == "linucb":
+    if name in ("linucb", "query-linucb"):
         return LinUCBRouting(arms, dim, alpha=alpha, ridge=ridge)
     if name == "thompson":
         return LinearThompsonRouting(arms, dim, v=thompson_v, ridge=ridge, seed=rng_seed)
@@ -169,4 +171,11 @@ def make_routing_policy(
         return RandomRouting(arms, dim, seed=rng_seed)
     if name.startswith("fixed:"):
         return FixedArmRouting(arms, dim, name.split(":", 1)[1])
-    raise ValueError(f"unknown routing policy {name!r}: linucb, thompson, eps-greedy, random or fixed:<arm>")
+    raise ValueError(
+        f"unknown routing policy {name!r}: linucb, query-linucb, thompson, eps-greedy, random or fixed:<arm>"
+    )
+
+
+def uses_query_features(name: str) -> bool:
+    """Policies that route from the query embedding rather than the state features."""
+    return name == "query-linucb"

@@ -105,3 +105,36 @@ def featurize(state: ev.SessionState, load: ev.ViewLoad, turn_depth: int) -> np.
     x = np.asarray(values, dtype=np.float64)
     assert x.shape == (FEATURE_DIM,)
     return x
+
+
+# ---- the no-QTM baseline: features from the query embedding alone --------------------------------------
+
+#: Projected embedding dimensions (+1 bias). A fixed random projection keeps LinUCB's matrices small
+#: (33 x 33 per arm) while preserving inner products approximately (Johnson-Lindenstrauss).
+QUERY_PROJECTION_DIM = 32
+QUERY_FEATURE_DIM = QUERY_PROJECTION_DIM + 1
+_PROJECTION_SEED = 20_260_101
+_projections: dict[int, np.ndarray] = {}
+
+
+def _projection(embedding_dim: int) -> np.ndarray:
+    matrix = _projections.get(embedding_dim)
+    if matrix is None:
+        # Seeded, so every router replica and every replay projects identically.
+        rng = np.random.Generator(np.random.PCG64(_PROJECTION_SEED + embedding_dim))
+        matrix = rng.standard_normal((QUERY_PROJECTION_DIM, embedding_dim)) / np.sqrt(QUERY_PROJECTION_DIM)
+        _projections[embedding_dim] = matrix
+    return matrix
+
+
+def query_features(embedding: np.ndarray | list[float]) -> np.ndarray:
+    """x = [1, P e / |e|] for the paper's no-QTM and MetaLLM-style baselines: the router sees the query
+    embedding, not the session state or the view load. An empty embedding (memory ran lexical-only)
+    leaves only the bias."""
+    e = np.asarray(embedding, dtype=np.float64).ravel()
+    x = np.zeros(QUERY_FEATURE_DIM)
+    x[0] = 1.0
+    norm = float(np.linalg.norm(e))
+    if e.size and norm > 0 and np.isfinite(norm):
+        x[1:] = _projection(e.size) @ (e / norm)
+    return x
