@@ -27,6 +27,8 @@ class ModelSpec(BaseModel):
     input_price_per_m: float = Field(ge=0)
     output_price_per_m: float = Field(ge=0)
     timeout_s: float = Field(default=60.0, gt=0)
+    #: Calls in flight to this endpoint at most (further calls wait); unset = no limit.
+    max_concurrency: int | None = Field(default=None, gt=0)
     #: Whether the endpoint returns token log-probabilities (needed by the confidence cascade).
     returns_logprobs: bool = False
     #: Tokenizer for exact packing: gguf:<path> or hf:<tokenizer.json>; none = conservative estimate.

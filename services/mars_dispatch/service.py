@@ -4,7 +4,9 @@ endpoint, falls back to the next arm with a fresh packing on failure, and accoun
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import random
 import time
 from dataclasses import dataclass
 
@@ -12,6 +14,7 @@ import grpc
 import httpx
 from mars.bus import EventProducer, StageConsumer, StageOutput, Subscription
 from mars.config import TOPIC_GENERATED, TOPIC_ROUTED, ServiceSettings
+from mars.domain.circuit import CircuitBreaker
 from mars.domain.packing import PackedPrompt, input_budget, pack_view
 from mars.domain.text import estimate_tokens
 from mars.pool import ModelPool, ModelSpec, load_pool
@@ -32,6 +35,10 @@ class DispatchSettings(ServiceSettings):
     default_max_tokens: int = 96
     #: Extra attempts on the same arm for a retryable error (connection trouble, 429, 5xx).
     retries_per_arm: int = 1
+    #: Consecutive failed calls after which an arm's circuit opens (turns fall back at once).
+    circuit_failure_threshold: int = 5
+    #: Seconds an open circuit waits before one trial call may close it again.
+    circuit_reset_s: float = 30.0
 
 
 class GenerationError(Exception):
@@ -55,6 +62,10 @@ class ModelClients:
             m.name: httpx.AsyncClient(base_url=m.base_url.rstrip("/"), timeout=m.timeout_s)
             for m in pool.models
         }
+        # Calls beyond an endpoint's max_concurrency wait here instead of overloading it.
+        self._slots = {
+            m.name: asyncio.Semaphore(m.max_concurrency) for m in pool.models if m.max_concurrency is not None
+        }
         self._retries = retries
 
     async def close(self) -> None:
@@ -76,6 +87,15 @@ class ModelClients:
             # top_logprobs >= 1 as well: llama.cpp's server returns none without it.
             body["logprobs"] = True
             body["top_logprobs"] = 1
+        slot = self._slots.get(spec.name)
+        if slot is None:
+            return await self._post(spec, body, headers, packed)
+        async with slot:
+            return await self._post(spec, body, headers, packed)
+
+    async def _post(
+        self, spec: ModelSpec, body: dict[str, object], headers: dict[str, str], packed: PackedPrompt
+    ) -> Completion:
         last: Exception | None = None
         for attempt in range(self._retries + 1):
             try:
@@ -89,7 +109,8 @@ class ModelClients:
                 if resp.status_code not in (408, 429) and resp.status_code < 500:
                     break  # not retryable
             if attempt < self._retries:
-                await asyncio.sleep(0.1 * (attempt + 1))
+                # Backoff with jitter, so replicas retrying one endpoint do not arrive in lockstep.
+                await asyncio.sleep(0.1 * (attempt + 1) * random.uniform(0.5, 1.5))
         assert last is not None
         raise last
 
@@ -120,6 +141,10 @@ class Dispatcher:
         self._pool = pool
         self._clients = clients
         self._settings = settings
+        self.breakers = {
+            m.name: CircuitBreaker(settings.circuit_failure_threshold, settings.circuit_reset_s)
+            for m in pool.models
+        }
 
     async def generate(
         self,
@@ -152,8 +177,14 @@ class Dispatcher:
                 packed_blocks=len(packed.blocks),
                 clipped_blocks=len(packed.clipped_block_ids),
             )
+            breaker = self.breakers[arm]
             if not packed.fits:
                 attempt.error = f"query and active state exceed the input budget of {arm}"
+            elif not breaker.allow():
+                attempt.error = (
+                    f"circuit open for {arm}: {breaker.failure_threshold} failed calls in a row; "
+                    f"a trial call goes through {breaker.reset_after_s:g}s after the last failure"
+                )
             else:
                 try:
                     completion = await self._clients.complete(
@@ -163,8 +194,10 @@ class Dispatcher:
                         want_logprobs=cascade_min_logprob < 0,
                     )
                 except GenerationError as exc:
+                    breaker.record_failure()
                     attempt.error = str(exc)
                 else:
+                    breaker.record_success()
                     attempt.ok = True
                     out.status = ev.OK
                     out.model = arm
@@ -268,10 +301,15 @@ class DispatchServicer(svc_grpc.DispatchServicer):
                     input_budget=m.input_budget,
                     input_price_per_m=m.input_price_per_m,
                     output_price_per_m=m.output_price_per_m,
+                    circuit=self._dispatcher.breakers[m.name].state,
                 )
                 for m in self._pool.models
             ]
         )
+
+
+def _circuit_closed(breaker: CircuitBreaker) -> bool:
+    return breaker.state != "open"
 
 
 async def build(ctx: ServiceContext) -> ServiceParts:
@@ -298,6 +336,11 @@ async def build(ctx: ServiceContext) -> ServiceParts:
         ],
         consumers=[consumer],
         on_stop=[clients.close],
+        # One health entry per arm: NOT_SERVING while its circuit is open.
+        health_probes={
+            f"mars.v1.Dispatch.arm.{name}": functools.partial(_circuit_closed, breaker)
+            for name, breaker in dispatcher.breakers.items()
+        },
     )
 
 
