@@ -4,11 +4,14 @@ the router learns from; records explicit user feedback (appendix G.1) beside it.
 from __future__ import annotations
 
 import logging
+import os
+from typing import Literal
 
 import grpc
 from mars.bus import EventProducer, StageConsumer, StageOutput, Subscription
 from mars.config import TOPIC_FEEDBACK, TOPIC_GENERATED, TOPIC_JUDGED, ServiceSettings
-from mars.domain.reward import judge_turn
+from mars.llm_json import Dialect, JsonChatClient
+from mars.rubric.judge import JudgePricing, RubricJudge
 from mars.runtime import GrpcBinding, ServiceContext, ServiceParts, run
 from mars.v1 import events_pb2 as ev
 from mars.v1 import services_pb2_grpc as svc_grpc
@@ -31,12 +34,53 @@ MIGRATIONS = [
 class JudgeSettings(ServiceSettings):
     #: Cost weight lambda of Eq. 17 (paper Table 8: 0.002 main RealMem run, 0.5 ablations).
     lambda_cost: float = 0.002
+    #: deterministic (default: lexical signals only), openai (any OpenAI-compatible judge endpoint), or
+    #: llamacpp (the local stack's server); the LLM judges fall back to deterministic when they fail.
+    judge_backend: Literal["deterministic", "openai", "llamacpp"] = "deterministic"
+    judge_url: str = ""
+    judge_model: str = "judge"
+    #: Name of the environment variable holding the judge endpoint's API key.
+    judge_api_key_env: str = "MARS_JUDGE_API_KEY"
+    judge_prompt: str = "judge-v1"
+    #: Eq. 17 penalty coefficients: realmem or multichallenge (Table 9).
+    judge_profile: str = "realmem"
+    judge_deadline_ms: int = 10_000
+    judge_max_tokens: int = 200
+    #: Judge prices per million tokens (B.6: GPT-4o-mini).
+    judge_price_input_per_m: float = 0.15
+    judge_price_output_per_m: float = 0.60
+    #: Set by the local stack launcher: its llama.cpp server.
+    local_llm_url: str = ""
 
 
-def score(event: ev.Generated, lambda_cost: float) -> ev.Judged:
-    judged = judge_turn(
-        event.query, event.text, list(event.packed_blocks), event.state, event.cost_usd, lambda_cost
+def make_judge(settings: JudgeSettings) -> RubricJudge:
+    client = None
+    if settings.judge_backend != "deterministic":
+        url = settings.judge_url
+        if not url and settings.judge_backend == "llamacpp" and settings.local_llm_url:
+            url = settings.local_llm_url.rstrip("/") + "/v1"
+        if not url:
+            raise ValueError(f"the {settings.judge_backend} judge needs an endpoint (MARS_JUDGE_URL)")
+        dialect: Dialect = "llamacpp" if settings.judge_backend == "llamacpp" else "openai"
+        client = JsonChatClient(
+            url,
+            settings.judge_model,
+            dialect,
+            os.environ.get(settings.judge_api_key_env) or None,
+            timeout_s=settings.judge_deadline_ms / 1000 + 1,
+            max_tokens=settings.judge_max_tokens,
+        )
+    return RubricJudge(
+        client,
+        settings.judge_profile,
+        settings.judge_prompt,
+        settings.judge_deadline_ms / 1000,
+        JudgePricing(settings.judge_price_input_per_m, settings.judge_price_output_per_m),
     )
+
+
+async def score(event: ev.Generated, judge: RubricJudge, lambda_cost: float) -> ev.Judged:
+    judged = await judge.score(event, lambda_cost)
     judged.turn.CopyFrom(event.turn)
     judged.arm = event.model
     judged.policy_id = event.policy_id
@@ -46,8 +90,11 @@ def score(event: ev.Generated, lambda_cost: float) -> ev.Judged:
 
 
 class JudgeStage:
-    def __init__(self, settings: JudgeSettings, producer: EventProducer, pool: AsyncConnectionPool) -> None:
+    def __init__(
+        self, settings: JudgeSettings, producer: EventProducer, pool: AsyncConnectionPool, judge: RubricJudge
+    ) -> None:
         self._settings = settings
+        self._judge = judge
         self._pool = pool
         self._out = StageOutput(pool, producer, STAGE, TOPIC_JUDGED)
 
@@ -58,7 +105,7 @@ class JudgeStage:
             return
         if await self._out.done(event.turn.turn_id):
             return
-        await self._out.emit(score(event, self._settings.lambda_cost), event.turn)
+        await self._out.emit(await score(event, self._judge, self._settings.lambda_cost), event.turn)
 
     async def on_feedback(self, event: ev.Feedback) -> None:
         async with self._pool.connection() as conn:
@@ -70,21 +117,23 @@ class JudgeStage:
 
 
 class JudgeServicer(svc_grpc.JudgeServicer):
-    def __init__(self, settings: JudgeSettings) -> None:
+    def __init__(self, settings: JudgeSettings, judge: RubricJudge) -> None:
         self._settings = settings
+        self._judge = judge
 
     async def Score(self, request: ev.Generated, context: grpc.aio.ServicerContext) -> ev.Judged:
         if request.status != ev.OK:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, "only a successful generation can be judged"
             )
-        return score(request, self._settings.lambda_cost)
+        return await score(request, self._judge, self._settings.lambda_cost)
 
 
 async def build(ctx: ServiceContext) -> ServiceParts:
     settings = ctx.settings
     assert isinstance(settings, JudgeSettings)
-    stage = JudgeStage(settings, ctx.producer, ctx.pool)
+    judge = make_judge(settings)
+    stage = JudgeStage(settings, ctx.producer, ctx.pool, judge)
     consumer = StageConsumer(
         settings,
         ctx.producer,
@@ -97,9 +146,12 @@ async def build(ctx: ServiceContext) -> ServiceParts:
     )
     return ServiceParts(
         bindings=[
-            GrpcBinding(svc_grpc.add_JudgeServicer_to_server, JudgeServicer(settings), "mars.v1.Judge")
+            GrpcBinding(svc_grpc.add_JudgeServicer_to_server, JudgeServicer(settings, judge), "mars.v1.Judge")
         ],
         consumers=[consumer],
+        # NOT_SERVING while the rubric judge keeps failing (turns are then judged deterministically).
+        health_probes={"mars.v1.Judge.rubric": lambda: judge.healthy},
+        on_stop=[judge.aclose],
     )
 
 

@@ -9,15 +9,31 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from mars.domain.text import overlap, tokenize
 from mars.v1 import events_pb2 as ev
 
 JUDGE_NAME = "deterministic-v1"
 
-# Eq. 17 component weights and RealMem penalty coefficients (drift, restart, hallucination, missing history).
+# Eq. 17 component weights.
 W_MEMORY, W_ANSWER, W_QUALITY = 0.45, 0.40, 0.15
-P_DRIFT, P_RESTART, P_HALLUCINATION, P_MISSING = 0.10, 0.06, 0.12, 0.12
+
+
+@dataclass(frozen=True)
+class JudgeProfile:
+    """Eq. 17 penalty coefficients per benchmark profile (paper Table 9)."""
+
+    drift: float
+    restart: float
+    hallucination: float
+    missing_history: float
+
+
+PROFILES: dict[str, JudgeProfile] = {
+    "realmem": JudgeProfile(0.10, 0.06, 0.12, 0.12),
+    "multichallenge": JudgeProfile(0.10, 0.12, 0.10, 0.10),
+}
 
 # Content tokens at which the length signal reaches ~63% of its maximum (1 - 1/e).
 LENGTH_SCALE = 30.0
@@ -30,7 +46,11 @@ def _clip(v: float, lo: float, hi: float) -> float:
 
 
 def compose_utility(
-    rubric: ev.RubricScores, flags: ev.FailureFlags, coverage: float, final_step: bool
+    rubric: ev.RubricScores,
+    flags: ev.FailureFlags,
+    coverage: float,
+    final_step: bool,
+    profile: JudgeProfile = PROFILES["realmem"],
 ) -> tuple[float, float, float, float, float]:
     """(M, A, Q, P, u) of Eq. 17 from 0-5 rubric scores, binary flags and coverage in [0, 1]."""
     memory = (coverage + rubric.state_alignment / 5.0 + rubric.routing_adequacy / 5.0) / 3.0
@@ -42,10 +62,10 @@ def compose_utility(
     else:
         quality = rubric.intermediate_product / 5.0
     penalty = (
-        P_DRIFT * flags.topic_drift
-        + P_RESTART * flags.restart
-        + P_HALLUCINATION * flags.hallucination
-        + P_MISSING * flags.severe_missing_history
+        profile.drift * flags.topic_drift
+        + profile.restart * flags.restart
+        + profile.hallucination * flags.hallucination
+        + profile.missing_history * flags.severe_missing_history
     )
     utility = _clip(W_MEMORY * memory + W_ANSWER * answer + W_QUALITY * quality - penalty, 0.0, 1.0)
     return memory, answer, quality, penalty, utility
@@ -58,6 +78,7 @@ def judge_turn(
     state: ev.SessionState,
     gen_cost_usd: float,
     lambda_cost: float,
+    profile: JudgeProfile = PROFILES["realmem"],
 ) -> ev.Judged:
     """Arm-independent Judged fields; the caller adds turn, arm, policy_id and features."""
     judged = ev.Judged(judge=JUDGE_NAME, cost_usd=gen_cost_usd, lambda_cost=lambda_cost)
@@ -103,7 +124,9 @@ def judge_turn(
     )
     flags.hallucination = False  # needs an LLM judge
 
-    m, a, q, p, u = compose_utility(rubric, flags, coverage, final_step)
+    judged.coverage = coverage
+    judged.final_step = final_step
+    m, a, q, p, u = compose_utility(rubric, flags, coverage, final_step, profile)
     judged.memory_component = m
     judged.answer_component = a
     judged.quality_component = q

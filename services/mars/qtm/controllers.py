@@ -16,12 +16,9 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
-import httpx
-
-from mars.domain.text import estimate_tokens
+from mars.llm_json import Dialect, EndpointError, JsonChatClient, JsonReply
 from mars.qtm.prompts import SYSTEM_ROLE, PromptTemplate
 from mars.qtm.schema import qtm_json_schema
 
@@ -29,18 +26,8 @@ Backend = Literal["rules", "openai", "llamacpp", "vllm"]
 BACKENDS: tuple[str, ...] = ("rules", "openai", "llamacpp", "vllm")
 
 
-class ControllerUnavailable(RuntimeError):
-    """The controller endpoint could not be reached or answered with an error."""
-
-
-@dataclass(frozen=True)
-class ControllerReply:
-    #: What the model wrote (the guard parses and clamps it).
-    text: str
-    input_tokens: int
-    output_tokens: int
-    #: True when the server reported no usage and the counts were estimated from text length.
-    usage_estimated: bool
+ControllerUnavailable = EndpointError
+ControllerReply = JsonReply
 
 
 class Controller(Protocol):
@@ -63,7 +50,7 @@ class OpenAICompatibleController:
         base_url: str,
         model: str,
         prompt: PromptTemplate,
-        flavour: Literal["openai", "llamacpp"] = "openai",
+        flavour: Dialect = "openai",
         api_key: str | None = None,
         timeout_s: float = 10.0,
         max_tokens: int = 200,
@@ -72,54 +59,14 @@ class OpenAICompatibleController:
         self.name: str = flavour
         self.prompt_version = prompt.version
         self._prompt = prompt
-        self._model = model
-        self._flavour = flavour
-        self._max_tokens = max_tokens
-        self._seed = seed
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._client = httpx.AsyncClient(
-            base_url=base_url.rstrip("/"),
-            headers=headers,
-            timeout=httpx.Timeout(timeout_s, connect=min(2.0, timeout_s)),
-            limits=httpx.Limits(max_connections=8, max_keepalive_connections=8),
-        )
-
-    def _response_format(self) -> dict[str, Any]:
-        schema = qtm_json_schema()
-        if self._flavour == "llamacpp":
-            return {"type": "json_object", "schema": schema}
-        return {"type": "json_schema", "json_schema": {"name": "qtm_state", "schema": schema, "strict": True}}
+        self._client = JsonChatClient(base_url, model, flavour, api_key, timeout_s, max_tokens, seed)
 
     async def call(self, text: str, active_context: Sequence[str]) -> ControllerReply:
-        prompt = self._prompt.render(text, active_context)
-        body = {
-            "model": self._model,
-            "messages": [{"role": "system", "content": SYSTEM_ROLE}, {"role": "user", "content": prompt}],
-            "temperature": 0.0,
-            "seed": self._seed,
-            "max_tokens": self._max_tokens,
-            "response_format": self._response_format(),
-        }
-        try:
-            resp = await self._client.post("/chat/completions", json=body)
-        except httpx.HTTPError as exc:
-            raise ControllerUnavailable(f"{type(exc).__name__}: {exc}") from exc
-        if resp.status_code != 200:
-            raise ControllerUnavailable(f"HTTP {resp.status_code}: {resp.text[:200]}")
-        try:
-            data = resp.json()
-            content = data["choices"][0]["message"]["content"] or ""
-        except (ValueError, KeyError, IndexError, TypeError) as exc:
-            raise ControllerUnavailable(f"malformed completion response: {exc}") from exc
-        usage = data.get("usage") or {}
-        tokens_in, tokens_out = usage.get("prompt_tokens"), usage.get("completion_tokens")
-        estimated = not (isinstance(tokens_in, int) and isinstance(tokens_out, int))
-        return ControllerReply(
-            text=content,
-            input_tokens=tokens_in if isinstance(tokens_in, int) else estimate_tokens(SYSTEM_ROLE + prompt),
-            output_tokens=tokens_out if isinstance(tokens_out, int) else estimate_tokens(content),
-            usage_estimated=estimated,
-        )
+        messages = [
+            {"role": "system", "content": SYSTEM_ROLE},
+            {"role": "user", "content": self._prompt.render(text, active_context)},
+        ]
+        return await self._client.complete(messages, qtm_json_schema(), "qtm_state")
 
     async def aclose(self) -> None:
         await self._client.aclose()
@@ -195,7 +142,7 @@ def make_controller(
         return VllmController(model, template, max_tokens)
     if not base_url:
         raise ValueError(f"the {backend} QTM backend needs an endpoint (MARS_QTM_URL)")
-    flavour: Literal["openai", "llamacpp"] = "llamacpp" if backend == "llamacpp" else "openai"
+    flavour: Dialect = "llamacpp" if backend == "llamacpp" else "openai"
     return OpenAICompatibleController(
         base_url, model or "qtm", template, flavour, api_key, timeout_s, max_tokens
     )

@@ -4,11 +4,10 @@ so the event schema stays the one definition, and the lenient parser for what co
 
 from __future__ import annotations
 
-import json
-import re
 from typing import Any
 
 from mars.domain.state_rules import ALLOWED_LENS, ALLOWED_TOP_K
+from mars.llm_json import NoJsonObject, parse_json_object
 from mars.v1 import events_pb2 as ev
 
 
@@ -56,27 +55,6 @@ def qtm_json_schema() -> dict[str, Any]:
     }
 
 
-class ControllerOutputError(ValueError):
-    """The controller's text holds no JSON object."""
-
-
-_FENCE = re.compile(r"```(?:json)?\s*(.*?)```", re.DOTALL)
-
-
-def parse_controller_output(text: str) -> dict[str, Any]:
-    """The first JSON object in `text`: bare, inside a ``` fence, or after chatter. Values are not
-    checked here; `clamp_state` does that. Raises ControllerOutputError when there is no object."""
-    candidates = [m.group(1) for m in _FENCE.finditer(text)] + [text]
-    decoder = json.JSONDecoder()
-    for candidate in candidates:
-        start = candidate.find("{")
-        while start != -1:
-            try:
-                obj, _ = decoder.raw_decode(candidate, start)
-            except json.JSONDecodeError:
-                start = candidate.find("{", start + 1)
-                continue
-            if isinstance(obj, dict):
-                return obj
-            start = candidate.find("{", start + 1)
-    raise ControllerOutputError(f"no JSON object in controller output ({len(text)} chars)")
+# The parser is shared with the rubric judge; the QTM names are kept for its callers.
+ControllerOutputError = NoJsonObject
+parse_controller_output = parse_json_object
