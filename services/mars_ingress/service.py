@@ -21,6 +21,7 @@ from mars.config import (
     TOPIC_RECEIVED,
     ServiceSettings,
 )
+from mars.domain.feedback import rating_from
 from mars.runtime import GrpcBinding, ServiceContext, ServiceParts, run
 from mars.telemetry import context_from_metadata, current_trace_id
 from mars.v1 import events_pb2 as ev
@@ -236,19 +237,24 @@ class IngressServicer(svc_grpc.IngressServicer):
     ) -> svc.FeedbackReply:
         if not request.turn_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "turn_id is required")
-        if not 0.0 <= request.rating <= 1.0:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "rating must be in [0, 1]")
+        try:
+            rating = rating_from(request.rating, request.thumbs)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         async with self._pool.connection() as conn:
             cur = await conn.execute(
-                "SELECT session_id, seq FROM ingress_turns WHERE turn_id = %s AND tenant = %s AND user_id = %s",
-                (request.turn_id, request.tenant, request.user_id),
+                "SELECT session_id, seq, tenant, user_id FROM ingress_turns WHERE turn_id = %s",
+                (request.turn_id,),
             )
             row = await cur.fetchone()
         if row is None:
-            await context.abort(
-                grpc.StatusCode.NOT_FOUND, f"no turn {request.turn_id} for this tenant and user"
-            )
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no turn {request.turn_id}")
         assert row is not None
+        if (row[2], row[3]) != (request.tenant, request.user_id):
+            # Someone else's turn: say so without revealing whose.
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED, f"turn {request.turn_id} belongs to another tenant or user"
+            )
         envelope = ev.TurnEnvelope(
             turn_id=request.turn_id,
             tenant=request.tenant,
@@ -260,7 +266,7 @@ class IngressServicer(svc_grpc.IngressServicer):
         )
         await self._producer.publish(
             TOPIC_FEEDBACK,
-            ev.Feedback(turn=envelope, rating=request.rating, comment=request.comment),
+            ev.Feedback(turn=envelope, rating=rating, comment=request.comment),
             envelope,
         )
         return svc.FeedbackReply(accepted=True)

@@ -10,12 +10,14 @@ from typing import Literal
 import grpc
 from mars.bus import EventProducer, StageConsumer, StageOutput, Subscription
 from mars.config import TOPIC_FEEDBACK, TOPIC_GENERATED, TOPIC_JUDGED, ServiceSettings
+from mars.domain.feedback import FeedbackMode, feedback_utility
 from mars.llm_json import Dialect, JsonChatClient
 from mars.rubric.judge import JudgePricing, RubricJudge
 from mars.runtime import GrpcBinding, ServiceContext, ServiceParts, run
 from mars.v1 import events_pb2 as ev
 from mars.v1 import services_pb2_grpc as svc_grpc
 from psycopg_pool import AsyncConnectionPool
+from pydantic import Field
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +28,15 @@ MIGRATIONS = [
     CREATE TABLE IF NOT EXISTS judge_feedback (
         turn_id TEXT PRIMARY KEY, tenant TEXT NOT NULL, user_id TEXT NOT NULL,
         rating DOUBLE PRECISION NOT NULL, comment TEXT NOT NULL, received_at TIMESTAMPTZ NOT NULL DEFAULT now()
+    )
+    """,
+    # What each rewarded turn was rewarded with, so late feedback can move it by the difference once.
+    """
+    CREATE TABLE IF NOT EXISTS judge_rewards (
+        turn_id TEXT PRIMARY KEY, tenant TEXT NOT NULL, user_id TEXT NOT NULL, arm TEXT NOT NULL,
+        policy_id TEXT NOT NULL, judge_utility DOUBLE PRECISION NOT NULL, cost_usd DOUBLE PRECISION NOT NULL,
+        lambda_cost DOUBLE PRECISION NOT NULL, applied_reward DOUBLE PRECISION NOT NULL,
+        corrections INT NOT NULL DEFAULT 0
     )
     """,
 ]
@@ -51,6 +62,15 @@ class JudgeSettings(ServiceSettings):
     judge_price_output_per_m: float = 0.60
     #: Set by the local stack launcher: its llama.cpp server.
     local_llm_url: str = ""
+    #: What user feedback does to the reward (appendix G.1): log (default), replace, or blend.
+    feedback_mode: FeedbackMode = "log"
+    #: Per-tenant override, e.g. MARS_FEEDBACK_TENANT_MODES='{"acme": "replace"}'.
+    feedback_tenant_modes: dict[str, FeedbackMode] = Field(default_factory=dict)
+    #: Weight of the user's rating in blend mode: u = (1 - w) * u_judge + w * rating.
+    feedback_blend_weight: float = 0.5
+
+    def feedback_mode_for(self, tenant: str) -> str:
+        return self.feedback_tenant_modes.get(tenant, self.feedback_mode)
 
 
 def make_judge(settings: JudgeSettings) -> RubricJudge:
@@ -96,6 +116,7 @@ class JudgeStage:
         self._settings = settings
         self._judge = judge
         self._pool = pool
+        self._producer = producer
         self._out = StageOutput(pool, producer, STAGE, TOPIC_JUDGED)
 
     async def on_generated(self, event: ev.Generated) -> None:
@@ -103,16 +124,91 @@ class JudgeStage:
             # No arm answered: there is nothing to reward; the failure stays on the generated event.
             log.info("turn %s failed before judging: %s", event.turn.turn_id, event.error)
             return
-        if await self._out.done(event.turn.turn_id):
+        turn = event.turn
+        if await self._out.done(turn.turn_id):
             return
-        await self._out.emit(await score(event, self._judge, self._settings.lambda_cost), event.turn)
+        judged = await score(event, self._judge, self._settings.lambda_cost)
+        judged.reward_source = "judge"
+        mode = self._settings.feedback_mode_for(turn.tenant)
+        async with self._pool.connection() as conn, conn.transaction():
+            cur = await conn.execute("SELECT rating FROM judge_feedback WHERE turn_id = %s", (turn.turn_id,))
+            row = await cur.fetchone()
+            if row is not None and mode != "log":
+                # Feedback came before the judge: the first reward already includes it.
+                rating = float(row[0])
+                utility = feedback_utility(mode, judged.utility, rating, self._settings.feedback_blend_weight)
+                judged.reward = utility - judged.lambda_cost * judged.cost_usd
+                judged.reward_source = "feedback" if mode == "replace" else "blend"
+                judged.feedback_rating = rating
+            await conn.execute(
+                """
+                INSERT INTO judge_rewards (turn_id, tenant, user_id, arm, policy_id, judge_utility, cost_usd,
+                                           lambda_cost, applied_reward)
+                VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s) ON CONFLICT (turn_id) DO NOTHING
+                """,
+                (
+                    turn.turn_id,
+                    turn.tenant,
+                    turn.user_id,
+                    judged.arm,
+                    judged.policy_id,
+                    judged.utility,
+                    judged.cost_usd,
+                    judged.lambda_cost,
+                    judged.reward,
+                ),
+            )
+        await self._out.emit(judged, turn)
 
     async def on_feedback(self, event: ev.Feedback) -> None:
-        async with self._pool.connection() as conn:
+        """Record the rating; when the turn was already rewarded and the tenant's mode lets feedback count,
+        emit a correction by the difference between the new and the applied reward (inside the same
+        transaction, so a redelivery recomputes the same correction id and the router applies it once)."""
+        turn = event.turn
+        mode = self._settings.feedback_mode_for(turn.tenant)
+        async with self._pool.connection() as conn, conn.transaction():
             await conn.execute(
                 "INSERT INTO judge_feedback (turn_id, tenant, user_id, rating, comment) VALUES (%s, %s, %s, %s, %s) "
                 "ON CONFLICT (turn_id) DO UPDATE SET rating = EXCLUDED.rating, comment = EXCLUDED.comment",
-                (event.turn.turn_id, event.turn.tenant, event.turn.user_id, event.rating, event.comment),
+                (turn.turn_id, turn.tenant, turn.user_id, event.rating, event.comment),
+            )
+            if mode == "log":
+                return
+            cur = await conn.execute(
+                "SELECT arm, policy_id, judge_utility, cost_usd, lambda_cost, applied_reward, corrections "
+                "FROM judge_rewards WHERE turn_id = %s FOR UPDATE",
+                (turn.turn_id,),
+            )
+            row = await cur.fetchone()
+            if row is None:
+                return  # not judged yet: the judge will fold the rating into the first reward
+            arm, policy_id, judge_utility, cost, lam, applied, corrections = row
+            utility = feedback_utility(
+                mode, float(judge_utility), event.rating, self._settings.feedback_blend_weight
+            )
+            target = utility - float(lam) * float(cost)
+            delta = target - float(applied)
+            if abs(delta) < 1e-12:
+                return  # the same rating again changes nothing
+            correction = ev.Judged(
+                turn=turn,
+                arm=str(arm),
+                policy_id=str(policy_id),
+                utility=utility,
+                cost_usd=float(cost),
+                lambda_cost=float(lam),
+                reward=target,
+                correction=True,
+                reward_delta=delta,
+                correction_id=f"{turn.turn_id}#feedback-{int(corrections) + 1}",
+                reward_source="feedback" if mode == "replace" else "blend",
+                feedback_rating=event.rating,
+                judge="feedback",
+            )
+            await self._producer.publish(TOPIC_JUDGED, correction, turn)
+            await conn.execute(
+                "UPDATE judge_rewards SET applied_reward = %s, corrections = corrections + 1 WHERE turn_id = %s",
+                (target, turn.turn_id),
             )
 
 

@@ -7,7 +7,7 @@ import asyncio
 import logging
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -274,9 +274,21 @@ class PolicyStore:
         unchanged; when another replica got there first the whole transaction (ledger row included) rolls
         back and is retried on fresh matrices, so no update is lost and none is applied twice.
         """
+        return await self._optimistic(
+            turn_id, lambda: self._apply_reward_once(turn_id, answered_arm, reward, failed_arms)
+        )
+
+    async def apply_correction(self, correction_id: str, turn_id: str, arm: str, delta: float) -> bool:
+        """Move an applied reward by `delta` (late user feedback): b += delta * x for the answered arm,
+        A and the pull count unchanged; once per correction_id. False when already applied."""
+        return await self._optimistic(
+            turn_id, lambda: self._apply_correction_once(correction_id, turn_id, arm, delta)
+        )
+
+    async def _optimistic(self, turn_id: str, attempt_once: Callable[[], Awaitable[bool]]) -> bool:
         for attempt in range(self._settings.update_attempts):
             try:
-                return await self._apply_reward_once(turn_id, answered_arm, reward, failed_arms)
+                return await attempt_once()
             except StaleArm:
                 self.update_conflicts += 1
                 # Jittered backoff: replicas that collided should not collide again in lockstep.
@@ -284,6 +296,32 @@ class PolicyStore:
         raise RuntimeError(
             f"reward for turn {turn_id}: {self._settings.update_attempts} optimistic update conflicts in a row"
         )
+
+    async def _apply_correction_once(self, correction_id: str, turn_id: str, arm: str, delta: float) -> bool:
+        async with self._pool.connection() as conn, conn.transaction():
+            cur = await conn.execute(
+                "SELECT policy_id, features FROM router_decisions WHERE turn_id = %s", (turn_id,)
+            )
+            decision = await cur.fetchone()
+            if decision is None:
+                raise PoisonEvent(f"correction {correction_id}: turn {turn_id} has no routing decision")
+            if not math.isfinite(delta) or abs(delta) > self._settings.max_reward - self._settings.min_reward:
+                raise PoisonEvent(f"correction {correction_id}: reward delta {delta} is out of range")
+            if arm not in self.arms:
+                raise PoisonEvent(f"correction {correction_id} names arm {arm!r}, which is not in the pool")
+            policy_id, features = decision
+            if len(features) != self.dim:
+                raise PoisonEvent(f"turn {turn_id} has {len(features)} features, this router uses {self.dim}")
+            cur = await conn.execute(
+                "INSERT INTO router_ledger (turn_id, policy_id, arm, reward) VALUES (%s, %s, %s, %s) "
+                "ON CONFLICT DO NOTHING RETURNING turn_id",
+                (correction_id, policy_id, arm, delta),
+            )
+            if await cur.fetchone() is None:
+                return False
+            x = np.asarray(features, dtype=np.float64)
+            await self._write_arm(conn, policy_id, arm, lambda m: m.shifted(x, delta))
+        return True
 
     async def _apply_reward_once(
         self, turn_id: str, answered_arm: str, reward: float, failed_arms: list[str]
@@ -328,6 +366,12 @@ class PolicyStore:
     async def _update_arm(
         self, conn: AsyncConnection, policy_id: str, arm: str, x: np.ndarray, reward: float
     ) -> None:
+        await self._write_arm(conn, policy_id, arm, lambda m: self.routing.update(m, x, reward))
+
+    async def _write_arm(
+        self, conn: AsyncConnection, policy_id: str, arm: str, change: Callable[[ArmModel], ArmModel]
+    ) -> None:
+        """Read an arm, apply `change`, write it back only if nobody wrote it meanwhile (else StaleArm)."""
         cur = await conn.execute(
             "SELECT model, pulls, reward_sum, version FROM router_arms WHERE policy_id = %s AND arm = %s",
             (policy_id, arm),
@@ -340,7 +384,7 @@ class PolicyStore:
             raise PoisonEvent(
                 f"policy {policy_id}, arm {arm} failed its sanity check ({why}); update refused"
             )
-        updated = self.routing.update(model, x, reward)
+        updated = change(model)
         cur = await conn.execute(
             "UPDATE router_arms SET model = %s, pulls = %s, reward_sum = %s, version = version + 1 "
             "WHERE policy_id = %s AND arm = %s AND version = %s",
@@ -403,6 +447,11 @@ class RouterStage:
         return self._pool_cfg.fallbacks_after(arm)
 
     async def on_judged(self, event: ev.Judged) -> None:
+        if event.correction:
+            await self._store.apply_correction(
+                event.correction_id, event.turn.turn_id, event.arm, event.reward_delta
+            )
+            return
         await self._store.apply_reward(event.turn.turn_id, event.arm, event.reward, list(event.failed_arms))
 
 

@@ -356,7 +356,7 @@ def test_feedback_is_validated_and_recorded(
         ),
         (
             svc.FeedbackRequest(tenant=TENANT, user_id="user-zebra", turn_id=turn.turn_id, rating=0.5),
-            grpc.StatusCode.NOT_FOUND,
+            grpc.StatusCode.PERMISSION_DENIED,
         ),
     ]:
         with pytest.raises(grpc.RpcError) as info:

@@ -238,3 +238,24 @@ def test_query_embedding_policy_has_its_own_policy_and_dimension(dsn: str) -> No
         await pool.close()  # type: ignore[attr-defined]
 
     asyncio.run(run())
+
+
+def test_feedback_correction_shifts_b_once(dsn: str) -> None:
+    async def run() -> None:
+        store, pool = await store_for(dsn, policy_scope="global")
+        await store.load("global")
+        x = features(77)
+        await store.record_decision("corr-1", "global", "large", x)
+        assert await store.apply_reward("corr-1", "large", 0.5, [])
+        before, _ = await store.load("global")
+        assert await store.apply_correction("corr-1#feedback-1", "corr-1", "large", -0.3)
+        assert not await store.apply_correction("corr-1#feedback-1", "corr-1", "large", -0.3)  # replay
+        after, _ = await store.load("global")
+        np.testing.assert_allclose(after["large"].b, before["large"].b - 0.3 * x)
+        np.testing.assert_array_equal(after["large"].A, before["large"].A)
+        assert after["large"].pulls == before["large"].pulls
+        with pytest.raises(PoisonEvent, match="no routing decision"):
+            await store.apply_correction("nope#feedback-1", "nope", "large", 0.1)
+        await pool.close()  # type: ignore[attr-defined]
+
+    asyncio.run(run())

@@ -36,6 +36,18 @@ class ArmModel:
             b=np.zeros(dim, dtype=np.float64),
         )
 
+    def shifted(self, x: np.ndarray, delta: float) -> ArmModel:
+        """The same model with one already-counted reward moved by `delta` for context x: b += delta * x
+        (A, its inverse and the pull count are unchanged, since no new observation arrived)."""
+        return ArmModel(
+            A=self.A,
+            A_inv=self.A_inv,
+            b=self.b + float(delta) * np.asarray(x, dtype=np.float64),
+            pulls=self.pulls,
+            reward_sum=self.reward_sum + float(delta),
+            updates_since_refactor=self.updates_since_refactor,
+        )
+
     @property
     def dim(self) -> int:
         return int(self.b.shape[0])

@@ -1,0 +1,135 @@
+"""User feedback end to end (paper appendix G.1): per tenant it replaces or blends with the judge reward,
+late feedback moves the applied reward by the difference exactly once, and feedback for a turn that is
+not the caller's is refused."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+
+import grpc
+import pytest
+from conftest import query, start_stack, wait_for
+from mars.v1 import services_pb2 as svc
+from mars.v1 import services_pb2_grpc as svc_grpc
+from mars_stack import LocalStack
+
+pytestmark = pytest.mark.integration
+
+MODES = {"fb-replace": "replace", "fb-blend": "blend"}
+
+
+@pytest.fixture(scope="module")
+def fb_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
+    env = {"MARS_FEEDBACK_TENANT_MODES": json.dumps(MODES), "MARS_FEEDBACK_BLEND_WEIGHT": "0.25"}
+    s = start_stack(tmp_path_factory.mktemp("feedback"), "models.test.yaml", service_env={"judge": env})
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+def _turn(stack: LocalStack, tenant: str, user: str) -> str:
+    stub = svc_grpc.IngressStub(grpc.insecure_channel(stack.addr("ingress")))
+    reply = stub.SendTurn(
+        svc.TurnRequest(tenant=tenant, user_id=user, session_id="s", text="Suggest a name for my cat."),
+        timeout=120,
+    )
+    wait_for(
+        lambda: bool(query(stack, "SELECT 1 FROM router_ledger WHERE turn_id = %s", (reply.turn_id,))),
+        60,
+        "the judged reward to reach the router",
+    )
+    return reply.turn_id
+
+
+def _feedback(
+    stack: LocalStack, tenant: str, user: str, turn_id: str, rating: float = 0.0, thumbs: int = 0
+) -> None:
+    stub = svc_grpc.IngressStub(grpc.insecure_channel(stack.addr("ingress")))
+    assert stub.SubmitFeedback(
+        svc.FeedbackRequest(tenant=tenant, user_id=user, turn_id=turn_id, rating=rating, thumbs=thumbs),
+        timeout=10,
+    ).accepted
+
+
+def _corrections(stack: LocalStack, turn_id: str) -> dict[str, float]:
+    rows = query(stack, "SELECT turn_id, reward FROM router_ledger WHERE turn_id LIKE %s", (f"{turn_id}#%",))
+    return {str(k): float(v) for k, v in rows}
+
+
+def _judged(stack: LocalStack, turn_id: str) -> tuple[float, float, float, float]:
+    ((utility, cost, lam, applied),) = query(
+        stack,
+        "SELECT judge_utility, cost_usd, lambda_cost, applied_reward FROM judge_rewards WHERE turn_id = %s",
+        (turn_id,),
+    )
+    return float(utility), float(cost), float(lam), float(applied)
+
+
+def test_late_feedback_replaces_the_reward_by_the_difference_once(fb_stack: LocalStack) -> None:
+    turn_id = _turn(fb_stack, "fb-replace", "u1")
+    utility, cost, lam, first = _judged(fb_stack, turn_id)
+    assert first == pytest.approx(utility - lam * cost)  # judged before any feedback
+    ((ledger_reward,),) = query(fb_stack, "SELECT reward FROM router_ledger WHERE turn_id = %s", (turn_id,))
+    assert float(ledger_reward) == pytest.approx(first)
+
+    _feedback(fb_stack, "fb-replace", "u1", turn_id, rating=0.2)
+    wait_for(lambda: len(_corrections(fb_stack, turn_id)) == 1, 30, "the first correction")
+    delta1 = _corrections(fb_stack, turn_id)[f"{turn_id}#feedback-1"]
+    assert delta1 == pytest.approx((0.2 - lam * cost) - first)
+
+    _feedback(fb_stack, "fb-replace", "u1", turn_id, rating=0.2)  # the same rating again: nothing to move
+    _feedback(fb_stack, "fb-replace", "u1", turn_id, thumbs=1)  # thumbs up = 1.0
+    wait_for(lambda: len(_corrections(fb_stack, turn_id)) == 2, 30, "the second correction")
+    time.sleep(1.0)
+    got = _corrections(fb_stack, turn_id)
+    assert set(got) == {f"{turn_id}#feedback-1", f"{turn_id}#feedback-2"}
+    assert got[f"{turn_id}#feedback-2"] == pytest.approx(1.0 - 0.2)
+    assert _judged(fb_stack, turn_id)[3] == pytest.approx(1.0 - lam * cost)
+
+
+def test_blend_mode_and_log_mode(fb_stack: LocalStack) -> None:
+    turn_id = _turn(fb_stack, "fb-blend", "u2")
+    utility, cost, lam, first = _judged(fb_stack, turn_id)
+    _feedback(fb_stack, "fb-blend", "u2", turn_id, rating=1.0)
+    wait_for(lambda: len(_corrections(fb_stack, turn_id)) == 1, 30, "the blend correction")
+    target = 0.75 * utility + 0.25 * 1.0 - lam * cost
+    assert _corrections(fb_stack, turn_id)[f"{turn_id}#feedback-1"] == pytest.approx(target - first)
+
+    logged = _turn(fb_stack, "fb-log", "u3")  # a tenant without a mode: feedback is only recorded
+    _feedback(fb_stack, "fb-log", "u3", logged, rating=0.0)
+    wait_for(
+        lambda: bool(query(fb_stack, "SELECT 1 FROM judge_feedback WHERE turn_id = %s", (logged,))),
+        30,
+        "feedback row",
+    )
+    time.sleep(1.0)
+    assert _corrections(fb_stack, logged) == {}
+
+
+def test_feedback_for_someone_elses_turn_is_refused(fb_stack: LocalStack) -> None:
+    turn_id = _turn(fb_stack, "fb-replace", "owner")
+    stub = svc_grpc.IngressStub(grpc.insecure_channel(fb_stack.addr("ingress")))
+    for req, code in [
+        (
+            svc.FeedbackRequest(tenant="other", user_id="owner", turn_id=turn_id, rating=0.5),
+            grpc.StatusCode.PERMISSION_DENIED,
+        ),
+        (
+            svc.FeedbackRequest(tenant="fb-replace", user_id="intruder", turn_id=turn_id, rating=0.5),
+            grpc.StatusCode.PERMISSION_DENIED,
+        ),
+        (
+            svc.FeedbackRequest(tenant="fb-replace", user_id="owner", turn_id="no-such-turn", rating=0.5),
+            grpc.StatusCode.NOT_FOUND,
+        ),
+        (
+            svc.FeedbackRequest(tenant="fb-replace", user_id="owner", turn_id=turn_id, thumbs=3),
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
+    ]:
+        with pytest.raises(grpc.RpcError) as info:
+            stub.SubmitFeedback(req, timeout=10)
+        assert info.value.code() == code
