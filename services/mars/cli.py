@@ -202,6 +202,9 @@ def build_parser() -> argparse.ArgumentParser:
     from mars.bench.router_sim import add_router_parser
 
     add_router_parser(bench_sub)
+    from mars.bench.dispatch import add_dispatch_parser
+
+    add_dispatch_parser(bench_sub)
     from mars.probe.qtm import add_probe_parser
 
     add_probe_parser(sub)

@@ -19,8 +19,18 @@ log = logging.getLogger(__name__)
 TokenCounter = Callable[[str], int]
 
 
+#: Texts whose token counts a real tokenizer keeps: memory blocks recur from turn to turn (the active
+#: state, recent turns, often-retrieved history) and on every fallback repack.
+COUNT_CACHE_SIZE = 8192
+
+
 @functools.lru_cache(maxsize=16)
 def load_counter(spec: str | None) -> TokenCounter:
+    exact = _load_exact(spec)
+    return exact if exact is estimate_tokens else functools.lru_cache(maxsize=COUNT_CACHE_SIZE)(exact)
+
+
+def _load_exact(spec: str | None) -> TokenCounter:
     if not spec:
         return estimate_tokens
     kind, _, path = spec.partition(":")

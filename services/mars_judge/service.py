@@ -16,6 +16,7 @@ from mars.rubric.judge import JudgePricing, RubricJudge
 from mars.runtime import GrpcBinding, ServiceContext, ServiceParts, run
 from mars.v1 import events_pb2 as ev
 from mars.v1 import services_pb2_grpc as svc_grpc
+from opentelemetry import metrics
 from psycopg_pool import AsyncConnectionPool
 from pydantic import Field
 
@@ -39,6 +40,9 @@ MIGRATIONS = [
         corrections INT NOT NULL DEFAULT 0
     )
     """,
+    # Per-turn costs kept apart; totals per tenant and user are SUMs over this table (and OTel metrics).
+    "ALTER TABLE judge_rewards ADD COLUMN IF NOT EXISTS controller_cost_usd DOUBLE PRECISION NOT NULL DEFAULT 0",
+    "ALTER TABLE judge_rewards ADD COLUMN IF NOT EXISTS judge_cost_usd DOUBLE PRECISION NOT NULL DEFAULT 0",
 ]
 
 
@@ -106,7 +110,23 @@ async def score(event: ev.Generated, judge: RubricJudge, lambda_cost: float) -> 
     judged.policy_id = event.policy_id
     judged.features.extend(event.features)
     judged.failed_arms.extend(a.arm for a in event.attempts if not a.ok)
+    judged.controller_cost_usd = event.state.usage.cost_usd
     return judged
+
+
+_costs = metrics.get_meter("mars.judge").create_counter(
+    "mars.cost.usd", unit="USD", description="per-turn costs by tenant, user and component"
+)
+
+
+def count_costs(judged: ev.Judged) -> None:
+    """Totals per tenant and user, by component: generator, controller (QTM) and judge (feedback)."""
+    for component, usd in (
+        ("generator", judged.cost_usd),
+        ("controller", judged.controller_cost_usd),
+        ("judge", judged.judge_cost_usd),
+    ):
+        _costs.add(usd, {"tenant": judged.turn.tenant, "user": judged.turn.user_id, "component": component})
 
 
 class JudgeStage:
@@ -140,11 +160,12 @@ class JudgeStage:
                 judged.reward = utility - judged.lambda_cost * judged.cost_usd
                 judged.reward_source = "feedback" if mode == "replace" else "blend"
                 judged.feedback_rating = rating
-            await conn.execute(
+            cur = await conn.execute(
                 """
                 INSERT INTO judge_rewards (turn_id, tenant, user_id, arm, policy_id, judge_utility, cost_usd,
-                                           lambda_cost, applied_reward)
-                VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s) ON CONFLICT (turn_id) DO NOTHING
+                                           lambda_cost, applied_reward, controller_cost_usd, judge_cost_usd)
+                VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s) ON CONFLICT (turn_id) DO NOTHING
+                RETURNING turn_id
                 """,
                 (
                     turn.turn_id,
@@ -156,9 +177,14 @@ class JudgeStage:
                     judged.cost_usd,
                     judged.lambda_cost,
                     judged.reward,
+                    judged.controller_cost_usd,
+                    judged.judge_cost_usd,
                 ),
             )
+            first_time = await cur.fetchone() is not None
         await self._out.emit(judged, turn)
+        if first_time:
+            count_costs(judged)
 
     async def on_feedback(self, event: ev.Feedback) -> None:
         """Record the rating; when the turn was already rewarded and the tenant's mode lets feedback count,

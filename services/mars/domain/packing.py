@@ -73,8 +73,7 @@ def memory_guidance(state: ev.SessionState) -> str:
 def _memory_section(blocks: list[ev.MemoryBlock]) -> str:
     if not blocks:
         return "MEMORY\n(none)"
-    parts = [f"[{_KIND_LABEL.get(b.kind, 'Memory')}]\n{b.text}" for b in blocks]
-    return "MEMORY\n" + "\n\n".join(parts)
+    return "MEMORY\n" + "\n\n".join(_block_text(b) for b in blocks)
 
 
 def _messages(guidance: str, blocks: list[ev.MemoryBlock], query: str) -> list[dict[str, str]]:
@@ -82,8 +81,28 @@ def _messages(guidance: str, blocks: list[ev.MemoryBlock], query: str) -> list[d
     return [{"role": "system", "content": system}, {"role": "user", "content": query}]
 
 
-def _count(messages: list[dict[str, str]], count_tokens: Callable[[str], int]) -> int:
-    return sum(count_tokens(m["content"]) + MESSAGE_OVERHEAD_TOKENS for m in messages)
+def _block_text(block: ev.MemoryBlock) -> str:
+    return f"[{_KIND_LABEL.get(block.kind, 'Memory')}]\n{block.text}"
+
+
+class _PieceCounter:
+    """Prompt tokens as the sum of its pieces' tokens (header, each block, separators, query), each piece
+    counted once per pack: clipping a block subtracts its count instead of re-tokenizing the prompt. The
+    sum can differ from tokenizing the joined text by about a token per boundary, which the budget's
+    safety margin (Eq. 13) absorbs; with the conservative estimate it is an upper bound."""
+
+    def __init__(self, guidance: str, blocks: list[ev.MemoryBlock], query: str, count: Callable[[str], int]):
+        self.header = count(f"{SYSTEM_RULES}\n\n{guidance}\n\nMEMORY\n")
+        self.empty = count("(none)")
+        self.separator = count("\n\n")
+        self.blocks = [count(_block_text(b)) for b in blocks]
+        self.query = count(query)
+
+    def total(self, kept: list[int]) -> int:
+        memory = (
+            sum(self.blocks[i] for i in kept) + self.separator * max(0, len(kept) - 1) if kept else self.empty
+        )
+        return self.header + memory + self.query + 2 * MESSAGE_OVERHEAD_TOKENS
 
 
 def _drop_order(blocks: list[ev.MemoryBlock]) -> list[int]:
@@ -105,17 +124,16 @@ def pack_view(
     """Clip the candidate view to `budget` prompt tokens; active state and the query are never dropped."""
     guidance = memory_guidance(state)
     blocks = list(view.blocks)
+    counter = _PieceCounter(guidance, blocks, query, count_tokens)
     dropped: set[int] = set()
-    kept = blocks
-    messages = _messages(guidance, kept, query)
-    tokens = _count(messages, count_tokens)
+    tokens = counter.total(list(range(len(blocks))))
     for pos in _drop_order(blocks):
         if tokens <= budget:
             break
         dropped.add(pos)
-        kept = [b for i, b in enumerate(blocks) if i not in dropped]
-        messages = _messages(guidance, kept, query)
-        tokens = _count(messages, count_tokens)
+        tokens = counter.total([i for i in range(len(blocks)) if i not in dropped])
+    kept = [b for i, b in enumerate(blocks) if i not in dropped]
+    messages = _messages(guidance, kept, query)
     clipped = [blocks[i].block_id for i in _drop_order(blocks) if i in dropped]
     return PackedPrompt(
         messages=messages,
