@@ -16,6 +16,8 @@ TOPIC_STATE = "mars.turn.state"
 TOPIC_VIEW = "mars.turn.view"
 TOPIC_ROUTED = "mars.turn.routed"
 TOPIC_GENERATED = "mars.turn.generated"
+#: Answer tokens streamed from dispatch to the ingress for Converse calls with option stream=true.
+TOPIC_TOKENS = "mars.turn.tokens"
 TOPIC_JUDGED = "mars.turn.judged"
 TOPIC_FEEDBACK = "mars.turn.feedback"
 TOPIC_MEMORY_COMMITTED = "mars.memory.committed"
@@ -27,6 +29,7 @@ ALL_TOPICS = (
     TOPIC_VIEW,
     TOPIC_ROUTED,
     TOPIC_GENERATED,
+    TOPIC_TOKENS,
     TOPIC_JUDGED,
     TOPIC_FEEDBACK,
     TOPIC_MEMORY_COMMITTED,

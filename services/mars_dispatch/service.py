@@ -5,15 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
 import random
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import grpc
 import httpx
 from mars.bus import EventProducer, StageConsumer, StageOutput, Subscription
-from mars.config import TOPIC_GENERATED, TOPIC_ROUTED, ServiceSettings
+from mars.config import TOPIC_GENERATED, TOPIC_ROUTED, TOPIC_TOKENS, ServiceSettings
 from mars.domain.circuit import CircuitBreaker
 from mars.domain.packing import PackedPrompt, input_budget, pack_view
 from mars.domain.text import estimate_tokens
@@ -114,6 +116,86 @@ class ModelClients:
         assert last is not None
         raise last
 
+    async def stream(
+        self,
+        spec: ModelSpec,
+        packed: PackedPrompt,
+        max_tokens: int,
+        on_delta: Callable[[str], Awaitable[None]],
+    ) -> Completion:
+        """Chat completion with `stream: true` (server-sent events): each content delta goes to `on_delta`
+        as it arrives. Retried like `complete` only while nothing has been streamed yet."""
+        headers = {"Authorization": f"Bearer {key}"} if (key := spec.api_key()) else {}
+        body = {
+            "model": spec.model,
+            "messages": packed.messages,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        slot = self._slots.get(spec.name)
+        if slot is not None:
+            async with slot:
+                return await self._stream(spec, body, headers, packed, on_delta)
+        return await self._stream(spec, body, headers, packed, on_delta)
+
+    async def _stream(
+        self,
+        spec: ModelSpec,
+        body: dict[str, object],
+        headers: dict[str, str],
+        packed: PackedPrompt,
+        on_delta: Callable[[str], Awaitable[None]],
+    ) -> Completion:
+        last: Exception | None = None
+        for attempt in range(self._retries + 1):
+            parts: list[str] = []
+            usage: dict[str, int] = {}
+            try:
+                async with self._clients[spec.name].stream(
+                    "POST", "/chat/completions", json=body, headers=headers
+                ) as resp:
+                    if resp.status_code != 200:
+                        text = (await resp.aread()).decode(errors="replace")
+                        raise GenerationError(f"HTTP {resp.status_code}: {text[:200]}")
+                    async for line in resp.aiter_lines():
+                        if not line.startswith("data:"):
+                            continue
+                        data = line[5:].strip()
+                        if data == "[DONE]":
+                            break
+                        try:
+                            chunk = json.loads(data)
+                        except ValueError as exc:
+                            raise GenerationError(f"malformed stream chunk: {data[:80]!r}") from exc
+                        if isinstance(chunk.get("usage"), dict):
+                            usage = chunk["usage"]
+                        for choice in chunk.get("choices") or []:
+                            piece = (choice.get("delta") or {}).get("content")
+                            if piece:
+                                parts.append(piece)
+                                await on_delta(piece)
+            except (httpx.HTTPError, GenerationError) as exc:
+                last = (
+                    exc
+                    if isinstance(exc, GenerationError)
+                    else GenerationError(f"{type(exc).__name__}: {exc}")
+                )
+                if parts:
+                    raise last from exc  # tokens already went out: the caller falls back, not a retry
+                if attempt < self._retries:
+                    await asyncio.sleep(0.1 * (attempt + 1) * random.uniform(0.5, 1.5))
+                continue
+            text = "".join(parts)
+            if "prompt_tokens" in usage:
+                return Completion(
+                    text, int(usage["prompt_tokens"]), int(usage.get("completion_tokens", 0)), False
+                )
+            return Completion(text, packed.prompt_tokens, estimate_tokens(text), True)
+        assert last is not None
+        raise last
+
     @staticmethod
     def _parse(payload: dict[str, object], packed: PackedPrompt) -> Completion:
         try:
@@ -154,13 +236,18 @@ class Dispatcher:
         view: ev.CandidateView,
         max_tokens: int,
         cascade_min_logprob: float = 0.0,
+        on_delta: Callable[[str, str, bool], Awaitable[None]] | None = None,
     ) -> ev.Generated:
         """Try each arm in order; each attempt packs the view for that arm's own budget.
 
         With a cascade threshold (< 0), an answer whose mean token log-probability is below it is kept
-        only as a provisional answer and the next arm is asked; every call's cost is counted."""
+        only as a provisional answer and the next arm is asked; every call's cost is counted.
+        With `on_delta(arm, text, restart)` the answer is streamed (not with the cascade, which needs the
+        whole answer's log-probabilities first); `restart` marks the first piece of a fallback arm after
+        another arm streamed part of an answer and failed."""
         out = ev.Generated(status=ev.FAILED, query=text, state=state)
         started = time.perf_counter()
+        streamed_any = False
         for arm in arms:
             spec = self._pool.get(arm)
             t0 = time.perf_counter()
@@ -187,12 +274,24 @@ class Dispatcher:
                 )
             else:
                 try:
-                    completion = await self._clients.complete(
-                        spec,
-                        packed,
-                        min(max_tokens, spec.output_reserve),
-                        want_logprobs=cascade_min_logprob < 0,
-                    )
+                    if on_delta is not None and cascade_min_logprob >= 0:
+                        first = True
+
+                        async def forward(piece: str, arm: str = arm) -> None:
+                            nonlocal first, streamed_any
+                            await on_delta(arm, piece, first and streamed_any)
+                            first, streamed_any = False, True
+
+                        completion = await self._clients.stream(
+                            spec, packed, min(max_tokens, spec.output_reserve), forward
+                        )
+                    else:
+                        completion = await self._clients.complete(
+                            spec,
+                            packed,
+                            min(max_tokens, spec.output_reserve),
+                            want_logprobs=cascade_min_logprob < 0,
+                        )
                 except GenerationError as exc:
                     breaker.record_failure()
                     attempt.error = str(exc)
@@ -248,6 +347,7 @@ class DispatchStage:
     ) -> None:
         self._dispatcher = dispatcher
         self._settings = settings
+        self._producer = producer
         self._out = StageOutput(pg, producer, STAGE, TOPIC_GENERATED)
 
     async def on_routed(self, event: ev.Routed) -> None:
@@ -255,6 +355,16 @@ class DispatchStage:
         if await self._out.done(turn.turn_id):
             return
         max_tokens = int(turn.options.get("max_tokens", self._settings.default_max_tokens))
+        on_delta = None
+        if turn.options.get("stream") == "true":
+            index = 0
+
+            async def on_delta(arm: str, piece: str, restart: bool) -> None:
+                nonlocal index
+                chunk = ev.TokenChunk(turn=turn, arm=arm, index=index, text=piece, restart=restart)
+                index += 1
+                await self._producer.publish(TOPIC_TOKENS, chunk, turn)
+
         out = await self._dispatcher.generate(
             [event.chosen_arm, *event.fallback_order],
             event.text,
@@ -262,6 +372,7 @@ class DispatchStage:
             event.view,
             max_tokens,
             event.cascade_min_logprob,
+            on_delta,
         )
         out.turn.CopyFrom(turn)
         out.controller_cost_usd = event.state.usage.cost_usd

@@ -19,6 +19,7 @@ from mars.config import (
     TOPIC_FEEDBACK,
     TOPIC_GENERATED,
     TOPIC_RECEIVED,
+    TOPIC_TOKENS,
     ServiceSettings,
 )
 from mars.domain.feedback import rating_from
@@ -50,7 +51,7 @@ MIGRATIONS = [
 ]
 
 _ID = re.compile(r"^[A-Za-z0-9_.@:\-]{1,128}$")
-KNOWN_OPTIONS = {"max_tokens"}
+KNOWN_OPTIONS = {"max_tokens", "stream"}
 
 
 class IngressSettings(ServiceSettings):
@@ -89,6 +90,8 @@ def validate_turn(req: svc.TurnRequest, max_chars: int) -> dict[str, str]:
         raw = req.options["max_tokens"]
         if not raw.isdigit() or not 1 <= int(raw) <= 1024:
             raise InvalidTurn("option max_tokens must be an integer in 1..1024")
+    if req.options.get("stream", "false") not in ("true", "false"):
+        raise InvalidTurn('option stream must be "true" or "false"')
     return dict(req.options)
 
 
@@ -104,6 +107,8 @@ class IngressServicer(svc_grpc.IngressServicer):
         self._producer = producer
         self._pool = pool
         self._waiting: dict[str, asyncio.Future[ev.Generated]] = {}
+        #: Token queues of streaming Converse turns, by turn_id.
+        self._streams: dict[str, asyncio.Queue[ev.TokenChunk]] = {}
         self._tracer = trace.get_tracer("mars.ingress")
 
     # --- reply correlation -------------------------------------------------------------------
@@ -112,6 +117,11 @@ class IngressServicer(svc_grpc.IngressServicer):
         fut = self._waiting.get(event.turn.turn_id)
         if fut is not None and not fut.done():
             fut.set_result(event)
+
+    async def on_token(self, chunk: ev.TokenChunk) -> None:
+        queue = self._streams.get(chunk.turn.turn_id)
+        if queue is not None:
+            queue.put_nowait(chunk)
 
     async def on_dead_letter(self, letter: ev.DeadLetter) -> None:
         fut = self._waiting.get(letter.turn_id)
@@ -143,7 +153,9 @@ class IngressServicer(svc_grpc.IngressServicer):
                 (status, error, turn_id),
             )
 
-    async def _turn(self, req: svc.TurnRequest, metadata: object) -> svc.TurnReply:
+    async def _turn(
+        self, req: svc.TurnRequest, metadata: object, tokens: asyncio.Queue[ev.TokenChunk] | None = None
+    ) -> svc.TurnReply:
         options = validate_turn(req, self._settings.max_text_chars)
         started = time.perf_counter()
         parent = context_from_metadata(metadata)  # type: ignore[arg-type]
@@ -171,6 +183,8 @@ class IngressServicer(svc_grpc.IngressServicer):
                 )
             fut: asyncio.Future[ev.Generated] = asyncio.get_running_loop().create_future()
             self._waiting[envelope.turn_id] = fut
+            if tokens is not None:
+                self._streams[envelope.turn_id] = tokens
             try:
                 await self._producer.publish(
                     TOPIC_RECEIVED, ev.TurnReceived(turn=envelope, text=req.text), envelope
@@ -189,6 +203,7 @@ class IngressServicer(svc_grpc.IngressServicer):
                     raise
             finally:
                 self._waiting.pop(envelope.turn_id, None)
+                self._streams.pop(envelope.turn_id, None)
 
             if generated.status != ev.OK:
                 chain = "; ".join(f"{a.arm}: {a.error}" for a in generated.attempts)
@@ -226,11 +241,48 @@ class IngressServicer(svc_grpc.IngressServicer):
     ) -> AsyncIterator[svc.TurnReply]:
         async for request in request_iterator:
             try:
-                yield await self._turn(request, context.invocation_metadata())
+                if request.options.get("stream") == "true":
+                    async for reply in self._streamed_turn(request, context.invocation_metadata()):
+                        yield reply
+                else:
+                    yield await self._turn(request, context.invocation_metadata())
             except InvalidTurn as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             except TurnFailed as exc:
                 await context.abort(exc.code, str(exc))
+
+    async def _streamed_turn(
+        self, request: svc.TurnRequest, metadata: object
+    ) -> AsyncIterator[svc.TurnReply]:
+        """Partial replies as dispatch streams the answer, then the final reply (always complete: pieces
+        that arrive after it are dropped, since the final text already holds them)."""
+        tokens: asyncio.Queue[ev.TokenChunk] = asyncio.Queue()
+        turn = asyncio.create_task(self._turn(request, metadata, tokens))
+
+        def partial(chunk: ev.TokenChunk) -> svc.TurnReply:
+            return svc.TurnReply(
+                turn_id=chunk.turn.turn_id,
+                seq=chunk.turn.seq,
+                model=chunk.arm,
+                partial=True,
+                delta=chunk.text,
+                restart=chunk.restart,
+            )
+
+        try:
+            while not turn.done():
+                getter = asyncio.ensure_future(tokens.get())
+                await asyncio.wait({getter, turn}, return_when=asyncio.FIRST_COMPLETED)
+                if getter.done():
+                    yield partial(getter.result())
+                else:
+                    getter.cancel()
+            while not tokens.empty():
+                yield partial(tokens.get_nowait())
+            yield turn.result()
+        finally:
+            if not turn.done():
+                turn.cancel()
 
     async def SubmitFeedback(
         self, request: svc.FeedbackRequest, context: grpc.aio.ServicerContext
@@ -283,6 +335,7 @@ async def build(ctx: ServiceContext) -> ServiceParts:
         settings.reply_group,
         [
             Subscription(TOPIC_GENERATED, ev.Generated, servicer.on_generated),
+            Subscription(TOPIC_TOKENS, ev.TokenChunk, servicer.on_token),
             Subscription(TOPIC_DEAD_LETTER, ev.DeadLetter, servicer.on_dead_letter, requires_envelope=False),
         ],
     )

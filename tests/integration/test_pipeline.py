@@ -411,6 +411,36 @@ def test_converse_stream_answers_each_turn_in_order(stack: LocalStack) -> None:
     assert replies[1].state.action == ev.MATCH and replies[1].state.phase == ev.REVISE
 
 
+def test_converse_streams_tokens_then_the_final_reply(stack: LocalStack) -> None:
+    """Option stream=true: partial replies carry the answer as the real llama.cpp server generates it
+    (through dispatch and the tokens topic), then the final reply holds the whole answer."""
+    opts = {"stream": "true", "max_tokens": "24"}
+    texts = ["Tell me a fact about otters.", "And one about beavers."]
+    requests = iter(
+        svc.TurnRequest(tenant=TENANT, user_id="streamer3", session_id="s", text=t, options=opts)
+        for t in texts
+    )
+    replies = list(ingress(stack).Converse(requests, timeout=300))
+    finals = [r for r in replies if not r.partial]
+    assert [r.seq for r in finals] == [1, 2] and all(r.text.strip() for r in finals)
+    for final in finals:
+        pieces = [r for r in replies if r.partial and r.turn_id == final.turn_id]
+        assert len(pieces) >= 2, "the answer should arrive in several pieces"
+        # Pieces after the last restart are the answering arm's; they add up to the final answer.
+        last = max((i for i, r in enumerate(pieces) if r.restart), default=0)
+        streamed = "".join(r.delta for r in pieces[last:])
+        assert final.text.startswith(streamed) and len(streamed) >= len(final.text) // 2
+        assert pieces[-1].model == final.model
+    with pytest.raises(grpc.RpcError) as info:
+        bad = {"stream": "yes"}
+        list(
+            ingress(stack).Converse(
+                iter([svc.TurnRequest(tenant=TENANT, user_id="s4", text="hi", options=bad)])
+            )
+        )
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
 def test_converse_stream_rejects_bad_turn_with_status(stack: LocalStack) -> None:
     requests = iter([svc.TurnRequest(tenant=TENANT, user_id="streamer2", session_id="s", text=" ")])
     with pytest.raises(grpc.RpcError) as info:
