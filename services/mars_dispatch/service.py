@@ -74,7 +74,12 @@ class ModelClients:
         await asyncio.gather(*(c.aclose() for c in self._clients.values()))
 
     async def complete(
-        self, spec: ModelSpec, packed: PackedPrompt, max_tokens: int, want_logprobs: bool = False
+        self,
+        spec: ModelSpec,
+        packed: PackedPrompt,
+        max_tokens: int,
+        want_logprobs: bool = False,
+        timeout_s: float | None = None,
     ) -> Completion:
         headers = {}
         if key := spec.api_key():
@@ -91,17 +96,25 @@ class ModelClients:
             body["top_logprobs"] = 1
         slot = self._slots.get(spec.name)
         if slot is None:
-            return await self._post(spec, body, headers, packed)
+            return await self._post(spec, body, headers, packed, timeout_s)
         async with slot:
-            return await self._post(spec, body, headers, packed)
+            return await self._post(spec, body, headers, packed, timeout_s)
 
     async def _post(
-        self, spec: ModelSpec, body: dict[str, object], headers: dict[str, str], packed: PackedPrompt
+        self,
+        spec: ModelSpec,
+        body: dict[str, object],
+        headers: dict[str, str],
+        packed: PackedPrompt,
+        timeout_s: float | None,
     ) -> Completion:
         last: Exception | None = None
+        timeout = min(spec.timeout_s, timeout_s) if timeout_s is not None else spec.timeout_s
         for attempt in range(self._retries + 1):
             try:
-                resp = await self._clients[spec.name].post("/chat/completions", json=body, headers=headers)
+                resp = await self._clients[spec.name].post(
+                    "/chat/completions", json=body, headers=headers, timeout=timeout
+                )
             except httpx.HTTPError as exc:
                 last = GenerationError(f"{type(exc).__name__}: {exc}")
             else:
@@ -122,6 +135,7 @@ class ModelClients:
         packed: PackedPrompt,
         max_tokens: int,
         on_delta: Callable[[str], Awaitable[None]],
+        timeout_s: float | None = None,
     ) -> Completion:
         """Chat completion with `stream: true` (server-sent events): each content delta goes to `on_delta`
         as it arrives. Retried like `complete` only while nothing has been streamed yet."""
@@ -137,8 +151,8 @@ class ModelClients:
         slot = self._slots.get(spec.name)
         if slot is not None:
             async with slot:
-                return await self._stream(spec, body, headers, packed, on_delta)
-        return await self._stream(spec, body, headers, packed, on_delta)
+                return await asyncio.wait_for(self._stream(spec, body, headers, packed, on_delta), timeout_s)
+        return await asyncio.wait_for(self._stream(spec, body, headers, packed, on_delta), timeout_s)
 
     async def _stream(
         self,
@@ -237,6 +251,7 @@ class Dispatcher:
         max_tokens: int,
         cascade_min_logprob: float = 0.0,
         on_delta: Callable[[str, str, bool], Awaitable[None]] | None = None,
+        deadline_ms: int = 0,
     ) -> ev.Generated:
         """Try each arm in order; each attempt packs the view for that arm's own budget.
 
@@ -250,6 +265,8 @@ class Dispatcher:
         streamed_any = False
         for arm in arms:
             spec = self._pool.get(arm)
+            # The caller's deadline bounds every call: nobody waits for an answer after it.
+            remaining_s = (deadline_ms - time.time() * 1000) / 1000 if deadline_ms else None
             t0 = time.perf_counter()
             packed = pack_view(
                 view,
@@ -267,6 +284,8 @@ class Dispatcher:
             breaker = self.breakers[arm]
             if not packed.fits:
                 attempt.error = f"query and active state exceed the input budget of {arm}"
+            elif remaining_s is not None and remaining_s <= 0:
+                attempt.error = f"the turn's deadline passed before {arm} was called"
             elif not breaker.allow():
                 attempt.error = (
                     f"circuit open for {arm}: {breaker.failure_threshold} failed calls in a row; "
@@ -283,15 +302,22 @@ class Dispatcher:
                             first, streamed_any = False, True
 
                         completion = await self._clients.stream(
-                            spec, packed, min(max_tokens, spec.output_reserve), forward
+                            spec, packed, min(max_tokens, spec.output_reserve), forward, remaining_s
                         )
                     else:
-                        completion = await self._clients.complete(
-                            spec,
-                            packed,
-                            min(max_tokens, spec.output_reserve),
-                            want_logprobs=cascade_min_logprob < 0,
+                        completion = await asyncio.wait_for(
+                            self._clients.complete(
+                                spec,
+                                packed,
+                                min(max_tokens, spec.output_reserve),
+                                want_logprobs=cascade_min_logprob < 0,
+                                timeout_s=remaining_s,
+                            ),
+                            remaining_s,
                         )
+                except TimeoutError:
+                    breaker.record_failure()
+                    attempt.error = f"{arm} did not finish before the turn's deadline"
                 except GenerationError as exc:
                     breaker.record_failure()
                     attempt.error = str(exc)
@@ -373,6 +399,7 @@ class DispatchStage:
             max_tokens,
             event.cascade_min_logprob,
             on_delta,
+            turn.deadline_ms,
         )
         out.turn.CopyFrom(turn)
         out.controller_cost_usd = event.state.usage.cost_usd
@@ -395,12 +422,14 @@ class DispatchServicer(svc_grpc.DispatchServicer):
             )
         if not request.text.strip():
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "text is empty")
+        remaining = context.time_remaining()
         return await self._dispatcher.generate(
             [request.arm],
             request.text,
             request.state,
             request.view,
             request.max_tokens or self._settings.default_max_tokens,
+            deadline_ms=int((time.time() + remaining) * 1000) if remaining is not None else 0,
         )
 
     async def ListModels(self, request: svc.Empty, context: grpc.aio.ServicerContext) -> svc.ModelList:

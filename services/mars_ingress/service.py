@@ -154,7 +154,11 @@ class IngressServicer(svc_grpc.IngressServicer):
             )
 
     async def _turn(
-        self, req: svc.TurnRequest, metadata: object, tokens: asyncio.Queue[ev.TokenChunk] | None = None
+        self,
+        req: svc.TurnRequest,
+        metadata: object,
+        tokens: asyncio.Queue[ev.TokenChunk] | None = None,
+        caller_remaining_s: float | None = None,
     ) -> svc.TurnReply:
         options = validate_turn(req, self._settings.max_text_chars)
         started = time.perf_counter()
@@ -163,15 +167,20 @@ class IngressServicer(svc_grpc.IngressServicer):
             "ingress SendTurn", context=parent, kind=trace.SpanKind.SERVER
         ) as span:
             seq = await self._next_seq(req.tenant, req.user_id)
+            wait_s = self._settings.turn_timeout_s
+            if caller_remaining_s is not None:
+                wait_s = min(wait_s, caller_remaining_s)
+            now_ms = int(time.time() * 1000)
             envelope = ev.TurnEnvelope(
                 turn_id=uuid.uuid4().hex,
                 tenant=req.tenant,
                 user_id=req.user_id,
                 session_id=req.session_id or "default",
                 seq=seq,
-                received_at_ms=int(time.time() * 1000),
+                received_at_ms=now_ms,
                 schema_version=SCHEMA_VERSION,
                 options=options,
+                deadline_ms=now_ms + int(wait_s * 1000),
             )
             span.set_attribute("mars.turn_id", envelope.turn_id)
             span.set_attribute("mars.service", "ingress")
@@ -190,12 +199,12 @@ class IngressServicer(svc_grpc.IngressServicer):
                     TOPIC_RECEIVED, ev.TurnReceived(turn=envelope, text=req.text), envelope
                 )
                 try:
-                    generated = await asyncio.wait_for(fut, timeout=self._settings.turn_timeout_s)
+                    generated = await asyncio.wait_for(fut, timeout=wait_s)
                 except TimeoutError:
                     await self._finish(envelope.turn_id, "TIMEOUT", "no answer before the deadline")
                     raise TurnFailed(
                         grpc.StatusCode.DEADLINE_EXCEEDED,
-                        f"turn {envelope.turn_id} got no answer in {self._settings.turn_timeout_s}s; "
+                        f"turn {envelope.turn_id} got no answer in {wait_s:g}s; "
                         "it is recorded and may still complete",
                     ) from None
                 except TurnFailed as exc:
@@ -229,7 +238,9 @@ class IngressServicer(svc_grpc.IngressServicer):
 
     async def SendTurn(self, request: svc.TurnRequest, context: grpc.aio.ServicerContext) -> svc.TurnReply:
         try:
-            return await self._turn(request, context.invocation_metadata())
+            return await self._turn(
+                request, context.invocation_metadata(), caller_remaining_s=context.time_remaining()
+            )
         except InvalidTurn as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except TurnFailed as exc:

@@ -488,3 +488,41 @@ def test_confidence_cascade_escalates_on_low_logprob(stack: LocalStack) -> None:
     single = asyncio.run(run(-1000.0))  # ...and a very low one never does
     assert [a.arm for a in single.attempts] == ["cheap"] and single.model == "cheap"
     assert escalated.cost_usd > single.cost_usd  # both calls of the cascade are paid for
+
+
+def test_turn_deadline_bounds_model_calls(stack: LocalStack) -> None:
+    """Dispatch cuts a real llama.cpp call at the turn's deadline and makes no call once it has passed."""
+    import asyncio
+    import time
+
+    from mars.pool import ModelPool, ModelSpec
+    from mars_dispatch.service import Dispatcher, DispatchSettings, ModelClients
+
+    spec = ModelSpec(
+        name="local",
+        base_url=stack.env["MARS_LOCAL_LLM_URL"] + "/v1",
+        context_window=2048,
+        output_reserve=512,
+        safety_margin=32,
+        input_price_per_m=0.05,
+        output_price_per_m=0.1,
+    )
+    pool = ModelPool(models=[spec])
+
+    async def run(deadline_in_s: float) -> ev.Generated:
+        clients = ModelClients(pool, retries=1)
+        deadline_ms = int((time.time() + deadline_in_s) * 1000)
+        try:
+            return await Dispatcher(pool, clients, DispatchSettings()).generate(
+                ["local"], "Write a long story about a lighthouse.", ev.SessionState(), ev.CandidateView(),
+                400, deadline_ms=deadline_ms,
+            )  # fmt: skip
+        finally:
+            await clients.close()
+
+    cut = asyncio.run(run(0.3))
+    assert cut.status == ev.FAILED and "before the turn's deadline" in cut.attempts[0].error
+    assert cut.attempts[0].latency_ms < 1500  # not the 400-token generation, not a retry after it
+    late = asyncio.run(run(-1.0))
+    assert "deadline passed before local was called" in late.attempts[0].error
+    assert late.attempts[0].latency_ms < 50
