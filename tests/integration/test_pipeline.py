@@ -128,6 +128,38 @@ def test_every_turn_gets_an_answer(conversation: dict[str, list[svc.TurnReply]])
             assert r.trace_id
 
 
+def test_costs_are_exact_token_arithmetic(
+    stack: LocalStack, conversation: dict[str, list[svc.TurnReply]]
+) -> None:
+    """Generator cost = usage tokens x the arm's pool prices, exactly; the judge carries it unchanged."""
+    from mars.pool import load_pool
+
+    pool = load_pool(Path(__file__).parent / "models.test.yaml")
+    turns = all_turn_ids(conversation)
+    generated = [
+        g
+        for g in (
+            ev.Generated.FromString(r.value)
+            for r in read_topic(stack.env["MARS_KAFKA_BOOTSTRAP"], TOPIC_GENERATED)
+        )
+        if g.turn.turn_id in turns
+    ]
+    assert len({g.turn.turn_id for g in generated}) == len(turns)
+    for g in generated:
+        expected = pool.get(g.model).cost_usd(g.usage.input_tokens, g.usage.output_tokens)
+        assert g.cost_usd == pytest.approx(expected, rel=0, abs=1e-15)
+    judged = {
+        j.turn.turn_id: j
+        for j in (
+            ev.Judged.FromString(r.value) for r in read_topic(stack.env["MARS_KAFKA_BOOTSTRAP"], TOPIC_JUDGED)
+        )
+        if not j.correction
+    }
+    for g in generated:
+        assert judged[g.turn.turn_id].cost_usd == g.cost_usd
+        assert judged[g.turn.turn_id].controller_cost_usd == g.state.usage.cost_usd == 0.0  # rules QTM
+
+
 def test_failing_endpoint_falls_back_with_repacking(conversation: dict[str, list[svc.TurnReply]]) -> None:
     # Cold start ties go to the first arm, the broken endpoint: the first turn of each user falls back.
     for rs in conversation.values():

@@ -51,3 +51,22 @@ def test_cheapest_first_orders_by_price(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setenv("MARS_LOCAL_LLM_URL", "http://x")
     pool = load_pool(REPO / "config" / "models.local.yaml")
     assert pool.cheapest_first() == ["smollm2-135m-short", "smollm2-135m-long"]
+
+
+def test_paper_pool_has_table10_prices_and_exact_cost_arithmetic() -> None:
+    from pathlib import Path
+
+    from mars.pool import load_pool
+
+    pool = load_pool(Path(__file__).parents[2] / "config" / "models.paper.yaml")
+    prices = {m.name: (m.input_price_per_m, m.output_price_per_m) for m in pool.models}
+    assert prices == {
+        "llama-3.2-3b": (0.05, 0.10),
+        "mixtral-8x7b": (0.20, 0.20),
+        "qwen2.5-72b": (0.35, 0.40),
+        "gpt-4o": (2.50, 10.00),
+    }
+    # 12,345 prompt and 678 completion tokens, by hand: 12345 * 2.50 / 1e6 + 678 * 10.00 / 1e6.
+    assert pool.get("gpt-4o").cost_usd(12_345, 678) == pytest.approx(0.0308625 + 0.00678, abs=1e-15)
+    assert pool.get("llama-3.2-3b").cost_usd(1_000_000, 1_000_000) == pytest.approx(0.15, abs=1e-15)
+    assert pool.cheapest_first()[0] == "llama-3.2-3b" and pool.cheapest_first()[-1] == "gpt-4o"
