@@ -20,6 +20,24 @@ from mars.domain.text import estimate_tokens
 Dialect = Literal["openai", "llamacpp"]
 
 
+@dataclass(frozen=True)
+class TokenPrices:
+    """USD per million tokens in and out (the controller and the judge price their calls with it)."""
+
+    input_per_million: float
+    output_per_million: float
+
+    def cost(self, input_tokens: int, output_tokens: int) -> float:
+        return (input_tokens * self.input_per_million + output_tokens * self.output_per_million) / 1e6
+
+
+def endpoint_url(url: str, backend: str, local_llm_url: str) -> str:
+    """The configured endpoint; for the llamacpp backend without one, the local stack's server."""
+    if not url and backend == "llamacpp" and local_llm_url:
+        return local_llm_url.rstrip("/") + "/v1"
+    return url
+
+
 class EndpointError(RuntimeError):
     """The endpoint could not be reached, answered with an error, or sent a malformed response."""
 

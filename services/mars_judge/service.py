@@ -11,8 +11,8 @@ import grpc
 from mars.bus import EventProducer, StageConsumer, StageOutput, Subscription
 from mars.config import TOPIC_FEEDBACK, TOPIC_GENERATED, TOPIC_JUDGED, ServiceSettings
 from mars.domain.feedback import FeedbackMode, feedback_utility
-from mars.llm_json import Dialect, JsonChatClient
-from mars.rubric.judge import JudgePricing, RubricJudge
+from mars.llm_json import Dialect, JsonChatClient, TokenPrices, endpoint_url
+from mars.rubric.judge import RubricJudge
 from mars.runtime import GrpcBinding, ServiceContext, ServiceParts, run
 from mars.v1 import events_pb2 as ev
 from mars.v1 import services_pb2_grpc as svc_grpc
@@ -80,9 +80,7 @@ class JudgeSettings(ServiceSettings):
 def make_judge(settings: JudgeSettings) -> RubricJudge:
     client = None
     if settings.judge_backend != "deterministic":
-        url = settings.judge_url
-        if not url and settings.judge_backend == "llamacpp" and settings.local_llm_url:
-            url = settings.local_llm_url.rstrip("/") + "/v1"
+        url = endpoint_url(settings.judge_url, settings.judge_backend, settings.local_llm_url)
         if not url:
             raise ValueError(f"the {settings.judge_backend} judge needs an endpoint (MARS_JUDGE_URL)")
         dialect: Dialect = "llamacpp" if settings.judge_backend == "llamacpp" else "openai"
@@ -99,7 +97,7 @@ def make_judge(settings: JudgeSettings) -> RubricJudge:
         settings.judge_profile,
         settings.judge_prompt,
         settings.judge_deadline_ms / 1000,
-        JudgePricing(settings.judge_price_input_per_m, settings.judge_price_output_per_m),
+        TokenPrices(settings.judge_price_input_per_m, settings.judge_price_output_per_m),
     )
 
 

@@ -297,65 +297,56 @@ class PolicyStore:
             f"reward for turn {turn_id}: {self._settings.update_attempts} optimistic update conflicts in a row"
         )
 
+    async def _decision(
+        self, conn: AsyncConnection, turn_id: str, arms: Sequence[str]
+    ) -> tuple[str, str, np.ndarray]:
+        """(policy_id, chosen arm, x) of a routed turn, after the checks every reward must pass."""
+        cur = await conn.execute(
+            "SELECT policy_id, arm, features FROM router_decisions WHERE turn_id = %s", (turn_id,)
+        )
+        decision = await cur.fetchone()
+        if decision is None:
+            raise PoisonEvent(f"judged turn {turn_id} has no routing decision")
+        policy_id, chosen, features = decision
+        if len(features) != self.dim:
+            raise PoisonEvent(f"turn {turn_id} has {len(features)} features, this router uses {self.dim}")
+        for name in arms:
+            if name and name not in self.arms:
+                raise PoisonEvent(f"turn {turn_id} names arm {name!r}, which is not in the pool")
+        return str(policy_id), str(chosen), np.asarray(features, dtype=np.float64)
+
+    async def _ledger(self, conn: AsyncConnection, key: str, policy_id: str, arm: str, reward: float) -> bool:
+        """Record an update once; False when `key` was already applied (at-least-once delivery)."""
+        cur = await conn.execute(
+            "INSERT INTO router_ledger (turn_id, policy_id, arm, reward) VALUES (%s, %s, %s, %s) "
+            "ON CONFLICT DO NOTHING RETURNING turn_id",
+            (key, policy_id, arm, reward),
+        )
+        return await cur.fetchone() is not None
+
     async def _apply_correction_once(self, correction_id: str, turn_id: str, arm: str, delta: float) -> bool:
+        if not math.isfinite(delta) or abs(delta) > self._settings.max_reward - self._settings.min_reward:
+            raise PoisonEvent(f"correction {correction_id}: reward delta {delta} is out of range")
         async with self._pool.connection() as conn, conn.transaction():
-            cur = await conn.execute(
-                "SELECT policy_id, features FROM router_decisions WHERE turn_id = %s", (turn_id,)
-            )
-            decision = await cur.fetchone()
-            if decision is None:
-                raise PoisonEvent(f"correction {correction_id}: turn {turn_id} has no routing decision")
-            if not math.isfinite(delta) or abs(delta) > self._settings.max_reward - self._settings.min_reward:
-                raise PoisonEvent(f"correction {correction_id}: reward delta {delta} is out of range")
-            if arm not in self.arms:
-                raise PoisonEvent(f"correction {correction_id} names arm {arm!r}, which is not in the pool")
-            policy_id, features = decision
-            if len(features) != self.dim:
-                raise PoisonEvent(f"turn {turn_id} has {len(features)} features, this router uses {self.dim}")
-            cur = await conn.execute(
-                "INSERT INTO router_ledger (turn_id, policy_id, arm, reward) VALUES (%s, %s, %s, %s) "
-                "ON CONFLICT DO NOTHING RETURNING turn_id",
-                (correction_id, policy_id, arm, delta),
-            )
-            if await cur.fetchone() is None:
+            policy_id, _, x = await self._decision(conn, turn_id, [arm])
+            if not await self._ledger(conn, correction_id, policy_id, arm, delta):
                 return False
-            x = np.asarray(features, dtype=np.float64)
             await self._write_arm(conn, policy_id, arm, lambda m: m.shifted(x, delta))
         return True
 
     async def _apply_reward_once(
         self, turn_id: str, answered_arm: str, reward: float, failed_arms: list[str]
     ) -> bool:
+        if not math.isfinite(reward) or not self._settings.min_reward <= reward <= self._settings.max_reward:
+            raise PoisonEvent(
+                f"reward {reward} for turn {turn_id} is outside "
+                f"[{self._settings.min_reward}, {self._settings.max_reward}]"
+            )
         async with self._pool.connection() as conn, conn.transaction():
-            cur = await conn.execute(
-                "SELECT policy_id, arm, features FROM router_decisions WHERE turn_id = %s", (turn_id,)
-            )
-            decision = await cur.fetchone()
-            if decision is None:
-                raise PoisonEvent(f"judged turn {turn_id} has no routing decision")
-            policy_id, chosen, features = decision
+            policy_id, chosen, x = await self._decision(conn, turn_id, [answered_arm, *failed_arms])
             arm = answered_arm or chosen
-            if (
-                not math.isfinite(reward)
-                or not self._settings.min_reward <= reward <= self._settings.max_reward
-            ):
-                raise PoisonEvent(
-                    f"reward {reward} for turn {turn_id} is outside "
-                    f"[{self._settings.min_reward}, {self._settings.max_reward}]"
-                )
-            if len(features) != self.dim:
-                raise PoisonEvent(f"turn {turn_id} has {len(features)} features, this router uses {self.dim}")
-            for name in (arm, *failed_arms):
-                if name not in self.arms:
-                    raise PoisonEvent(f"turn {turn_id} names arm {name!r}, which is not in the pool")
-            cur = await conn.execute(
-                "INSERT INTO router_ledger (turn_id, policy_id, arm, reward) VALUES (%s, %s, %s, %s) "
-                "ON CONFLICT DO NOTHING RETURNING turn_id",
-                (turn_id, policy_id, arm, reward),
-            )
-            if await cur.fetchone() is None:
+            if not await self._ledger(conn, turn_id, policy_id, arm, reward):
                 return False
-            x = np.asarray(features, dtype=np.float64)
             targets = [(arm, reward), *((a, 0.0) for a in dict.fromkeys(failed_arms) if a != arm)]
             # Written in one global order: a writer waiting on a row another replica is committing
             # cannot wait in a cycle.

@@ -10,8 +10,9 @@ import time
 import grpc
 from mars.bus import EventProducer, StageConsumer, StageOutput, Subscription
 from mars.config import TOPIC_RECEIVED, TOPIC_STATE, ServiceSettings
+from mars.llm_json import TokenPrices, endpoint_url
 from mars.qtm.controllers import make_controller
-from mars.qtm.guard import GuardedEstimator, QtmPricing
+from mars.qtm.guard import GuardedEstimator
 from mars.runtime import GrpcBinding, ServiceContext, ServiceParts, run
 from mars.v1 import events_pb2 as ev
 from mars.v1 import services_pb2 as svc
@@ -58,9 +59,7 @@ class StateSettings(ServiceSettings):
 
 
 def make_estimator(settings: StateSettings) -> GuardedEstimator:
-    url = settings.qtm_url
-    if not url and settings.qtm_backend == "llamacpp" and settings.local_llm_url:
-        url = settings.local_llm_url.rstrip("/") + "/v1"
+    url = endpoint_url(settings.qtm_url, settings.qtm_backend, settings.local_llm_url)
     deadline_s = settings.qtm_deadline_ms / 1000
     controller = make_controller(
         settings.qtm_backend,
@@ -71,7 +70,7 @@ def make_estimator(settings: StateSettings) -> GuardedEstimator:
         timeout_s=deadline_s + 1.0,
         max_tokens=settings.qtm_max_tokens,
     )
-    pricing = QtmPricing(settings.qtm_price_input_per_m, settings.qtm_price_output_per_m)
+    pricing = TokenPrices(settings.qtm_price_input_per_m, settings.qtm_price_output_per_m)
     return GuardedEstimator(controller, deadline_s, pricing)
 
 

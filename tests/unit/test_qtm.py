@@ -14,8 +14,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as hs
 from mars.domain.state_rules import estimate_state
+from mars.llm_json import TokenPrices
 from mars.qtm.controllers import ControllerReply, ControllerUnavailable, make_controller
-from mars.qtm.guard import UNHEALTHY_AFTER, GuardedEstimator, QtmPricing
+from mars.qtm.guard import UNHEALTHY_AFTER, GuardedEstimator
 from mars.qtm.prompts import PromptTemplate, available_prompts
 from mars.qtm.schema import ControllerOutputError, parse_controller_output, qtm_json_schema
 from mars.v1 import events_pb2 as ev
@@ -127,7 +128,7 @@ def run(coro):  # type: ignore[no-untyped-def]
 
 
 def test_valid_answer_is_used_with_usage_and_cost() -> None:
-    guard = GuardedEstimator(FakeController(json.dumps(PAPER_EXAMPLE)), pricing=QtmPricing(0.04, 0.10))
+    guard = GuardedEstimator(FakeController(json.dumps(PAPER_EXAMPLE)), pricing=TokenPrices(0.04, 0.10))
     st = run(guard.estimate("make it shorter", ["write a poem"]))
     assert st.phase == ev.REVISE and not st.clamped_fields and not st.usage.fallback_reason
     assert st.usage.backend == "openai" and st.usage.llm_called and st.usage.prompt_version == "qtm-v1"

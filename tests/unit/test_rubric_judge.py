@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 from mars.domain.reward import PROFILES
-from mars.llm_json import EndpointError, JsonReply
-from mars.rubric.judge import FLAG_FIELDS, SCORE_FIELDS, JudgePricing, RubricJudge, rubric_json_schema
+from mars.llm_json import EndpointError, JsonReply, TokenPrices
+from mars.rubric.judge import FLAG_FIELDS, SCORE_FIELDS, RubricJudge, rubric_json_schema
 from mars.v1 import events_pb2 as ev
 
 TOP = {name: 5 for name in SCORE_FIELDS}
@@ -46,7 +46,7 @@ def generated(
 
 
 def judge(client: FakeClient | None, profile: str = "realmem", deadline_s: float = 5.0) -> RubricJudge:
-    return RubricJudge(client, profile, deadline_s=deadline_s, pricing=JudgePricing(0.15, 0.60))  # type: ignore[arg-type]
+    return RubricJudge(client, profile, deadline_s=deadline_s, pricing=TokenPrices(0.15, 0.60))  # type: ignore[arg-type]
 
 
 def run(coro):  # type: ignore[no-untyped-def]

@@ -31,6 +31,7 @@ from rich.progress import Progress
 from mars.bench.policies import CachingEmbedder
 from mars.bench.realmem import Persona, Session, load_persona, persona_name_from_path
 from mars.domain.memory_policy import memory_controls
+from mars.llm_json import endpoint_url
 from mars.qtm.controllers import BACKENDS, make_controller
 from mars.qtm.guard import GuardedEstimator
 from mars.retrieval.embedder import Embedder
@@ -77,7 +78,7 @@ class ControllerConfig:
         return self.backend if self.backend == "rules" else f"{self.backend}:{self.prompt}"
 
     def estimator(self, local_llm_url: str) -> GuardedEstimator:
-        url = self.url or (local_llm_url.rstrip("/") + "/v1" if self.backend == "llamacpp" else "")
+        url = endpoint_url(self.url, self.backend, local_llm_url)
         controller = make_controller(
             self.backend,
             base_url=url,

@@ -17,11 +17,11 @@ import asyncio
 import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from opentelemetry import metrics
 
 from mars.domain.state_rules import clamp_state, detect_cues, estimate_state
+from mars.llm_json import TokenPrices
 from mars.qtm.controllers import Controller, ControllerReply, ControllerUnavailable
 from mars.qtm.schema import ControllerOutputError, parse_controller_output
 from mars.v1 import events_pb2 as ev
@@ -30,15 +30,8 @@ _meter = metrics.get_meter("mars.qtm")
 _outcomes = _meter.create_counter("mars.qtm.outcomes", description="QTM calls by outcome")
 
 
-@dataclass(frozen=True)
-class QtmPricing:
-    """Controller prices per million tokens (paper Table 10: Qwen2.5-7B-Instruct $0.04 in, $0.10 out)."""
-
-    input_per_million: float = 0.04
-    output_per_million: float = 0.10
-
-    def cost(self, input_tokens: int, output_tokens: int) -> float:
-        return (input_tokens * self.input_per_million + output_tokens * self.output_per_million) / 1e6
+#: Paper Table 10: the controller (Qwen2.5-7B-Instruct) at $0.04 in and $0.10 out per million tokens.
+QTM_PRICES = TokenPrices(0.04, 0.10)
 
 
 #: Consecutive deadline misses or endpoint errors after which the controller is reported degraded.
@@ -50,11 +43,11 @@ class GuardedEstimator:
         self,
         controller: Controller | None,
         deadline_s: float = 2.0,
-        pricing: QtmPricing | None = None,
+        pricing: TokenPrices = QTM_PRICES,
     ) -> None:
         self.controller = controller
         self.deadline_s = deadline_s
-        self.pricing = pricing or QtmPricing()
+        self.pricing = pricing
         self.counts: Counter[str] = Counter()
         self._consecutive_failures = 0
 

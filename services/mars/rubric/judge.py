@@ -14,7 +14,6 @@ import asyncio
 import json
 import math
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +21,7 @@ from google.protobuf.json_format import MessageToDict
 from opentelemetry import metrics
 
 from mars.domain.reward import PROFILES, JudgeProfile, compose_utility, judge_turn
-from mars.llm_json import EndpointError, JsonChatClient, NoJsonObject, parse_json_object
+from mars.llm_json import EndpointError, JsonChatClient, NoJsonObject, TokenPrices, parse_json_object
 from mars.v1 import events_pb2 as ev
 
 PROMPT_DIR = Path(__file__).parent / "prompts"
@@ -59,15 +58,8 @@ def rubric_json_schema() -> dict[str, Any]:
     }
 
 
-@dataclass(frozen=True)
-class JudgePricing:
-    """Judge prices per million tokens (paper B.6 feedback cost: GPT-4o-mini $0.15 in, $0.60 out)."""
-
-    input_per_million: float = 0.15
-    output_per_million: float = 0.60
-
-    def cost(self, input_tokens: int, output_tokens: int) -> float:
-        return (input_tokens * self.input_per_million + output_tokens * self.output_per_million) / 1e6
+#: Paper B.6: the online judge (GPT-4o-mini) at $0.15 in and $0.60 out per million tokens.
+JUDGE_PRICES = TokenPrices(0.15, 0.60)
 
 
 def _clip(text: str, limit: int) -> str:
@@ -102,7 +94,7 @@ class RubricJudge:
         profile: str = "realmem",
         prompt: str = "judge-v1",
         deadline_s: float = 10.0,
-        pricing: JudgePricing | None = None,
+        pricing: TokenPrices = JUDGE_PRICES,
     ) -> None:
         if profile not in PROFILES:
             raise ValueError(f"unknown judge profile {profile!r}; known: {', '.join(PROFILES)}")
@@ -115,7 +107,7 @@ class RubricJudge:
         self.prompt_version = path.stem
         self._template = path.read_text()
         self.deadline_s = deadline_s
-        self.pricing = pricing or JudgePricing()
+        self.pricing = pricing
         self.counts: Counter[str] = Counter()
         self._consecutive_failures = 0
 
