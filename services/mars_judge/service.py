@@ -49,6 +49,8 @@ MIGRATIONS = [
 class JudgeSettings(ServiceSettings):
     #: Cost weight lambda of Eq. 17 (paper Table 8: 0.002 main RealMem run, 0.5 ablations).
     lambda_cost: float = 0.002
+    #: Per-tenant lambda, e.g. MARS_LAMBDA_TENANTS='{"budget-co": 0.5}' (a tenant's cost sensitivity).
+    lambda_tenants: dict[str, float] = Field(default_factory=dict)
     #: deterministic (default: lexical signals only), openai (any OpenAI-compatible judge endpoint), or
     #: llamacpp (the local stack's server); the LLM judges fall back to deterministic when they fail.
     judge_backend: Literal["deterministic", "openai", "llamacpp"] = "deterministic"
@@ -75,6 +77,9 @@ class JudgeSettings(ServiceSettings):
 
     def feedback_mode_for(self, tenant: str) -> str:
         return self.feedback_tenant_modes.get(tenant, self.feedback_mode)
+
+    def lambda_for(self, tenant: str) -> float:
+        return self.lambda_tenants.get(tenant, self.lambda_cost)
 
 
 def make_judge(settings: JudgeSettings) -> RubricJudge:
@@ -145,7 +150,7 @@ class JudgeStage:
         turn = event.turn
         if await self._out.done(turn.turn_id):
             return
-        judged = await score(event, self._judge, self._settings.lambda_cost)
+        judged = await score(event, self._judge, self._settings.lambda_for(turn.tenant))
         judged.reward_source = "judge"
         mode = self._settings.feedback_mode_for(turn.tenant)
         async with self._pool.connection() as conn, conn.transaction():
@@ -246,7 +251,7 @@ class JudgeServicer(svc_grpc.JudgeServicer):
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, "only a successful generation can be judged"
             )
-        return await score(request, self._judge, self._settings.lambda_cost)
+        return await score(request, self._judge, self._settings.lambda_for(request.turn.tenant))
 
 
 async def build(ctx: ServiceContext) -> ServiceParts:

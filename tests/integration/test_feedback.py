@@ -22,7 +22,11 @@ MODES = {"fb-replace": "replace", "fb-blend": "blend"}
 
 @pytest.fixture(scope="module")
 def fb_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
-    env = {"MARS_FEEDBACK_TENANT_MODES": json.dumps(MODES), "MARS_FEEDBACK_BLEND_WEIGHT": "0.25"}
+    env = {
+        "MARS_FEEDBACK_TENANT_MODES": json.dumps(MODES),
+        "MARS_FEEDBACK_BLEND_WEIGHT": "0.25",
+        "MARS_LAMBDA_TENANTS": json.dumps({"fb-blend": 0.5}),
+    }
     s = start_stack(tmp_path_factory.mktemp("feedback"), "models.test.yaml", service_env={"judge": env})
     try:
         yield s
@@ -71,7 +75,7 @@ def _judged(stack: LocalStack, turn_id: str) -> tuple[float, float, float, float
 def test_late_feedback_replaces_the_reward_by_the_difference_once(fb_stack: LocalStack) -> None:
     turn_id = _turn(fb_stack, "fb-replace", "u1")
     utility, cost, lam, first = _judged(fb_stack, turn_id)
-    assert first == pytest.approx(utility - lam * cost)  # judged before any feedback
+    assert lam == 0.002 and first == pytest.approx(utility - lam * cost)  # judged before any feedback
     ((ledger_reward,),) = query(fb_stack, "SELECT reward FROM router_ledger WHERE turn_id = %s", (turn_id,))
     assert float(ledger_reward) == pytest.approx(first)
 
@@ -93,6 +97,7 @@ def test_late_feedback_replaces_the_reward_by_the_difference_once(fb_stack: Loca
 def test_blend_mode_and_log_mode(fb_stack: LocalStack) -> None:
     turn_id = _turn(fb_stack, "fb-blend", "u2")
     utility, cost, lam, first = _judged(fb_stack, turn_id)
+    assert lam == 0.5  # this tenant's own cost weight; others use the default
     _feedback(fb_stack, "fb-blend", "u2", turn_id, rating=1.0)
     wait_for(lambda: len(_corrections(fb_stack, turn_id)) == 1, 30, "the blend correction")
     target = 0.75 * utility + 0.25 * 1.0 - lam * cost
