@@ -205,6 +205,9 @@ def build_parser() -> argparse.ArgumentParser:
     from mars.bench.dispatch import add_dispatch_parser
 
     add_dispatch_parser(bench_sub)
+    from mars.bench.ope import add_ope_parser
+
+    add_ope_parser(bench_sub)
     from mars.probe.qtm import add_probe_parser
 
     add_probe_parser(sub)

@@ -129,11 +129,12 @@ def test_every_turn_gets_an_answer(conversation: dict[str, list[svc.TurnReply]])
 
 
 def test_costs_are_exact_token_arithmetic(
-    stack: LocalStack, conversation: dict[str, list[svc.TurnReply]]
+    stack: LocalStack, conversation: dict[str, list[svc.TurnReply]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Generator cost = usage tokens x the arm's pool prices, exactly; the judge carries it unchanged."""
     from mars.pool import load_pool
 
+    monkeypatch.setenv("MARS_LOCAL_LLM_URL", stack.env["MARS_LOCAL_LLM_URL"])  # the pool file refers to it
     pool = load_pool(Path(__file__).parent / "models.test.yaml")
     turns = all_turn_ids(conversation)
     generated = [
