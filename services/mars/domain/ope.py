@@ -6,7 +6,8 @@ logging policy (`Routed.propensity`) and the reward. For a target policy with ar
 - IPS:   V = mean( pi(a_i|x_i) / p_i * r_i )
 - SNIPS: V = sum( w_i r_i ) / sum( w_i ),  w_i = pi(a_i|x_i) / p_i  (self-normalised: lower variance)
 - DR:    V = mean( sum_a pi(a|x_i) q(x_i, a) + w_i (r_i - q(x_i, a_i)) ), with q a per-arm ridge regression
-         of the reward on x fitted to the same log (the direct method corrected by IPS on its residuals)
+         of the reward on x, cross-fitted on the other half of the log (the direct method corrected by
+         IPS on its residuals)
 
 with percentile-bootstrap 95% intervals. Steps with propensity 0 (unknown, e.g. Thompson sampling) carry
 no information for IPS and are left out and counted.
@@ -83,14 +84,22 @@ def evaluate(
     known = [s for s in steps if s.propensity > 0]
     if not known:
         raise ValueError("no logged step has a known propensity: nothing to estimate from")
-    theta = fit_reward_model(known, n_arms, ridge)
     xs = np.array([s.x for s in known])
     arms = np.array([s.arm for s in known])
     r = np.array([s.reward for s in known])
     p = np.array([s.propensity for s in known])
     pi = np.array([target(x) for x in xs])  # (n, arms)
     w = pi[np.arange(len(known)), arms] / p
-    q_all = xs @ theta.T  # (n, arms)
+    # Cross-fitting: each half's reward model is fitted on the other half, so no step's own reward
+    # shapes the model that corrects it (keeps DR's interval honest).
+    half = len(known) // 2
+    q_all = np.empty((len(known), n_arms))
+    if half >= 1:
+        first, second = known[:half], known[half:]
+        q_all[:half] = xs[:half] @ fit_reward_model(second, n_arms, ridge).T
+        q_all[half:] = xs[half:] @ fit_reward_model(first, n_arms, ridge).T
+    else:
+        q_all[:] = xs @ fit_reward_model(known, n_arms, ridge).T
     q_logged = q_all[np.arange(len(known)), arms]
     q_target = np.sum(pi * q_all, axis=1)
     point = _point_estimates(w, r, q_logged, q_target)

@@ -1,0 +1,1 @@
+"""Replay and offline evaluation over the event log."""
