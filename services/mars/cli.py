@@ -208,6 +208,9 @@ def build_parser() -> argparse.ArgumentParser:
     from mars.bench.ope import add_ope_parser
 
     add_ope_parser(bench_sub)
+    from mars.bench.replay import add_replay_bench_parser
+
+    add_replay_bench_parser(bench_sub)
     from mars.replay.cli import add_replay_parser
 
     add_replay_parser(sub)
