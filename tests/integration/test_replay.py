@@ -79,6 +79,10 @@ def test_fifty_turns_read_back_as_fifty_complete_traces(replay_stack: LocalStack
     traces = [json.loads(line) for line in (tmp_path / "traces.jsonl").read_text().splitlines()]
     assert len(traces) == USERS * TURNS and all(t["complete"] for t in traces)
     assert "traces/s" in run.stderr
+    report = mars("replay", "report", str(tmp_path / "traces.jsonl"), "--out", str(tmp_path / "report"))
+    assert report.returncode == 0, report.stderr[-2000:]
+    for name in ("report.md", "quality_vs_cost.png", "reward_over_time.png", "routing_share_traces.png"):
+        assert (tmp_path / "report" / name).stat().st_size > 0
 
 
 def test_exported_log_with_defects_is_reported(replay_stack: LocalStack, tmp_path: Path) -> None:

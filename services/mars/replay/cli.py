@@ -157,6 +157,10 @@ def add_replay_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     r.add_argument("--summary", help="write the summary as JSON here")
     r.set_defaults(func=cmd_read)
 
+    from mars.replay.report import add_report_parser
+
+    add_report_parser(replay_sub)
+
     e = replay_sub.add_parser("export", help="write the stage topics to a portable log file (JSON lines)")
     common(e)
     e.add_argument("--out", required=True, help="the log file to write")
