@@ -118,3 +118,39 @@ def test_exported_log_with_defects_is_reported(replay_stack: LocalStack, tmp_pat
     assert s["records"]["duplicate_events"] == 1 and s["records"]["unknown_schema_version"] == 1
     assert s["records"]["unreadable_lines"] == 1
     assert json.loads(dropped)["topic"] == "mars.turn.judged"
+
+
+def test_strict_redrive_is_deterministic(replay_stack: LocalStack, tmp_path: Path) -> None:
+    log = tmp_path / "log.jsonl"
+    assert (
+        mars(
+            "replay",
+            "export",
+            "--bootstrap",
+            replay_stack.env["MARS_KAFKA_BOOTSTRAP"],
+            "--idle-s",
+            "3",
+            "--out",
+            str(log),
+        ).returncode
+        == 0
+    )
+    runs = []
+    for suffix in ("-a", "-b"):
+        out = tmp_path / f"run{suffix}.jsonl"
+        run = mars(
+            "replay", "run", "--file", str(log), "--ingress", replay_stack.addr("ingress"),
+            "--router", replay_stack.addr("router"), "--strict", "--limit", "8", f"--tenant-suffix={suffix}",
+            "--out", str(out),
+        )  # fmt: skip
+        assert run.returncode == 0, run.stderr[-2000:]
+        assert json.loads(run.stderr[run.stderr.index("{") :])["answered"] == 8
+        runs.append([json.loads(line) for line in out.read_text().splitlines()])
+    a, b = runs
+    assert [r["recorded_turn_id"] for r in a] == [r["recorded_turn_id"] for r in b]
+    assert len({r["user_id"] for r in a}) == 1 and [r["seq"] for r in a] == list(range(1, 9))
+    # Same log, same configuration, strict order: the same decisions and the same answers.
+    assert [(r["arm"], r["answered_by"], r["text"]) for r in a] == [
+        (r["arm"], r["answered_by"], r["text"]) for r in b
+    ]
+    assert all("reward_wait" not in r for r in a + b)

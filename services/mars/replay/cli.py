@@ -157,9 +157,11 @@ def add_replay_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     r.add_argument("--summary", help="write the summary as JSON here")
     r.set_defaults(func=cmd_read)
 
+    from mars.replay.redrive import add_run_parser
     from mars.replay.report import add_report_parser
 
     add_report_parser(replay_sub)
+    add_run_parser(replay_sub)
 
     e = replay_sub.add_parser("export", help="write the stage topics to a portable log file (JSON lines)")
     common(e)
