@@ -4,6 +4,7 @@ endpoint, falls back to the next arm with a fresh packing on failure, and accoun
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import logging
@@ -81,9 +82,7 @@ class ModelClients:
         want_logprobs: bool = False,
         timeout_s: float | None = None,
     ) -> Completion:
-        headers = {}
-        if key := spec.api_key():
-            headers["Authorization"] = f"Bearer {key}"
+        headers = self._headers(spec)
         body = {
             "model": spec.model,
             "messages": packed.messages,
@@ -94,11 +93,17 @@ class ModelClients:
             # top_logprobs >= 1 as well: llama.cpp's server returns none without it.
             body["logprobs"] = True
             body["top_logprobs"] = 1
+        async with self._slot(spec):
+            return await self._post(spec, body, headers, packed, timeout_s)
+
+    def _slot(self, spec: ModelSpec) -> contextlib.AbstractAsyncContextManager[object]:
+        """The endpoint's concurrency slot (max_concurrency), or no limit."""
         slot = self._slots.get(spec.name)
-        if slot is None:
-            return await self._post(spec, body, headers, packed, timeout_s)
-        async with slot:
-            return await self._post(spec, body, headers, packed, timeout_s)
+        return slot if slot is not None else contextlib.nullcontext()
+
+    @staticmethod
+    def _headers(spec: ModelSpec) -> dict[str, str]:
+        return {"Authorization": f"Bearer {key}"} if (key := spec.api_key()) else {}
 
     async def _post(
         self,
@@ -139,7 +144,7 @@ class ModelClients:
     ) -> Completion:
         """Chat completion with `stream: true` (server-sent events): each content delta goes to `on_delta`
         as it arrives. Retried like `complete` only while nothing has been streamed yet."""
-        headers = {"Authorization": f"Bearer {key}"} if (key := spec.api_key()) else {}
+        headers = self._headers(spec)
         body = {
             "model": spec.model,
             "messages": packed.messages,
@@ -148,11 +153,8 @@ class ModelClients:
             "stream": True,
             "stream_options": {"include_usage": True},
         }
-        slot = self._slots.get(spec.name)
-        if slot is not None:
-            async with slot:
-                return await asyncio.wait_for(self._stream(spec, body, headers, packed, on_delta), timeout_s)
-        return await asyncio.wait_for(self._stream(spec, body, headers, packed, on_delta), timeout_s)
+        async with self._slot(spec):
+            return await asyncio.wait_for(self._stream(spec, body, headers, packed, on_delta), timeout_s)
 
     async def _stream(
         self,

@@ -16,9 +16,12 @@ pytestmark = pytest.mark.integration
 REALMEM = Path(
     os.environ.get("MARS_REALMEM_DATA", Path(__file__).parents[2] / ".." / "shared" / "bench" / "realmem")
 )
-needs_data = pytest.mark.skipif(
-    not REALMEM.is_dir(), reason=f"RealMem bench data not found at {REALMEM} (set MARS_REALMEM_DATA)"
-)
+
+
+def realmem_dir() -> Path:
+    # The bench data lies beside the checkout (../shared), as on CI: required, not optional.
+    assert REALMEM.is_dir(), f"RealMem bench data not found at {REALMEM} (set MARS_REALMEM_DATA)"
+    return REALMEM
 
 
 def mars(*args: str, timeout: float = 400) -> subprocess.CompletedProcess[str]:
@@ -31,11 +34,10 @@ def mars(*args: str, timeout: float = 400) -> subprocess.CompletedProcess[str]:
     )
 
 
-@needs_data
 def test_probe_qtm_rules_vs_llamacpp(tmp_path: Path) -> None:
     out = tmp_path / "probe.json"
     run = mars(
-        "probe", "qtm", "--data", str(REALMEM), "--snapshots", "3", "--personas", "Lin_Wanyu",
+        "probe", "qtm", "--data", str(realmem_dir()), "--snapshots", "3", "--personas", "Lin_Wanyu",
         "--max-sessions", "20", "--a", "rules", "--b", "backend=llamacpp,prompt=qtm-v1-paraphrased",
         "--out", str(out),
     )  # fmt: skip
@@ -51,11 +53,10 @@ def test_probe_qtm_rules_vs_llamacpp(tmp_path: Path) -> None:
     assert "Wilson 95%" in run.stdout
 
 
-@needs_data
 def test_probe_boundaries_scores_each_backend(tmp_path: Path) -> None:
     out = tmp_path / "boundaries.json"
     run = mars(
-        "probe", "qtm-boundaries", "--data", str(REALMEM), "--personas", "Lin_Wanyu", "--limit", "3",
+        "probe", "qtm-boundaries", "--data", str(realmem_dir()), "--personas", "Lin_Wanyu", "--limit", "3",
         "--configs", "rules", "backend=llamacpp", "--out", str(out),
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]

@@ -64,6 +64,20 @@ def mars(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([exe, *args], capture_output=True, text=True, timeout=300, check=False)
 
 
+def export(stack: LocalStack, path: Path) -> None:
+    run = mars(
+        "replay",
+        "export",
+        "--bootstrap",
+        stack.env["MARS_KAFKA_BOOTSTRAP"],
+        "--idle-s",
+        "3",
+        "--out",
+        str(path),
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+
+
 def test_fifty_turns_read_back_as_fifty_complete_traces(replay_stack: LocalStack, tmp_path: Path) -> None:
     bootstrap = replay_stack.env["MARS_KAFKA_BOOTSTRAP"]
     run = mars(
@@ -87,17 +101,7 @@ def test_fifty_turns_read_back_as_fifty_complete_traces(replay_stack: LocalStack
 
 def test_exported_log_with_defects_is_reported(replay_stack: LocalStack, tmp_path: Path) -> None:
     log = tmp_path / "log.jsonl"
-    run = mars(
-        "replay",
-        "export",
-        "--bootstrap",
-        replay_stack.env["MARS_KAFKA_BOOTSTRAP"],
-        "--idle-s",
-        "3",
-        "--out",
-        str(log),
-    )
-    assert run.returncode == 0, run.stderr[-2000:]
+    export(replay_stack, log)
     lines = log.read_text().splitlines()
     records = [json.loads(line) for line in lines]
     judged = [i for i, r in enumerate(records) if r["topic"] == "mars.turn.judged"]
@@ -122,19 +126,7 @@ def test_exported_log_with_defects_is_reported(replay_stack: LocalStack, tmp_pat
 
 def test_strict_redrive_is_deterministic(replay_stack: LocalStack, tmp_path: Path) -> None:
     log = tmp_path / "log.jsonl"
-    assert (
-        mars(
-            "replay",
-            "export",
-            "--bootstrap",
-            replay_stack.env["MARS_KAFKA_BOOTSTRAP"],
-            "--idle-s",
-            "3",
-            "--out",
-            str(log),
-        ).returncode
-        == 0
-    )
+    export(replay_stack, log)
     runs = []
     for suffix in ("-a", "-b"):
         out = tmp_path / f"run{suffix}.jsonl"

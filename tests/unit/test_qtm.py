@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Sequence
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -21,18 +22,8 @@ from mars.qtm.prompts import PromptTemplate, available_prompts
 from mars.qtm.schema import ControllerOutputError, parse_controller_output, qtm_json_schema
 from mars.v1 import events_pb2 as ev
 
-PAPER_EXAMPLE = {
-    "action": "MATCH",
-    "query_type": "DYNAMIC",
-    "phase": "REVISE",
-    "taxonomy": {"need_memory": 1, "memory_span": "ACTIVE_THREAD", "ambiguity": "LOW"},
-    "lens_recommendation": 3,
-    "top_k_hint": 5,
-    "prefer_recent": 1,
-    "retrieval_scope": "LOCAL",
-    "lens_confidence": 0.82,
-    "lens_reason": "Revision of the active artifact.",
-}
+#: The anonymised example output of the paper (appendix B.1), shared with the other QTM tests.
+PAPER_EXAMPLE = json.loads((Path(__file__).parent / "fixtures" / "qtm_paper_example.json").read_text())
 
 
 class FakeController:

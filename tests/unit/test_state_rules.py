@@ -1,19 +1,12 @@
+import json
+from pathlib import Path
+
 import pytest
 from mars.domain.state_rules import clamp_state, estimate_state
 from mars.v1 import events_pb2 as ev
 
-VALID = {
-    "action": "MATCH",
-    "query_type": "DYNAMIC",
-    "phase": "REVISE",
-    "taxonomy": {"need_memory": 1, "memory_span": "ACTIVE_THREAD", "ambiguity": "LOW"},
-    "lens_recommendation": 3,
-    "top_k_hint": 5,
-    "prefer_recent": 1,
-    "retrieval_scope": "LOCAL",
-    "lens_confidence": 0.82,
-    "lens_reason": "Revision of the active artifact.",
-}
+#: The anonymised example output of the paper (appendix B.1), shared with the other QTM tests.
+VALID = json.loads((Path(__file__).parent / "fixtures" / "qtm_paper_example.json").read_text())
 
 CONTEXT = ["User: draft a cover letter for a data analyst job\nAssistant: Dear hiring manager, ..."]
 

@@ -4,6 +4,7 @@ so the event schema stays the one definition, and the lenient parser for what co
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from mars.domain.state_rules import ALLOWED_LENS, ALLOWED_TOP_K
@@ -16,6 +17,7 @@ def _enum_names(enum: Any) -> list[str]:
     return [name for name in enum.keys() if not name.endswith("_UNSPECIFIED")]
 
 
+@functools.cache
 def qtm_json_schema() -> dict[str, Any]:
     """JSON schema of one controller answer: what `response_format` / guided decoding constrain to."""
     return {

@@ -11,6 +11,7 @@ answer; never future turns or labels.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import math
 from collections import Counter
@@ -37,6 +38,7 @@ _outcomes = metrics.get_meter("mars.judge").create_counter(
 )
 
 
+@functools.cache
 def rubric_json_schema() -> dict[str, Any]:
     """Schema of one judgement, derived from the proto RubricScores / FailureFlags fields."""
     return {
