@@ -94,6 +94,8 @@ class StackSettings:
     #: Per-service extra environment (e.g. a test's deliberately failing model pool for dispatch).
     service_env: dict[str, dict[str, str]] = field(default_factory=dict)
     trace_dir: Path | None = None
+    #: MARS_TOPIC_PREFIX of every service ("" = the plain topic names): the run's topics and groups.
+    topic_prefix: str = ""
 
 
 @dataclass
@@ -118,6 +120,12 @@ class LocalStack:
     # --- lifecycle --------------------------------------------------------------------------------
 
     def start(self, progress: Callable[[str], None] = lambda _: None) -> LocalStack:
+        from mars.config import validate_topic_prefix
+
+        try:  # a bad prefix fails before anything starts
+            validate_topic_prefix(self.settings.topic_prefix)
+        except ValueError as exc:
+            raise StackError(str(exc)) from exc
         try:
             if self.settings.start_postgres:
                 progress("starting Postgres")
@@ -324,6 +332,8 @@ class LocalStack:
         self.env["MARS_MODEL_POOL"] = str(self.settings.model_pool)
         if self.settings.trace_dir:
             self.env["MARS_TRACE_DIR"] = str(self.settings.trace_dir)
+        if self.settings.topic_prefix:
+            self.env["MARS_TOPIC_PREFIX"] = self.settings.topic_prefix
         self.env.update(self.settings.extra_env)
         for name in self.settings.services:
             self.ports[name] = free_port()

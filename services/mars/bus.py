@@ -1,5 +1,8 @@
 """Turn events over Kafka (aiokafka): keyed publishing with trace headers, and stage consumers that
-commit after their side effects, process each partition in order, and dead-letter poison messages."""
+commit after their side effects, process each partition in order, and dead-letter poison messages.
+
+Services name topics by their base names (`mars.config.TOPIC_*`); the producer and the consumers put the
+settings' topic prefix in front (`ServiceSettings.topics`), so a prefixed run needs no change elsewhere."""
 
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ from aiokafka.errors import TopicAlreadyExistsError
 from google.protobuf.message import DecodeError, Message
 from opentelemetry import trace
 
-from mars.config import ALL_TOPICS, SCHEMA_VERSION, TOPIC_DEAD_LETTER, ServiceSettings
+from mars.config import ALL_TOPICS, SCHEMA_VERSION, ServiceSettings
 from mars.telemetry import context_from_headers, inject_headers
 from mars.v1 import events_pb2 as ev
 
@@ -49,7 +52,8 @@ def validate_envelope(turn: ev.TurnEnvelope) -> None:
 
 
 async def ensure_topics(bootstrap: str, partitions: int, topics: tuple[str, ...] = ALL_TOPICS) -> None:
-    """Create the stage topics with one shared partition count; existing topics are left alone."""
+    """Create the stage topics (full names: `ServiceSettings.topics.all` for a prefixed run) with one
+    shared partition count; existing topics are left alone."""
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
     await admin.start()
     try:
@@ -69,6 +73,7 @@ async def ensure_topics(bootstrap: str, partitions: int, topics: tuple[str, ...]
 class EventProducer:
     def __init__(self, settings: ServiceSettings, service: str) -> None:
         self._service = service
+        self.topics = settings.topics
         # Idempotent/transactional producers are refused by the embedded broker: exactly-once effects
         # come from idempotency keys (turn_id) on the consumer side.
         self._producer = AIOKafkaProducer(
@@ -85,12 +90,15 @@ class EventProducer:
         await self._producer.stop()
 
     async def publish(self, topic: str, event: Message, turn: ev.TurnEnvelope) -> None:
+        """Publish to the base topic `topic` (one of mars.config.ALL_TOPICS) of this run."""
         await self._producer.send_and_wait(
-            topic, event.SerializeToString(), key=event_key(turn), headers=inject_headers()
+            self.topics.name(topic), event.SerializeToString(), key=event_key(turn), headers=inject_headers()
         )
 
     async def send_raw(self, topic: str, payload: bytes, key: bytes | None) -> None:
-        await self._producer.send_and_wait(topic, payload, key=key, headers=inject_headers())
+        await self._producer.send_and_wait(
+            self.topics.name(topic), payload, key=key, headers=inject_headers()
+        )
 
     async def dead_letter(
         self, record: ConsumerRecord[Any, Any], reason: str, consumer: str, turn_id: str
@@ -106,7 +114,9 @@ class EventProducer:
             turn_id=turn_id,
             failed_at_ms=int(time.time() * 1000),
         )
-        await self._producer.send_and_wait(TOPIC_DEAD_LETTER, letter.SerializeToString(), key=record.key)
+        await self._producer.send_and_wait(
+            self.topics.dead_letter, letter.SerializeToString(), key=record.key
+        )
 
 
 Handler = Callable[[Any], Awaitable[None]]
@@ -114,6 +124,7 @@ Handler = Callable[[Any], Awaitable[None]]
 
 @dataclass(frozen=True)
 class Subscription:
+    #: The base topic name; the consumer subscribes to it under the settings' topic prefix.
     topic: str
     message_type: type[Message]
     handler: Handler
@@ -139,12 +150,14 @@ class StageConsumer:
         self._settings = settings
         self._producer = producer
         self._service = service
-        self._group_id = group_id
-        self._subs = {s.topic: s for s in subscriptions}
+        self._topics = settings.topics
+        # Groups are per run too: two runs on one broker must not share (and rebalance) a group.
+        self._group_id = self._topics.prefix + group_id
+        self._subs = {self._topics.name(s.topic): s for s in subscriptions}
         self._consumer = AIOKafkaConsumer(
             *self._subs,
             bootstrap_servers=settings.kafka_bootstrap,
-            group_id=group_id,
+            group_id=self._group_id,
             enable_auto_commit=False,
             # End-offset lookups have been seen wrong on the embedded broker: never rely on "latest".
             auto_offset_reset="earliest",
@@ -253,7 +266,7 @@ class StageConsumer:
             await asyncio.sleep(0.2 * attempt)
 
     async def _dead_letter(self, record: ConsumerRecord[Any, Any], reason: str, turn_id: str) -> None:
-        if record.topic == TOPIC_DEAD_LETTER:
+        if record.topic == self._topics.dead_letter:
             # Never dead-letter a dead letter: that would loop forever.
             log.error("unreadable dead letter %d/%d skipped: %s", record.partition, record.offset, reason)
             return

@@ -52,6 +52,7 @@ def _start_stack(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         workdir=Path(args.workdir) if args.workdir else None,
         partitions=args.partitions,
         model_pool=Path(args.model_pool).resolve(),
+        topic_prefix=args.topic_prefix,
     )
     stack = LocalStack(settings)
     with console.status("starting the local stack") as status:
@@ -149,6 +150,11 @@ def build_parser() -> argparse.ArgumentParser:
             "--model-pool",
             default=os.environ.get("MARS_MODEL_POOL", "config/models.local.yaml"),
             help="model pool YAML (default: config/models.local.yaml, the local SmolLM2 arms)",
+        )
+        p.add_argument(
+            "--topic-prefix",
+            default=os.environ.get("MARS_TOPIC_PREFIX", ""),
+            help="put in front of every topic name, e.g. run7. (default: none)",
         )
 
     p = sub.add_parser(

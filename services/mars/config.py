@@ -7,10 +7,14 @@ Settings come from `MARS_*` environment variables, then from the env file named 
 from __future__ import annotations
 
 import os
+import re
+from dataclasses import dataclass
 
+from pydantic import field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-#: Topic names, one per turn stage plus the dead-letter topic (ARCHITECTURE.md, "Events over Kafka").
+#: Base topic names, one per turn stage plus the dead-letter topic (ARCHITECTURE.md, "Events over Kafka").
+#: Services publish and subscribe by these names; the bus puts the run's `topic_prefix` in front (`Topics`).
 TOPIC_RECEIVED = "mars.turn.received"
 TOPIC_STATE = "mars.turn.state"
 TOPIC_VIEW = "mars.turn.view"
@@ -39,6 +43,64 @@ ALL_TOPICS = (
 #: Event schema versions this build understands (TurnEnvelope.schema_version).
 SCHEMA_VERSION = 1
 
+#: Kafka's limits on a topic name: these characters, at most this many of them.
+_TOPIC_CHARS = re.compile(r"[A-Za-z0-9._-]*")
+MAX_TOPIC_LENGTH = 249
+#: The longest prefix that still leaves every topic name legal.
+MAX_TOPIC_PREFIX_LENGTH = MAX_TOPIC_LENGTH - max(len(t) for t in ALL_TOPICS)
+
+
+def validate_topic_prefix(prefix: str) -> str:
+    """The prefix itself when every prefixed topic name is a legal Kafka topic name; ValueError otherwise."""
+    bad = sorted(set(_TOPIC_CHARS.sub("", prefix)))
+    if bad:
+        raise ValueError(
+            f"topic prefix {prefix!r} has characters Kafka does not allow in topic names: {''.join(bad)!r} "
+            "(allowed: letters, digits, '.', '_', '-')"
+        )
+    if len(prefix) > MAX_TOPIC_PREFIX_LENGTH:
+        raise ValueError(
+            f"topic prefix is {len(prefix)} characters; at most {MAX_TOPIC_PREFIX_LENGTH} keep every topic name "
+            f"within Kafka's {MAX_TOPIC_LENGTH}"
+        )
+    return prefix
+
+
+@dataclass(frozen=True)
+class Topics:
+    """The topic names of one run: every base name behind one validated prefix ("" = the plain names)."""
+
+    prefix: str = ""
+
+    def __post_init__(self) -> None:
+        validate_topic_prefix(self.prefix)
+
+    def name(self, base: str) -> str:
+        """The topic a base name (one of ALL_TOPICS) has in this run."""
+        if base not in ALL_TOPICS:
+            raise ValueError(f"unknown base topic {base!r} (expected one of {', '.join(ALL_TOPICS)})")
+        return self.prefix + base
+
+    def base(self, topic: str) -> str | None:
+        """The base name of one of this run's topics; None for a topic of another run or none of ours."""
+        if not topic.startswith(self.prefix):
+            return None
+        base = topic[len(self.prefix) :]
+        return base if base in ALL_TOPICS else None
+
+    @property
+    def all(self) -> tuple[str, ...]:
+        return tuple(self.name(t) for t in ALL_TOPICS)
+
+    @property
+    def dead_letter(self) -> str:
+        return self.name(TOPIC_DEAD_LETTER)
+
+
+def topic_name(base: str, prefix: str = "") -> str:
+    """`base` (one of ALL_TOPICS) as named in the run with topic prefix `prefix`."""
+    return Topics(prefix).name(base)
+
 
 class ServiceSettings(BaseSettings):
     """Connection and runtime settings every MARS service needs."""
@@ -64,3 +126,15 @@ class ServiceSettings(BaseSettings):
     #: Directory where each service appends its finished spans as JSON lines (tests, local debugging).
     trace_dir: str | None = None
     log_level: str = "INFO"
+    #: Put in front of every topic name (e.g. "run7." gives "run7.mars.turn.received"), so runs with
+    #: different configurations share one broker without mixing events; "" keeps the plain names.
+    topic_prefix: str = ""
+
+    @field_validator("topic_prefix")
+    @classmethod
+    def _check_topic_prefix(cls, value: str) -> str:
+        return validate_topic_prefix(value)
+
+    @property
+    def topics(self) -> Topics:
+        return Topics(self.topic_prefix)

@@ -67,7 +67,7 @@ def configure_logging(level: str, name: str) -> None:
 async def serve(name: str, settings: ServiceSettings, build: Builder, migrations: Sequence[str] = ()) -> None:
     configure_logging(settings.log_level, name)
     provider = setup_tracing(name, settings)
-    await ensure_topics(settings.kafka_bootstrap, settings.kafka_partitions)
+    await ensure_topics(settings.kafka_bootstrap, settings.kafka_partitions, settings.topics.all)
     producer = EventProducer(settings, name)
     await producer.start()
     pool = await db.open_pool(settings.postgres_dsn)

@@ -14,6 +14,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from rich.console import Console
 from rich.progress import Progress
 
+from mars.config import Topics, validate_topic_prefix
 from mars.replay.traces import TOPICS, RawRecord, TraceBuilder, records_from_lines, summarize
 
 
@@ -23,9 +24,13 @@ async def read_topics(
     since_ms: int | None = None,
     idle_s: float = 2.0,
     on_record: Callable[[], None] = lambda: None,
+    prefix: str = "",
 ) -> AsyncIterator[RawRecord]:
-    """Every record of `topics` from the beginning (or from `since_ms`), until the log has been quiet for
-    `idle_s`. End offsets are not trusted (seen wrong on the embedded broker); quiet time is."""
+    """Every record of `topics` (base names) of the run with topic prefix `prefix`, from the beginning (or
+    from `since_ms`), until the log has been quiet for `idle_s`. Records carry the base topic name, so
+    traces and exported files read the same whatever the prefix. End offsets are not trusted (seen wrong
+    on the embedded broker); quiet time is."""
+    names = Topics(prefix)
     consumer = AIOKafkaConsumer(
         bootstrap_servers=bootstrap,
         enable_auto_commit=False,
@@ -35,7 +40,11 @@ async def read_topics(
     await consumer.start()
     try:
         await consumer._client.force_metadata_update()  # type: ignore[attr-defined]
-        tps = [TopicPartition(t, p) for t in topics for p in sorted(consumer.partitions_for_topic(t) or ())]
+        tps = [
+            TopicPartition(names.name(t), p)
+            for t in topics
+            for p in sorted(consumer.partitions_for_topic(names.name(t)) or ())
+        ]
         if not tps:
             return
         consumer.assign(tps)
@@ -54,7 +63,8 @@ async def read_topics(
             for tp, records in batch.items():
                 for r in records:
                     on_record()
-                    yield RawRecord(tp.topic, tp.partition, r.offset, r.timestamp, r.value or b"")
+                    base = names.base(tp.topic) or tp.topic
+                    yield RawRecord(base, tp.partition, r.offset, r.timestamp, r.value or b"")
                 last = time.monotonic()
     finally:
         await consumer.stop()
@@ -94,7 +104,11 @@ def cmd_read(args: argparse.Namespace) -> int:
 
             async def run() -> None:
                 async for record in read_topics(
-                    args.bootstrap, since_ms=args.since_ms, idle_s=args.idle_s, on_record=tick
+                    args.bootstrap,
+                    since_ms=args.since_ms,
+                    idle_s=args.idle_s,
+                    on_record=tick,
+                    prefix=args.topic_prefix,
                 ):
                     builder.add(record)
 
@@ -121,7 +135,9 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     async def run() -> None:
         with Path(args.out).open("w") as fh:
-            async for record in read_topics(args.bootstrap, since_ms=args.since_ms, idle_s=args.idle_s):
+            async for record in read_topics(
+                args.bootstrap, since_ms=args.since_ms, idle_s=args.idle_s, prefix=args.topic_prefix
+            ):
                 fh.write(record.to_json() + "\n")
                 counts[record.topic] += 1
 
@@ -134,6 +150,13 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _topic_prefix(value: str) -> str:
+    try:
+        return validate_topic_prefix(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
 def add_replay_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     replay = sub.add_parser("replay", help="read the event log back: turn traces, summaries, exports")
     replay_sub = replay.add_subparsers(dest="replay_cmd", required=True)
@@ -142,6 +165,12 @@ def add_replay_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
         p.add_argument("--bootstrap", default="127.0.0.1:9092", help="Kafka bootstrap servers")
         p.add_argument("--since-ms", type=int, help="start at this Unix time in ms (default: the beginning)")
         p.add_argument("--idle-s", type=float, default=2.0, help="stop after the log is quiet this long")
+        p.add_argument(
+            "--topic-prefix",
+            type=_topic_prefix,
+            default="",
+            help="read the run whose topics carry this prefix (MARS_TOPIC_PREFIX, e.g. run7.)",
+        )
 
     r = replay_sub.add_parser(
         "read",
@@ -163,7 +192,10 @@ def add_replay_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     add_report_parser(replay_sub)
     add_run_parser(replay_sub)
 
-    e = replay_sub.add_parser("export", help="write the stage topics to a portable log file (JSON lines)")
+    e = replay_sub.add_parser(
+        "export",
+        help="write the stage topics to a portable log file (JSON lines; records carry the base topic names)",
+    )
     common(e)
     e.add_argument("--out", required=True, help="the log file to write")
     e.set_defaults(func=cmd_export)

@@ -1,0 +1,87 @@
+"""Per-run topic prefixes: one helper names every topic, a bad prefix is refused with a clear message, and
+the bus puts the prefix in front of the base names services use."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from mars.bus import EventProducer, StageConsumer, Subscription
+from mars.config import (
+    ALL_TOPICS,
+    MAX_TOPIC_LENGTH,
+    TOPIC_DEAD_LETTER,
+    TOPIC_RECEIVED,
+    ServiceSettings,
+    Topics,
+    topic_name,
+    validate_topic_prefix,
+)
+from mars.v1 import events_pb2 as ev
+from pydantic import ValidationError
+
+
+def test_empty_prefix_keeps_todays_names() -> None:
+    assert Topics().all == ALL_TOPICS
+    assert topic_name(TOPIC_RECEIVED) == "mars.turn.received"
+    assert ServiceSettings().topics == Topics("")
+
+
+def test_prefix_goes_in_front_of_every_topic_and_comes_off_again() -> None:
+    topics = Topics("run7.")
+    assert topic_name(TOPIC_RECEIVED, "run7.") == "run7.mars.turn.received"
+    assert topics.dead_letter == "run7.mars.deadletter"
+    assert topics.all == tuple(f"run7.{t}" for t in ALL_TOPICS)
+    assert [topics.base(t) for t in topics.all] == list(ALL_TOPICS)
+    assert topics.base("mars.turn.received") is None  # another run's (unprefixed) topic
+    assert topics.base("run7.something.else") is None
+    with pytest.raises(ValueError, match="unknown base topic"):
+        topics.name("run7.mars.turn.received")  # a full name is never prefixed twice
+
+
+@pytest.mark.parametrize("bad", ["run 7.", "run/7.", "ünï.", "a:b"])
+def test_illegal_characters_are_refused(bad: str) -> None:
+    with pytest.raises(ValueError, match="characters Kafka does not allow"):
+        validate_topic_prefix(bad)
+
+
+def test_length_limit_counts_the_longest_topic() -> None:
+    longest = max(len(t) for t in ALL_TOPICS)
+    ok = "x" * (MAX_TOPIC_LENGTH - longest)
+    assert max(len(t) for t in Topics(ok).all) == MAX_TOPIC_LENGTH
+    with pytest.raises(ValueError, match=f"within Kafka's {MAX_TOPIC_LENGTH}"):
+        Topics(ok + "x")
+
+
+def test_settings_read_and_validate_the_prefix(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MARS_TOPIC_PREFIX", "replay-1700000000.")
+    assert ServiceSettings().topics.name(TOPIC_RECEIVED) == "replay-1700000000.mars.turn.received"
+    monkeypatch.setenv("MARS_TOPIC_PREFIX", "bad prefix")
+    with pytest.raises(ValidationError, match="characters Kafka does not allow"):
+        ServiceSettings()
+
+
+def test_bus_subscribes_publishes_and_groups_under_the_prefix() -> None:
+    async def build() -> tuple[EventProducer, StageConsumer]:
+        settings = ServiceSettings(topic_prefix="run7.")
+        producer = EventProducer(settings, "state")
+
+        async def handler(_: object) -> None:
+            return None
+
+        consumer = StageConsumer(
+            settings,
+            producer,
+            "state",
+            "state",
+            [
+                Subscription(TOPIC_RECEIVED, ev.TurnReceived, handler),
+                Subscription(TOPIC_DEAD_LETTER, ev.DeadLetter, handler, requires_envelope=False),
+            ],
+        )
+        return producer, consumer
+
+    producer, consumer = asyncio.run(build())
+    assert producer.topics.dead_letter == "run7.mars.deadletter"
+    assert set(consumer._subs) == {"run7.mars.turn.received", "run7.mars.deadletter"}
+    assert consumer._group_id == "run7.state"
