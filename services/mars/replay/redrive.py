@@ -1,17 +1,28 @@
-"""`mars replay run`: re-drive recorded turns through a pipeline (possibly configured differently) and
-compare its decisions with the recorded ones.
+"""`mars replay run`: re-drive recorded turns through a pipeline configured differently and compare the
+two runs side by side.
 
-The recorded turns (TurnReceived events of an exported log) are sent through the target's gRPC ingress
-under a tenant renamed with `--tenant-suffix`, so the re-drive starts from fresh memory and fresh routing
-policies beside the original data. Each user's turns keep their order. `--strict` sends one turn at a
-time and waits until its reward has reached the router (the policy version moved) before the next: the
-paper's Algorithm 1 exactly, so the same log, configuration and seed give identical decisions.
+Without `--ingress`, replay run starts its own local stack (Tansu broker, Postgres, llama.cpp server, the
+six services) with the configuration given by `--config` (a preset name such as recent-only, no-qtm-semantic,
+random-routing, lambda-0.5 or fixed:<arm>, or a YAML/JSON/env file of MARS_* settings; repeatable, applied
+in order) and `--set KEY=VALUE`, under its own topic prefix (default replay-<unix time>.), re-drives the
+turns, reads its topics back, prints the recorded run and the re-drive side by side (turns, complete,
+reward, cost, routing shares) and stops the stack.
+
+With `--ingress HOST:PORT` the turns go to an already-running pipeline (with its own configuration) under
+a tenant renamed with `--tenant-suffix`, so the re-drive starts from fresh memory and fresh routing
+policies beside the original data; `--bootstrap` (and `--topic-prefix`) read its topics back for the
+comparison.
+
+Each user's turns keep their order. `--strict` sends one turn at a time and waits until its reward has
+reached the router (the policy version moved) before the next: the paper's Algorithm 1 exactly, so the same
+log, configuration and seed give identical decisions.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -22,7 +33,9 @@ import grpc
 from rich.console import Console
 from rich.progress import Progress
 
-from mars.replay.traces import RawRecord, TraceBuilder, records_from_lines
+from mars.replay import presets
+from mars.replay.compare import comparison_table, only, read_back
+from mars.replay.traces import RawRecord, TraceBuilder, records_from_lines, summarize
 from mars.v1 import events_pb2 as ev
 from mars.v1 import services_pb2 as svc
 from mars.v1 import services_pb2_grpc as svc_grpc
@@ -133,64 +146,198 @@ def redrive(
     return rows
 
 
+def _start_stack(overrides: dict[str, str], prefix: str, model_pool: str | None, console: Console) -> Any:
+    from mars_stack import LocalStack, StackSettings
+    from mars_stack.stack import DEFAULT_POOL
+
+    env = dict(overrides)
+    pool = Path(env.pop("MARS_MODEL_POOL", model_pool or DEFAULT_POOL)).resolve()
+    settings = StackSettings(model_pool=pool, topic_prefix=prefix, extra_env=env)
+    stack = LocalStack(settings)
+    with console.status("starting the replay stack") as status:
+        stack.start(progress=lambda msg: status.update(f"replay stack: {msg}"))
+    console.print(f"replay stack up in {stack.workdir}, topic prefix {prefix!r}")
+    return stack
+
+
+def _check_fixed_arm(overrides: dict[str, str], model_pool: str | None) -> None:
+    """fixed:<arm> must name an arm of the pool (read without expanding ${VAR}s, which the stack sets)."""
+    policy = overrides.get("MARS_ROUTING_POLICY", "")
+    if not policy.startswith(presets.FIXED_PREFIX):
+        return
+    import yaml
+    from mars_stack.stack import DEFAULT_POOL
+
+    try:
+        raw = yaml.safe_load(Path(overrides.get("MARS_MODEL_POOL", model_pool or DEFAULT_POOL)).read_text())
+        arms = [str(m["name"]) for m in raw["models"]]
+    except (OSError, yaml.YAMLError, KeyError, TypeError):
+        return  # an unreadable pool is reported by the stack, with the file's own error
+    if policy[len(presets.FIXED_PREFIX) :] not in arms:
+        raise ValueError(f"{policy}: no such arm in the model pool (arms: {', '.join(arms)})")
+
+
+def _write_traces(folder: Path, name: str, builder: TraceBuilder) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    with (folder / f"{name}.jsonl").open("w") as fh:
+        for trace in builder.traces.values():
+            fh.write(json.dumps(trace.to_dict()) + "\n")
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     console = Console(soft_wrap=True, stderr=True)
     path = Path(args.file)
     if not path.is_file():
         console.print(f"[red]no log file at {path}[/]")
         return 2
-    if args.strict and not args.router:
-        console.print("[red]--strict needs --router (to see each reward reach the policy)[/]")
+    if args.strict and args.ingress and not args.router:
+        console.print("[red]--strict with --ingress needs --router (to see each reward reach the policy)[/]")
+        return 2
+    try:
+        overrides, labels = presets.resolve(args.config or [], args.set or [])
+        _check_fixed_arm(overrides, args.model_pool)
+    except ValueError as exc:
+        console.print(f"[red]{exc}[/]")
+        return 2
+    if args.ingress and overrides:
+        console.print(
+            "[red]--config/--set configure the pipeline replay run starts itself; "
+            "a running pipeline (--ingress) keeps its own configuration[/]"
+        )
         return 2
     counts: Counter[str] = Counter()
     with path.open(errors="replace") as fh:
-        turns = recorded_turns(list(records_from_lines(fh, counts)), counts)
+        records = list(records_from_lines(fh, counts))
+    turns = recorded_turns(records, counts)
     if args.limit:
         turns = turns[: args.limit]
-    suffix = args.tenant_suffix or f"-replay-{int(time.time())}"
-    with Progress(console=console, transient=True) as progress:
-        task = progress.add_task("re-driving", total=len(turns))
-        rows = redrive(
-            turns,
-            args.ingress,
-            suffix,
-            args.router if args.strict else None,
-            args.reward_timeout_s,
-            lambda: progress.advance(task),
-        )
+    if not turns:
+        console.print(f"[red]no complete recorded turns in {path}[/] ({dict(counts)})")
+        return 2
+    original = TraceBuilder()
+    for r in records:
+        original.add(r)
+    original = only(original, [t.turn_id for t in turns])
+
+    def drive(ingress: str, router: str | None, suffix: str) -> list[dict[str, Any]]:
+        with Progress(console=console, transient=True) as progress:
+            task = progress.add_task("re-driving", total=len(turns))
+            return redrive(
+                turns,
+                ingress,
+                suffix,
+                router if args.strict else None,
+                args.reward_timeout_s,
+                lambda: progress.advance(task),
+            )
+
+    redriven: TraceBuilder | None = None
+    if args.ingress:
+        prefix = args.topic_prefix or ""
+        suffix = args.tenant_suffix or f"-replay-{int(time.time())}"
+        rows = drive(args.ingress, args.router, suffix)
+        if args.bootstrap:
+            redriven = read_back(args.bootstrap, prefix, [r["turn_id"] for r in rows if "turn_id" in r])
+    else:
+        # A stack of its own: fresh memory, policies and topics, so the tenants keep their names.
+        prefix = args.topic_prefix or f"replay-{int(time.time())}."
+        suffix = args.tenant_suffix or ""
+        try:
+            stack = _start_stack(overrides, prefix, args.model_pool, console)
+        except Exception as exc:
+            console.print(f"[red]the replay stack did not start: {exc}[/]")
+            return 1
+        try:
+            rows = drive(stack.addr("ingress"), stack.addr("router"), suffix)
+            redriven = read_back(
+                stack.env["MARS_KAFKA_BOOTSTRAP"], prefix, [r["turn_id"] for r in rows if "turn_id" in r]
+            )
+        finally:
+            console.print("stopping the replay stack")
+            stack.stop()
     done = [r for r in rows if "error" not in r]
     same = sum(r["arm"] == r["recorded_arm"] for r in done)
-    summary = {
+    label = " + ".join(labels) or "same configuration"
+    summary: dict[str, Any] = {
         "turns": len(rows),
         "answered": len(done),
         "errors": len(rows) - len(done),
         "same_decision_as_recorded": same / len(done) if done else 0.0,
         "tenant_suffix": suffix,
+        "topic_prefix": prefix,
+        "config": label,
+        "overrides": overrides,
         "log": dict(counts),
     }
     if args.out:
         Path(args.out).write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    if redriven is not None:
+        Console(soft_wrap=True).print(comparison_table(original, redriven, label))
+        if args.summary:
+            full = dict(summary, recorded=summarize(original), redriven=summarize(redriven))
+            Path(args.summary).write_text(json.dumps(full, indent=2))
+        if args.traces:
+            _write_traces(Path(args.traces), "recorded", original)
+            _write_traces(Path(args.traces), "redriven", redriven)
     console.print(json.dumps(summary, indent=2))
     return 0 if not summary["errors"] else 1
+
+
+def _topic_prefix(value: str) -> str:
+    from mars.config import validate_topic_prefix
+
+    try:
+        return validate_topic_prefix(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
 def add_run_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser(
         "run",
-        help="re-drive recorded turns through a pipeline and compare its decisions with the log",
+        help="re-drive recorded turns through a pipeline with another configuration; compare the two runs",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="presets:\n"
+        + "\n".join(f"  {p.name:16s} {p.description}" for p in presets.PRESETS.values())
+        + f"\n  {presets.FIXED_PREFIX + '<arm>':16s} every turn to one arm of the model pool",
     )
     p.add_argument("--file", required=True, help="exported log file (`mars replay export`)")
-    p.add_argument("--ingress", required=True, help="the target pipeline's ingress HOST:PORT")
-    p.add_argument("--router", help="its router HOST:PORT (needed by --strict)")
+    p.add_argument(
+        "--config",
+        action="append",
+        metavar="PRESET|FILE",
+        help="a preset name or a YAML/JSON/env file of MARS_* settings (repeatable, applied in order)",
+    )
+    p.add_argument(
+        "--set", action="append", metavar="KEY=VALUE", help="one MARS_* setting, applied after --config"
+    )
+    p.add_argument(
+        "--model-pool",
+        default=os.environ.get("MARS_MODEL_POOL"),
+        help="model pool of the replay stack (default: $MARS_MODEL_POOL or config/models.local.yaml)",
+    )
+    p.add_argument(
+        "--topic-prefix",
+        type=_topic_prefix,
+        help="topic prefix of the re-drive (default: replay-<unix time>. for a stack of its own, "
+        "none with --ingress)",
+    )
+    p.add_argument("--ingress", help="re-drive into this running pipeline's ingress HOST:PORT instead")
+    p.add_argument("--router", help="with --ingress: its router HOST:PORT (needed by --strict)")
+    p.add_argument("--bootstrap", help="with --ingress: its Kafka bootstrap servers, to compare the runs")
     p.add_argument(
         "--strict", action="store_true", help="one turn at a time, each reward applied before the next"
     )
-    p.add_argument("--tenant-suffix", help="appended to every tenant (default -replay-<unix time>)")
+    p.add_argument(
+        "--tenant-suffix",
+        help="appended to every tenant (default: -replay-<unix time> with --ingress, none otherwise)",
+    )
     p.add_argument("--limit", type=int, help="only the first N recorded turns (by user, then seq)")
     p.add_argument(
         "--reward-timeout-s", type=float, default=60.0, help="strict mode: longest wait for a reward"
     )
     p.add_argument("--out", help="write one JSON line per re-driven turn here")
+    p.add_argument("--summary", help="write both runs' summaries and the comparison settings as JSON here")
+    p.add_argument("--traces", help="write recorded.jsonl and redriven.jsonl here (for `mars replay report`)")
     p.set_defaults(func=cmd_run)

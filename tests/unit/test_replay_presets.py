@@ -1,0 +1,72 @@
+"""`mars replay run` configurations: every preset sets only real service settings to values they accept,
+and presets, files and --set items resolve (or are refused) with clear messages."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from mars.replay import presets
+
+
+def test_every_preset_sets_real_settings_to_accepted_values() -> None:
+    fields = presets.settings_fields()
+    for preset in presets.PRESETS.values():
+        for key in preset.overrides:
+            assert key in fields, f"preset {preset.name}: {key} is no service setting"
+            assert key not in presets.STACK_MANAGED
+        presets.check(preset.overrides)  # each value parses as its setting
+
+
+def test_paper_ablations_are_there() -> None:
+    assert presets.preset("recent-only").overrides == {"MARS_VIEW_POLICY": "recent"}
+    assert presets.preset("no-qtm-semantic").overrides["MARS_ROUTING_POLICY"] == "query-linucb"
+    assert presets.preset("lambda-0.5").overrides == {"MARS_LAMBDA_COST": "0.5"}
+    assert presets.preset("fixed:local-small").overrides == {"MARS_ROUTING_POLICY": "fixed:local-small"}
+
+
+def test_unknown_preset_lists_the_known_ones() -> None:
+    with pytest.raises(ValueError, match="unknown preset 'no-such'; known presets: full, embedding-only"):
+        presets.resolve(["no-such"], [])
+
+
+def test_files_and_sets_apply_in_order(tmp_path: Path) -> None:
+    yaml_file = tmp_path / "other.yaml"
+    yaml_file.write_text("lambda_cost: 0.25\nMARS_VIEW_QUERY_EMBEDDING: true\nfusion: {dense_weight: 2.0}\n")
+    env_file = tmp_path / "other.env"
+    env_file.write_text("# comment\nMARS_ALPHA=0.5\n")
+    json_file = tmp_path / "other.json"
+    json_file.write_text(json.dumps({"MARS_RIDGE": 2}))
+    overrides, labels = presets.resolve(
+        ["recent-only", str(yaml_file), str(env_file), str(json_file)], ["MARS_VIEW_POLICY=bm25"]
+    )
+    assert overrides == {
+        "MARS_VIEW_POLICY": "bm25",
+        "MARS_LAMBDA_COST": "0.25",
+        "MARS_VIEW_QUERY_EMBEDDING": "true",
+        "MARS_FUSION": '{"dense_weight": 2.0}',
+        "MARS_ALPHA": "0.5",
+        "MARS_RIDGE": "2",
+    }
+    assert labels == ["recent-only", "other.yaml", "other.env", "other.json", "MARS_VIEW_POLICY=bm25"]
+
+
+@pytest.mark.parametrize(
+    ("sets", "message"),
+    [
+        (["MARS_LAMBDA_COSTS=1"], "not a setting of any service \\(did you mean MARS_LAMBDA_COST"),
+        (["MARS_KAFKA_BOOTSTRAP=x:1"], "set by the replay stack itself"),
+        (["MARS_LAMBDA_COST=cheap"], "judge settings refuse the overrides: MARS_LAMBDA_COST"),
+        (["MARS_VIEW_POLICY=psychic"], "memory settings refuse the overrides: MARS_VIEW_POLICY"),
+        (["no-equals-sign"], "expected KEY=VALUE"),
+    ],
+)
+def test_bad_overrides_are_refused(sets: list[str], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        presets.resolve([], sets)
+
+
+def test_missing_config_file_is_named(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="no config file at"):
+        presets.resolve([str(tmp_path / "missing.yaml")], [])
