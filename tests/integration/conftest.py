@@ -23,6 +23,7 @@ def start_stack(
     start_llm: bool = True,
     service_env: dict[str, dict[str, str]] | None = None,
     services: tuple[str, ...] | None = None,
+    topic_prefix: str = "",
 ) -> LocalStack:
     settings = StackSettings(
         workdir=tmp / "stack",
@@ -30,6 +31,7 @@ def start_stack(
         trace_dir=tmp / "traces",
         start_llm=start_llm,
         service_env=service_env or {},
+        topic_prefix=topic_prefix,
         # Answers take seconds here; the bound only matters when something hangs.
         extra_env={"MARS_INGRESS_TURN_TIMEOUT_S": "120"},
     )
