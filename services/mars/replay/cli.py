@@ -150,7 +150,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
-def _topic_prefix(value: str) -> str:
+def topic_prefix_arg(value: str) -> str:
+    """argparse type of --topic-prefix: the prefix, or a usage error saying what is wrong with it."""
     try:
         return validate_topic_prefix(value)
     except ValueError as exc:
@@ -167,7 +168,7 @@ def add_replay_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
         p.add_argument("--idle-s", type=float, default=2.0, help="stop after the log is quiet this long")
         p.add_argument(
             "--topic-prefix",
-            type=_topic_prefix,
+            type=topic_prefix_arg,
             default="",
             help="read the run whose topics carry this prefix (MARS_TOPIC_PREFIX, e.g. run7.)",
         )

@@ -34,6 +34,7 @@ from rich.console import Console
 from rich.progress import Progress
 
 from mars.replay import presets
+from mars.replay.cli import topic_prefix_arg
 from mars.replay.compare import comparison_table, only, read_back
 from mars.replay.traces import RawRecord, TraceBuilder, records_from_lines, summarize
 from mars.v1 import events_pb2 as ev
@@ -283,15 +284,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0 if not summary["errors"] else 1
 
 
-def _topic_prefix(value: str) -> str:
-    from mars.config import validate_topic_prefix
-
-    try:
-        return validate_topic_prefix(value)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from exc
-
-
 def add_run_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser(
         "run",
@@ -319,9 +311,9 @@ def add_run_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
     )
     p.add_argument(
         "--topic-prefix",
-        type=_topic_prefix,
-        help="topic prefix of the re-drive (default: replay-<unix time>. for a stack of its own, "
-        "none with --ingress)",
+        type=topic_prefix_arg,
+        help="the re-drive's topic prefix (default: replay-<unix time>.); with --ingress: the running "
+        "pipeline's prefix, to read it back",
     )
     p.add_argument("--ingress", help="re-drive into this running pipeline's ingress HOST:PORT instead")
     p.add_argument("--router", help="with --ingress: its router HOST:PORT (needed by --strict)")
