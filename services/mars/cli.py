@@ -194,6 +194,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the answer")
     p.set_defaults(func=cmd_send)
 
+    from mars.eval.cli import add_eval_parser
+
+    add_eval_parser(sub)
+
     bench = sub.add_parser("bench", help="benchmarks over real data (retrieval)")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     from mars.bench.cli import add_realmem_parser

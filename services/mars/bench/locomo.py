@@ -131,6 +131,27 @@ def run(
     return by_category
 
 
+def category_report(
+    results: dict[int, list[dict[str, float]]], title: str
+) -> tuple[Table, dict[str, dict[str, float]]]:
+    """Mean recall per question category and over all but the adversarial one, as a table and as data."""
+    keys = [f"turn@{k}" for k in TURN_KS] + [f"session@{k}" for k in SESSION_KS]
+    table = Table(title=title)
+    for col in ("category", "n", *keys):
+        table.add_column(col)
+    report: dict[str, dict[str, float]] = {}
+
+    def add_row(label: str, rows: list[dict[str, float]]) -> None:
+        means = {k: (sum(r[k] for r in rows) / len(rows) if rows else 0.0) for k in keys}
+        report[label] = {"n": len(rows), **means}
+        table.add_row(label, str(len(rows)), *(f"{means[k]:.4f}" for k in keys))
+
+    for cat in sorted(results):
+        add_row(f"{cat} {CATEGORIES.get(cat, '?')}", results[cat])
+    add_row("all but adversarial", [r for c, rows in results.items() if c != 5 for r in rows])
+    return table, report
+
+
 def add_locomo_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("locomo", help="LoCoMo evidence recall at turn and session level, by category")
     p.add_argument("--data", required=True, help="a LoCoMo JSON file (list of conversations)")
@@ -148,20 +169,9 @@ def cmd_locomo(args: argparse.Namespace) -> int:
     from mars.retrieval.embedder import load_embedder
 
     results = run(conversations, load_embedder(), console)
-    keys = [f"turn@{k}" for k in TURN_KS] + [f"session@{k}" for k in SESSION_KS]
-    table = Table(title=f"LoCoMo evidence recall ({len(conversations)} conversations, policy mars)")
-    for col in ("category", "n", *keys):
-        table.add_column(col)
-    report: dict[str, dict[str, float]] = {}
-
-    def add_row(label: str, rows: list[dict[str, float]]) -> None:
-        means = {k: sum(r[k] for r in rows) / len(rows) for k in keys}
-        report[label] = {"n": len(rows), **means}
-        table.add_row(label, str(len(rows)), *(f"{means[k]:.4f}" for k in keys))
-
-    for cat in sorted(results):
-        add_row(f"{cat} {CATEGORIES.get(cat, '?')}", results[cat])
-    add_row("all but adversarial", [r for c, rows in results.items() if c != 5 for r in rows])
+    table, report = category_report(
+        results, f"LoCoMo evidence recall ({len(conversations)} conversations, policy mars)"
+    )
     console.print(table)
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2))

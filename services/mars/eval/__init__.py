@@ -1,0 +1,1 @@
+"""Benchmarks driven through a running pipeline (`mars eval ...`)."""

@@ -1,0 +1,187 @@
+"""`mars eval realmem` and `mars eval locomo`: benchmarks driven through a running pipeline's ingress."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from mars.replay.cli import topic_prefix_arg
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--ingress",
+        default=os.environ.get("MARS_INGRESS_ADDR", "127.0.0.1:50051"),
+        help="the pipeline's ingress HOST:PORT (default: $MARS_INGRESS_ADDR or 127.0.0.1:50051)",
+    )
+    p.add_argument(
+        "--bootstrap",
+        default=os.environ.get("MARS_KAFKA_BOOTSTRAP", "127.0.0.1:9092"),
+        help="its Kafka bootstrap servers, to read the logged views back",
+    )
+    p.add_argument(
+        "--topic-prefix",
+        type=topic_prefix_arg,
+        default=os.environ.get("MARS_TOPIC_PREFIX", ""),
+        help="the pipeline's topic prefix (default: $MARS_TOPIC_PREFIX or none)",
+    )
+    p.add_argument("--tenant", help="tenant to send the turns as (default: eval-<unix time>, a fresh memory)")
+    p.add_argument("--max-tokens", type=_max_tokens, help="answer length cap sent with every turn (1..1024)")
+    p.add_argument("--timeout-s", type=float, default=300.0, help="seconds to wait for each answer")
+    p.add_argument("--max-sessions", type=int, help="send only the first N sessions of each conversation")
+    p.add_argument("--out", help="folder for results.json and answers.jsonl (for an external judge)")
+
+
+def _max_tokens(value: str) -> int:
+    """argparse type of --max-tokens: the ingress accepts 1..1024."""
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if not 1 <= n <= 1024:
+        raise argparse.ArgumentTypeError(f"must be an integer in 1..1024, got {value!r}")
+    return n
+
+
+def _options(args: argparse.Namespace) -> dict[str, str]:
+    return {} if args.max_tokens is None else {"max_tokens": str(args.max_tokens)}
+
+
+def _progress(console: Console) -> Progress:
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+    )
+
+
+def cmd_realmem(args: argparse.Namespace) -> int:
+    from mars.bench.realmem import format_table, load_personas
+    from mars.eval.realmem import run_eval, truncate
+
+    console = Console()
+    data = Path(args.data)
+    if not data.is_dir():
+        console.print(f"[red]--data {data} is not a folder[/]")
+        return 2
+    personas = load_personas(data)
+    if args.personas:
+        unknown = set(args.personas) - {p.name for p in personas}
+        if unknown:
+            console.print(f"[red]unknown persona(s): {', '.join(sorted(unknown))}[/]")
+            return 2
+        personas = [p for p in personas if p.name in set(args.personas)]
+    if not personas:
+        console.print(f"[red]no *_dialogues_256k.json files in {data}[/]")
+        return 2
+    personas = [truncate(p, args.max_sessions) for p in personas]
+    tenant = args.tenant or f"eval-{int(time.time())}"
+    since_ms = int(time.time() * 1000) - 1000
+    console.print(
+        f"{len(personas)} personas, {sum(len(p.sessions) for p in personas)} sessions, "
+        f"{sum(len(p.queries) for p in personas)} scored queries -> {args.ingress} as tenant {tenant}"
+    )
+    with _progress(console) as progress:
+        tasks = {p.name: progress.add_task(p.name, total=len(p.sessions)) for p in personas}
+        result = run_eval(
+            personas,
+            args.ingress,
+            args.bootstrap,
+            tenant,
+            args.topic_prefix,
+            _options(args),
+            args.timeout_s,
+            since_ms,
+            on_session=lambda name, n: progress.update(tasks[name], completed=n),
+        )
+    console.print(
+        format_table(result.results, "RealMem through the pipeline (views as logged)"), soft_wrap=True
+    )
+    console.print(
+        f"turns sent {result.turns_sent}, failed {result.turns_failed}; scored queries {len(result.answered)}, "
+        f"without a logged view {result.views_missing} (scored 0)"
+    )
+    if args.out:
+        result.write(Path(args.out))
+        console.print(f"results, predictions and answers written to {args.out}")
+    return 0
+
+
+def cmd_locomo(args: argparse.Namespace) -> int:
+    from mars.bench.locomo import category_report, load_locomo
+    from mars.eval.locomo import run_eval, truncate
+
+    console = Console()
+    path = Path(args.data)
+    if not path.is_file():
+        console.print(f"[red]--data {path} is not a file[/]")
+        return 2
+    conversations = load_locomo(path)
+    if args.conversations:
+        unknown = set(args.conversations) - {c.sample_id for c in conversations}
+        if unknown:
+            console.print(f"[red]unknown conversation(s): {', '.join(sorted(unknown))}[/]")
+            return 2
+        conversations = [c for c in conversations if c.sample_id in set(args.conversations)]
+    conversations = [truncate(c, args.max_sessions, args.max_questions) for c in conversations]
+    tenant = args.tenant or f"eval-{int(time.time())}"
+    since_ms = int(time.time() * 1000) - 1000
+    total = sum(len(c.turns) + len(c.questions) for c in conversations)
+    console.print(
+        f"{len(conversations)} conversations, {total} turns and questions -> {args.ingress} as tenant {tenant}"
+    )
+    with _progress(console) as progress:
+        task = progress.add_task("turns", total=total)
+        result = run_eval(
+            conversations,
+            args.ingress,
+            args.bootstrap,
+            tenant,
+            args.topic_prefix,
+            _options(args),
+            args.timeout_s,
+            since_ms,
+            on_turn=lambda: progress.update(task, advance=1),
+        )
+    table, report = category_report(result.by_category, "LoCoMo evidence recall through the pipeline")
+    console.print(table)
+    console.print(
+        f"turns sent {result.turns_sent}, failed {result.turns_failed}; questions {len(result.answered)}, "
+        f"without a logged view {result.views_missing} (scored 0)"
+    )
+    if args.out:
+        result.write(Path(args.out), report)
+        console.print(f"results and answers written to {args.out}")
+    return 0
+
+
+def add_eval_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    ev = sub.add_parser(
+        "eval", help="benchmarks through a running pipeline's gRPC ingress (metrics from the logged views)"
+    )
+    ev_sub = ev.add_subparsers(dest="eval", required=True)
+    p = ev_sub.add_parser(
+        "realmem",
+        help="RealMem: personas' sessions in list order, scored queries answered, retrieval metrics from views",
+    )
+    p.add_argument("--data", required=True, help="folder of *_dialogues_256k.json files")
+    p.add_argument(
+        "--personas", nargs="+", help="only these personas (file name before _dialogues_256k.json)"
+    )
+    _common(p)
+    p.set_defaults(func=cmd_realmem)
+    p = ev_sub.add_parser(
+        "locomo", help="LoCoMo: conversations sent turn by turn, then questions; evidence recall from views"
+    )
+    p.add_argument("--data", required=True, help="a LoCoMo JSON file (list of conversations)")
+    p.add_argument("--conversations", nargs="+", help="only these sample ids")
+    p.add_argument("--max-questions", type=int, help="ask only the first N questions of each conversation")
+    _common(p)
+    p.set_defaults(func=cmd_locomo)

@@ -1,0 +1,135 @@
+"""Driving a running pipeline through its gRPC ingress, and reading back the views it logged.
+
+Benchmark runners (`mars eval realmem`, `mars eval locomo`) send a benchmark's turns as a user would,
+then read the memory views the pipeline put on the event log: the metrics are computed from what the
+model was shown, not from a side channel. A failed turn is recorded and counted, never fatal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from mars.config import TOPIC_VIEW
+from mars.replay.cli import read_topics
+from mars.v1 import events_pb2 as ev
+from mars.v1 import services_pb2 as svc
+from mars.v1 import services_pb2_grpc as svc_grpc
+
+
+@dataclass(frozen=True)
+class SentTurn:
+    """One turn sent through the ingress: its pipeline turn id and answer, or the error it got."""
+
+    session_id: str
+    text: str
+    turn_id: str = ""
+    answer: str = ""
+    model: str = ""
+    cost_usd: float = 0.0
+    latency_ms: float = 0.0
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.error
+
+
+class IngressDriver:
+    """Sends one user's turns in order through `Ingress.SendTurn` (the public API, nothing private)."""
+
+    def __init__(
+        self,
+        target: str,
+        tenant: str,
+        user_id: str,
+        timeout_s: float = 300.0,
+        options: Mapping[str, str] | None = None,
+        channel: grpc.Channel | None = None,
+    ) -> None:
+        self._channel = channel or grpc.insecure_channel(target)
+        self._stub = svc_grpc.IngressStub(self._channel)
+        self.tenant = tenant
+        self.user_id = user_id
+        self._timeout_s = timeout_s
+        self._options = dict(options or {})
+        self.sent: list[SentTurn] = []
+
+    def send(self, session_id: str, text: str) -> SentTurn:
+        request = svc.TurnRequest(
+            tenant=self.tenant, user_id=self.user_id, session_id=session_id, text=text, options=self._options
+        )
+        started = time.perf_counter()
+        try:
+            reply = self._stub.SendTurn(request, timeout=self._timeout_s)
+        except grpc.RpcError as exc:
+            code = exc.code().name if exc.code() is not None else "UNKNOWN"
+            turn = SentTurn(session_id, text, error=f"{code}: {exc.details()}")
+        else:
+            turn = SentTurn(
+                session_id,
+                text,
+                turn_id=reply.turn_id,
+                answer=reply.text,
+                model=reply.model,
+                cost_usd=reply.cost_usd,
+                latency_ms=(time.perf_counter() - started) * 1000,
+            )
+        self.sent.append(turn)
+        return turn
+
+    def close(self) -> None:
+        self._channel.close()
+
+
+def collect_views(
+    bootstrap: str,
+    turn_ids: Iterable[str],
+    since_ms: int | None = None,
+    prefix: str = "",
+    idle_s: float = 2.0,
+    wait_s: float = 30.0,
+) -> dict[str, ev.CandidateView]:
+    """The logged view of each of `turn_ids` (read from the view topic of the run with `prefix`).
+
+    Views are emitted before the answer, so they are normally all there once the turns returned; reading
+    is retried until every view is found or `wait_s` has passed (a turn that failed before its view was
+    built has none, and the caller counts it)."""
+    wanted = set(turn_ids)
+    found: dict[str, ev.CandidateView] = {}
+    deadline = time.monotonic() + wait_s
+
+    async def read_once() -> None:
+        async for record in read_topics(bootstrap, (TOPIC_VIEW,), since_ms, idle_s, prefix=prefix):
+            try:
+                built = ev.ViewBuilt.FromString(record.value)
+            except DecodeError:  # not one of ours (the consumers dead-letter such records)
+                continue
+            if built.turn.turn_id in wanted:
+                found[built.turn.turn_id] = built.view
+
+    while True:
+        asyncio.run(read_once())
+        if wanted <= found.keys() or time.monotonic() >= deadline:
+            return found
+        time.sleep(1.0)
+
+
+def shown_sources(view: ev.CandidateView, exclude_session: str = "") -> list[ev.MemoryBlock]:
+    """The memory blocks of a view that come from stored turns: the retrieved history first (the
+    retrieval's ranking, best first), then the recent turns; those of `exclude_session` (the query's
+    own conversation) left out."""
+    blocks = [b for b in view.blocks if not exclude_session or b.source_session_id != exclude_session]
+    return [b for b in blocks if b.kind == ev.RETRIEVED_HISTORY] + [
+        b for b in blocks if b.kind == ev.RECENT_TURN
+    ]
+
+
+def distinct(values: Iterable[str]) -> list[str]:
+    """First occurrences, in order, without empty values."""
+    return list(dict.fromkeys(v for v in values if v))

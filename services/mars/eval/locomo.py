@@ -1,0 +1,131 @@
+"""`mars eval locomo`: LoCoMo through a running pipeline's ingress.
+
+Each conversation is one user. Its turns are sent in order as user turns (one session id per LoCoMo
+session, the date and speaker in the text, as `mars bench locomo` stores them); then every question is
+sent in a session of its own. Evidence recall at turn and session level is recomputed from the view the
+pipeline logged for each question: its stored-turn blocks in view order, each mapped back to the LoCoMo
+dialogue id of the turn it came from. Blocks from anything else (an earlier question) keep their slot and
+count as non-evidence. Answers are saved for an external judge.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mars.bench.locomo import Conversation, LocomoQuestion, score_question
+from mars.eval.driver import IngressDriver, SentTurn, collect_views, distinct, shown_sources
+
+QUESTION_SESSION = "questions"
+
+
+@dataclass(frozen=True)
+class AnsweredQuestion:
+    sample_id: str
+    question: LocomoQuestion
+    sent: SentTurn
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "sample_id": self.sample_id,
+            "question": self.question.question,
+            "category": self.question.category,
+            "evidence": sorted(self.question.evidence),
+            "answer": self.sent.answer,
+            "model": self.sent.model,
+            "turn_id": self.sent.turn_id,
+            "cost_usd": self.sent.cost_usd,
+            "error": self.sent.error,
+        }
+
+
+@dataclass
+class LocomoEval:
+    by_category: dict[int, list[dict[str, float]]]
+    answered: list[AnsweredQuestion]
+    turns_sent: int
+    turns_failed: int
+    views_missing: int
+
+    def write(self, folder: Path, report: dict[str, dict[str, float]]) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        with open(folder / "answers.jsonl", "w", encoding="utf-8") as fh:
+            fh.writelines(json.dumps(a.to_json()) + "\n" for a in self.answered)
+        summary = {
+            "turns_sent": self.turns_sent,
+            "turns_failed": self.turns_failed,
+            "questions": len(self.answered),
+            "views_missing": self.views_missing,
+            "by_category": report,
+        }
+        (folder / "results.json").write_text(json.dumps(summary, indent=2))
+
+
+def truncate(conv: Conversation, max_sessions: int | None, max_questions: int | None) -> Conversation:
+    """The conversation's first `max_sessions` sessions and the questions whose evidence lies within them."""
+    turns = conv.turns if max_sessions is None else [t for t in conv.turns if t.session <= max_sessions]
+    kept = {t.dia_id for t in turns}
+    questions = [q for q in conv.questions if q.evidence <= kept]
+    return Conversation(conv.sample_id, turns, questions[:max_questions] if max_questions else questions)
+
+
+def drive_conversation(
+    driver: IngressDriver, conv: Conversation, on_turn: Callable[[], None] = lambda: None
+) -> tuple[dict[str, str], list[AnsweredQuestion]]:
+    """Send the conversation, then its questions; pipeline turn id -> dialogue id, and the answers."""
+    dia_of: dict[str, str] = {}
+    for turn in conv.turns:
+        sent = driver.send(f"session_{turn.session}", turn.text)
+        if sent.ok:
+            dia_of[sent.turn_id] = turn.dia_id
+        on_turn()
+    answered = []
+    for q in conv.questions:
+        answered.append(AnsweredQuestion(conv.sample_id, q, driver.send(QUESTION_SESSION, q.question)))
+        on_turn()
+    return dia_of, answered
+
+
+def run_eval(
+    conversations: Sequence[Conversation],
+    ingress: str,
+    bootstrap: str,
+    tenant: str,
+    prefix: str = "",
+    options: dict[str, str] | None = None,
+    timeout_s: float = 300.0,
+    since_ms: int | None = None,
+    on_turn: Callable[[], None] = lambda: None,
+) -> LocomoEval:
+    dia_of: dict[str, str] = {}
+    answered: list[AnsweredQuestion] = []
+    sent = failed = 0
+    for conv in conversations:
+        driver = IngressDriver(ingress, tenant, conv.sample_id, timeout_s, options)
+        try:
+            mapping, answers = drive_conversation(driver, conv, on_turn)
+        finally:
+            driver.close()
+        dia_of.update(mapping)
+        answered += answers
+        sent += len(driver.sent)
+        failed += sum(1 for t in driver.sent if not t.ok)
+    views = collect_views(bootstrap, [a.sent.turn_id for a in answered if a.sent.ok], since_ms, prefix)
+    by_category: dict[int, list[dict[str, float]]] = defaultdict(list)
+    missing = 0
+    for a in answered:
+        view = views.get(a.sent.turn_id) if a.sent.ok else None
+        if view is None:
+            # Scored as retrieving nothing: a lost view must not vanish from the averages.
+            missing += 1
+            by_category[a.question.category].append(score_question([], a.question.evidence))
+            continue
+        ranked = distinct(
+            dia_of.get(b.source_turn_id, f"other:{b.source_turn_id}") for b in shown_sources(view)
+        )
+        by_category[a.question.category].append(score_question(ranked, a.question.evidence))
+    return LocomoEval(dict(by_category), answered, sent, failed, missing)

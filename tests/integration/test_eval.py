@@ -1,0 +1,179 @@
+"""`mars eval realmem` / `mars eval locomo` against the real stack: turns go through the gRPC ingress,
+metrics come from the views the pipeline logged on the broker, answers are saved for a judge."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import start_stack
+from mars_stack import LocalStack
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def eval_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
+    s = start_stack(
+        tmp_path_factory.mktemp("eval"),
+        "models.test.yaml",
+        service_env={"dispatch": {"MARS_DEFAULT_MAX_TOKENS": "8"}},
+    )
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+def mars(*args: str) -> subprocess.CompletedProcess[str]:
+    exe = str(Path(sys.executable).parent / "mars")
+    return subprocess.run([exe, *args], capture_output=True, text=True, timeout=600, check=False)
+
+
+def session(uuid: str, turns: list[dict[str, object]]) -> dict[str, object]:
+    return {
+        "session_uuid": uuid,
+        "session_identifier": uuid,
+        "current_time": "2025-01-01",
+        "dialogue_turns": turns,
+    }
+
+
+def persona_file(folder: Path) -> None:
+    dialogues = [
+        session(
+            "ferry",
+            [
+                {
+                    "speaker": "User",
+                    "content": "Plan the Lisbon ferry budget: forty euros for the Tagus ferry.",
+                },
+                {"speaker": "Assistant", "content": "Budget set: forty euros for the Tagus ferry in Lisbon."},
+            ],
+        ),
+        session(
+            "bread",
+            [
+                {"speaker": "User", "content": "Give me a sourdough starter feeding routine."},
+                {"speaker": "Assistant", "content": "Feed the starter flour and water every morning."},
+            ],
+        ),
+        session(
+            "boots",
+            [
+                {"speaker": "User", "content": "Which hiking boots suit muddy mountain trails?"},
+                {"speaker": "Assistant", "content": "Waterproof boots with deep lugs."},
+            ],
+        ),
+        session(
+            "now",
+            [
+                {
+                    "speaker": "User",
+                    "content": "What did we decide last time about the Lisbon ferry budget?",
+                    "is_query": True,
+                    "query_id": "Q-0001",
+                },
+                {"speaker": "Assistant", "content": "Forty euros.", "memory_session_uuids": ["ferry"]},
+            ],
+        ),
+    ]
+    (folder / "Tess_dialogues_256k.json").write_text(json.dumps({"dialogues": dialogues}))
+
+
+def test_eval_realmem_scores_the_logged_views(eval_stack: LocalStack, tmp_path: Path) -> None:
+    data = tmp_path / "realmem"
+    data.mkdir()
+    persona_file(data)
+    out = tmp_path / "out"
+    run = mars(
+        "eval",
+        "realmem",
+        "--data",
+        str(data),
+        "--ingress",
+        eval_stack.addr("ingress"),
+        "--bootstrap",
+        eval_stack.env["MARS_KAFKA_BOOTSTRAP"],
+        "--tenant",
+        "ev1",
+        "--out",
+        str(out),
+    )
+    assert run.returncode == 0, run.stderr[-3000:] + run.stdout[-3000:]
+    assert "turns sent 4, failed 0" in run.stdout
+    results = json.loads((out / "results.json").read_text())
+    assert results["scored_queries"] == 1 and results["views_missing"] == 0
+    (pred,) = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
+    # The view holds earlier sessions only (never the query's own), the ferry session ranked first.
+    assert pred["query_id"] == "Q-0001"
+    assert pred["retrieved"][0] == "ferry"
+    assert "now" not in pred["retrieved"]
+    assert set(pred["retrieved"]) <= {"ferry", "bread", "boots"}
+    assert results["macro"]["recall_all@5"] == 1.0
+    assert results["macro"]["ndcg_any@5"] == 1.0
+    (answer,) = [json.loads(line) for line in (out / "answers.jsonl").read_text().splitlines()]
+    assert answer["reference_answer"] == "Forty euros."
+    assert answer["answer"] and answer["model"] and not answer["error"]
+
+
+def test_eval_locomo_maps_view_blocks_back_to_dialogue_ids(eval_stack: LocalStack, tmp_path: Path) -> None:
+    conv = {
+        "sample_id": "conv-t",
+        "conversation": {
+            "speaker_a": "Ana",
+            "speaker_b": "Ben",
+            "session_1_date_time": "1 May 2023",
+            "session_1": [
+                {"speaker": "Ana", "dia_id": "D1:1", "text": "I adopted a grey kitten named Pixel."},
+                {"speaker": "Ben", "dia_id": "D1:2", "text": "I am repainting my garage door blue."},
+            ],
+            "session_2_date_time": "8 May 2023",
+            "session_2": [
+                {"speaker": "Ana", "dia_id": "D2:1", "text": "My cello recital went well on Friday."},
+            ],
+        },
+        "qa": [
+            {"question": "What did Ana adopt last time, the kitten?", "evidence": ["D1:1"], "category": 4},
+            {"question": "No evidence here", "evidence": [], "category": 4},
+        ],
+    }
+    path = tmp_path / "locomo.json"
+    path.write_text(json.dumps([conv]))
+    out = tmp_path / "out"
+    run = mars(
+        "eval",
+        "locomo",
+        "--data",
+        str(path),
+        "--ingress",
+        eval_stack.addr("ingress"),
+        "--bootstrap",
+        eval_stack.env["MARS_KAFKA_BOOTSTRAP"],
+        "--tenant",
+        "ev2",
+        "--out",
+        str(out),
+    )
+    assert run.returncode == 0, run.stderr[-3000:] + run.stdout[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    assert results["turns_sent"] == 4 and results["turns_failed"] == 0
+    assert results["questions"] == 1 and results["views_missing"] == 0
+    row = results["by_category"]["4 single-hop"]
+    assert row["n"] == 1
+    assert row["turn@5"] == 1.0 and row["session@1"] == 1.0
+    (answer,) = [json.loads(line) for line in (out / "answers.jsonl").read_text().splitlines()]
+    assert answer["evidence"] == ["D1:1"] and answer["answer"]
+
+
+def test_eval_rejects_bad_input_with_a_clear_error(tmp_path: Path) -> None:
+    run = mars("eval", "realmem", "--data", str(tmp_path / "nope"))
+    assert run.returncode == 2 and "is not a folder" in " ".join(run.stdout.split())
+    run = mars("eval", "locomo", "--data", str(tmp_path / "nope.json"))
+    assert run.returncode == 2 and "is not a file" in " ".join(run.stdout.split())
+    run = mars("eval", "locomo", "--data", str(tmp_path), "--max-tokens", "0")
+    assert run.returncode == 2 and "must be an integer in 1..1024" in run.stderr
