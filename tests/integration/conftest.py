@@ -12,9 +12,14 @@ from typing import Any
 import psycopg
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from mars.replay.presets import check as check_settings
 from mars_stack import LocalStack, StackSettings
 
 HERE = Path(__file__).parent
+#: Settings every test stack gets. Answers take seconds here; ingress's turn bound (turn_timeout_s) only
+#: matters when something hangs. Checked against the services' settings models, so a misspelt name fails
+#: here instead of being ignored.
+STACK_ENV = {"MARS_TURN_TIMEOUT_S": "120"}
 
 
 def start_stack(
@@ -25,6 +30,7 @@ def start_stack(
     services: tuple[str, ...] | None = None,
     topic_prefix: str = "",
 ) -> LocalStack:
+    check_settings(STACK_ENV)
     settings = StackSettings(
         workdir=tmp / "stack",
         model_pool=HERE / pool,
@@ -32,8 +38,7 @@ def start_stack(
         start_llm=start_llm,
         service_env=service_env or {},
         topic_prefix=topic_prefix,
-        # Answers take seconds here; the bound only matters when something hangs.
-        extra_env={"MARS_INGRESS_TURN_TIMEOUT_S": "120"},
+        extra_env=dict(STACK_ENV),
     )
     if services is not None:
         settings.services = services
