@@ -42,6 +42,11 @@ class DispatchSettings(ServiceSettings):
     circuit_failure_threshold: int = 5
     #: Seconds an open circuit waits before one trial call may close it again.
     circuit_reset_s: float = 30.0
+    #: The MEMORY GUIDANCE state header (continuation or topic shift, query type, phase, scope, recency,
+    #: lens) in the generator prompt (Fig. 5). False leaves it out, memory blocks and clipping unchanged:
+    #: the paper's "No QTM state/header" ablation (mars_semctx_noactive, with MARS_VIEW_POLICY=semantic,
+    #: whose view has no active-thread state block either).
+    state_header: bool = True
 
 
 class GenerationError(Exception):
@@ -276,6 +281,7 @@ class Dispatcher:
                 state,
                 input_budget(spec.context_window, spec.output_reserve, spec.safety_margin),
                 load_counter(spec.tokenizer),
+                state_header=self._settings.state_header,
             )
             attempt = ev.GenerationAttempt(
                 arm=arm,

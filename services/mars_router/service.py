@@ -1,5 +1,9 @@
 """Router service: features x_t = phi(z, c~, q), LinUCB arm choice (Eq. 15), and the online update
-(Eq. 11/16) applied exactly once per judged turn_id. Policy matrices live in Postgres."""
+(Eq. 11/16) applied exactly once per judged turn_id. Policy matrices live in Postgres.
+
+With `MARS_POLICY_UPDATES=false` the policy is frozen (the paper's "No online update" ablation,
+mars_full_no_update): the router still routes with its current matrices and still consumes and checks
+judged events, but never changes A or b, so the policy version does not move either."""
 
 from __future__ import annotations
 
@@ -60,6 +64,8 @@ MIGRATIONS = [
         reward DOUBLE PRECISION NOT NULL, applied_at TIMESTAMPTZ NOT NULL DEFAULT now()
     )
     """,
+    # False: the reward was recorded while online updates were off (a frozen policy) and never applied.
+    "ALTER TABLE router_ledger ADD COLUMN IF NOT EXISTS applied BOOLEAN NOT NULL DEFAULT true",
 ]
 
 
@@ -87,6 +93,13 @@ class RouterSettings(ServiceSettings):
     max_reward: float = 1.0
     #: Attempts at an optimistic policy update before the reward is handed back for redelivery.
     update_attempts: int = 50
+    #: Online updates (Eq. 11). False freezes every policy as it is (the paper's "No online update"
+    #: diagnostic): routing uses the current matrices, judged rewards and corrections are checked and
+    #: recorded in the ledger with applied = false, and A, b and the version stay unchanged. Recording
+    #: them means turning updates back on starts learning from the next judged turn: a redelivered or
+    #: replayed reward from the frozen period is a ledger duplicate, never applied late to a policy that
+    #: did not choose by it, and the reward stays visible to whoever reads the ledger.
+    policy_updates: bool = True
 
 
 def policy_id_for(scope: str, tenant: str, user_id: str, feature_space: str = "state") -> str:
@@ -141,6 +154,8 @@ class PolicyStore:
         #: Optimistic update conflicts retried (a replica wrote an arm between our read and write).
         self.update_conflicts = 0
         self.default_arm = settings.default_arm or arms[0]
+        #: False: a frozen policy (MARS_POLICY_UPDATES=false); rewards are recorded, never applied.
+        self.updates = settings.policy_updates
         if self.default_arm not in arms:
             raise ValueError(f"default_arm {self.default_arm!r} is not in the model pool {arms}")
 
@@ -264,7 +279,7 @@ class PolicyStore:
     async def apply_reward(
         self, turn_id: str, answered_arm: str, reward: float, failed_arms: list[str]
     ) -> bool:
-        """Apply Eq. 11 once per turn_id; False when this turn was already applied.
+        """Apply Eq. 11 once per turn_id; False when this turn was already applied (or recorded).
 
         The reward updates the arm that answered (usually the chosen one); an arm whose call failed
         earlier in the fallback chain is updated with zero utility for the same context, so the router
@@ -273,6 +288,9 @@ class PolicyStore:
         Concurrency is optimistic: arm rows are read without locks and written only if their version is
         unchanged; when another replica got there first the whole transaction (ledger row included) rolls
         back and is retried on fresh matrices, so no update is lost and none is applied twice.
+
+        With online updates off the reward passes the same checks and is recorded in the ledger
+        (applied = false), and no arm changes.
         """
         return await self._optimistic(
             turn_id, lambda: self._apply_reward_once(turn_id, answered_arm, reward, failed_arms)
@@ -280,7 +298,8 @@ class PolicyStore:
 
     async def apply_correction(self, correction_id: str, turn_id: str, arm: str, delta: float) -> bool:
         """Move an applied reward by `delta` (late user feedback): b += delta * x for the answered arm,
-        A and the pull count unchanged; once per correction_id. False when already applied."""
+        A and the pull count unchanged; once per correction_id. False when already applied. With online
+        updates off, or for a turn whose reward was recorded while they were off, it is only recorded."""
         return await self._optimistic(
             turn_id, lambda: self._apply_correction_once(correction_id, turn_id, arm, delta)
         )
@@ -315,12 +334,15 @@ class PolicyStore:
                 raise PoisonEvent(f"turn {turn_id} names arm {name!r}, which is not in the pool")
         return str(policy_id), str(chosen), np.asarray(features, dtype=np.float64)
 
-    async def _ledger(self, conn: AsyncConnection, key: str, policy_id: str, arm: str, reward: float) -> bool:
-        """Record an update once; False when `key` was already applied (at-least-once delivery)."""
+    async def _ledger(
+        self, conn: AsyncConnection, key: str, policy_id: str, arm: str, reward: float, applied: bool
+    ) -> bool:
+        """Record an update once; False when `key` was already recorded (at-least-once delivery).
+        `applied` false (online updates off): recorded only, the caller changes no arm."""
         cur = await conn.execute(
-            "INSERT INTO router_ledger (turn_id, policy_id, arm, reward) VALUES (%s, %s, %s, %s) "
-            "ON CONFLICT DO NOTHING RETURNING turn_id",
-            (key, policy_id, arm, reward),
+            "INSERT INTO router_ledger (turn_id, policy_id, arm, reward, applied) "
+            "VALUES (%s, %s, %s, %s, %s) ON CONFLICT DO NOTHING RETURNING turn_id",
+            (key, policy_id, arm, reward, applied),
         )
         return await cur.fetchone() is not None
 
@@ -329,8 +351,15 @@ class PolicyStore:
             raise PoisonEvent(f"correction {correction_id}: reward delta {delta} is out of range")
         async with self._pool.connection() as conn, conn.transaction():
             policy_id, _, x = await self._decision(conn, turn_id, [arm])
-            if not await self._ledger(conn, correction_id, policy_id, arm, delta):
+            # A correction moves an applied reward: one recorded while the policy was frozen was never
+            # applied, so its corrections are recorded only, even once updates are on again.
+            cur = await conn.execute("SELECT applied FROM router_ledger WHERE turn_id = %s", (turn_id,))
+            reward_row = await cur.fetchone()
+            apply = self.updates and (reward_row is None or bool(reward_row[0]))
+            if not await self._ledger(conn, correction_id, policy_id, arm, delta, apply):
                 return False
+            if not apply:
+                return True
             await self._write_arm(conn, policy_id, arm, lambda m: m.shifted(x, delta))
         return True
 
@@ -345,8 +374,10 @@ class PolicyStore:
         async with self._pool.connection() as conn, conn.transaction():
             policy_id, chosen, x = await self._decision(conn, turn_id, [answered_arm, *failed_arms])
             arm = answered_arm or chosen
-            if not await self._ledger(conn, turn_id, policy_id, arm, reward):
+            if not await self._ledger(conn, turn_id, policy_id, arm, reward, self.updates):
                 return False
+            if not self.updates:
+                return True
             targets = [(arm, reward), *((a, 0.0) for a in dict.fromkeys(failed_arms) if a != arm)]
             # Written in one global order: a writer waiting on a row another replica is committing
             # cannot wait in a cycle.
@@ -425,6 +456,7 @@ class RouterStage:
             switch_penalty=route.switch_penalty,
             fallback_order=self._fallbacks(arm),
             cascade_min_logprob=self._cascade_threshold,
+            policy_frozen=not self._store.updates,
         )
         await self._out.emit(out, turn)
 
@@ -494,6 +526,7 @@ class RouterServicer(svc_grpc.RouterServicer):
             policy_id=policy_id,
             version=version,
             dimension=self._store.dim,
+            frozen=not self._store.updates,
             arms=[svc.ArmSummary(arm=a, pulls=m.pulls, reward_sum=m.reward_sum) for a, m in models.items()],
         )
 

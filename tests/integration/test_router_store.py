@@ -259,3 +259,66 @@ def test_feedback_correction_shifts_b_once(dsn: str) -> None:
         await pool.close()  # type: ignore[attr-defined]
 
     asyncio.run(run())
+
+
+def test_frozen_policy_records_rewards_but_never_changes(dsn: str) -> None:
+    """MARS_POLICY_UPDATES=false (the no-online-update ablation): judged rewards and corrections are checked
+    and recorded in the ledger (applied = false), A, b, pulls and the version stay as they were; the same
+    reward moves a learning policy. Turning updates on later does not apply the frozen period's rewards."""
+    from mars.v1 import services_pb2 as svc
+    from mars_router.service import RouterServicer
+
+    async def scenario() -> None:
+        frozen, pool = await store_for(dsn, policy_scope="user", policy_updates=False)
+        learning, pool2 = await store_for(dsn, policy_scope="user")
+        assert (frozen.updates, learning.updates) == (False, True)
+        x = features(21)
+        routes = {}
+        for name, store in (("frozen", frozen), ("learning", learning)):
+            route = await store.decide("t", f"{name}-user", x)
+            routes[name] = route
+            await store.record_decision(f"fz-{name}", route.policy_id, "small", x)
+        before, v0 = await frozen.load(routes["frozen"].policy_id)
+        assert await frozen.apply_reward("fz-frozen", "small", 0.8, ["large"]) is True
+        assert await frozen.apply_reward("fz-frozen", "small", 0.8, ["large"]) is False  # redelivery
+        assert await frozen.apply_correction("fz-frozen#feedback-1", "fz-frozen", "small", -0.2) is True
+        with pytest.raises(PoisonEvent, match="outside"):  # the checks still apply while frozen
+            await frozen.apply_reward("fz-frozen", "small", 7.5, [])
+        after, v1 = await frozen.load(routes["frozen"].policy_id)
+        assert v1 == v0
+        for arm in ARMS:
+            assert after[arm].to_bytes() == before[arm].to_bytes()
+            assert (after[arm].pulls, after[arm].reward_sum) == (0, 0.0)
+        async with pool.connection() as conn:  # type: ignore[attr-defined]
+            cur = await conn.execute(
+                "SELECT turn_id, reward, applied FROM router_ledger WHERE turn_id LIKE %s ORDER BY turn_id",
+                ("fz-frozen%",),
+            )
+            assert await cur.fetchall() == [("fz-frozen", 0.8, False), ("fz-frozen#feedback-1", -0.2, False)]
+
+        async def policy_info(store: PolicyStore, user: str) -> svc.PolicyInfo:
+            servicer = RouterServicer(store, RouterSettings(policy_scope="user"))
+            return await servicer.GetPolicy(svc.PolicyRequest(tenant="t", user_id=user), None)  # type: ignore[arg-type]
+
+        info = await policy_info(frozen, "frozen-user")
+        assert info.frozen and info.version == v0
+
+        l_before, l_v0 = await learning.load(routes["learning"].policy_id)
+        assert await learning.apply_reward("fz-learning", "small", 0.8, ["large"]) is True
+        l_after, l_v1 = await learning.load(routes["learning"].policy_id)
+        assert l_v1 > l_v0 and l_after["small"].pulls == 1 and l_after["large"].pulls == 1
+        assert not np.array_equal(l_after["small"].b, l_before["small"].b)
+        assert not np.array_equal(l_after["small"].A, l_before["small"].A)
+        info = await policy_info(learning, "learning-user")
+        assert not info.frozen and info.version == l_v1
+
+        # Updates on again over the same tables: the frozen period's reward is a ledger duplicate.
+        assert await learning.apply_reward("fz-frozen", "small", 0.8, []) is False
+        # ...and a late correction of it moves nothing either: that reward was never applied.
+        assert await learning.apply_correction("fz-frozen#feedback-2", "fz-frozen", "small", 0.1) is True
+        still, v2 = await learning.load(routes["frozen"].policy_id)
+        assert v2 == v0 and still["small"].to_bytes() == before["small"].to_bytes()
+        for p in (pool, pool2):
+            await p.close()  # type: ignore[attr-defined]
+
+    asyncio.run(scenario())

@@ -1,5 +1,5 @@
 import pytest
-from mars.domain.packing import MESSAGE_OVERHEAD_TOKENS, input_budget, pack_view
+from mars.domain.packing import MESSAGE_OVERHEAD_TOKENS, input_budget, memory_guidance, pack_view
 from mars.domain.state_rules import clamp_state
 from mars.domain.text import estimate_tokens
 from mars.v1 import events_pb2 as ev
@@ -159,3 +159,23 @@ def test_packer_never_exceeds_any_budget_on_random_views() -> None:
         assert all(b.block_id in kept for b in view.blocks if b.kind == ev.ACTIVE_STATE)
         assert packed.messages[-1]["content"] == query
         assert kept | set(packed.clipped_block_ids) == {b.block_id for b in view.blocks}
+
+
+def test_without_state_header_the_prompt_has_rules_memory_and_query_only() -> None:
+    """The no-state-header ablation: MEMORY GUIDANCE is gone, the memory blocks and clipping are not."""
+    with_header = pack_view(_view(), QUERY, STATE, 100_000)
+    p = pack_view(_view(), QUERY, STATE, 100_000, state_header=False)
+    system = p.messages[0]["content"]
+    assert system.startswith("SYSTEM RULES") and "\nMEMORY\n" in system
+    assert "MEMORY GUIDANCE" not in system and "REVISE" not in system and "continuation" not in system
+    assert system == with_header.messages[0]["content"].replace(memory_guidance(STATE) + "\n\n", "")
+    assert p.messages[1]["content"] == QUERY
+    assert [b.block_id for b in p.blocks] == [b.block_id for b in with_header.blocks]
+    saved = with_header.prompt_tokens - p.prompt_tokens
+    assert abs(saved - estimate_tokens(memory_guidance(STATE) + "\n\n")) <= 2  # the header's own tokens
+    whole = sum(estimate_tokens(m["content"]) + MESSAGE_OVERHEAD_TOKENS for m in p.messages)
+    assert whole <= p.prompt_tokens <= whole + 2 * (len(p.blocks) + 3)
+    # The header's tokens go to memory instead: a budget that clips a block with it keeps it without.
+    tight = with_header.prompt_tokens - 50
+    assert pack_view(_view(), QUERY, STATE, tight).clipped_block_ids == ["hist:h2"]
+    assert pack_view(_view(), QUERY, STATE, tight, state_header=False).clipped_block_ids == []

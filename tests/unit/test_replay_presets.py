@@ -26,6 +26,26 @@ def test_paper_ablations_are_there() -> None:
     assert presets.preset("fixed:local-small").overrides == {"MARS_ROUTING_POLICY": "fixed:local-small"}
 
 
+def test_every_table_17_row_has_a_preset() -> None:
+    rows = ["full", "embedding-only", "no-state-header", "recent-only", "no-qtm-semantic", "no-qtm-recent"]
+    assert all(name in presets.PRESETS for name in [*rows, "no-online-update"])
+    # No QTM state/header starts from embedding-only and only takes the state header out of the prompt.
+    no_header = presets.preset("no-state-header").overrides
+    assert dict(no_header) == {**presets.preset("embedding-only").overrides, "MARS_STATE_HEADER": "false"}
+    assert presets.preset("no-online-update").overrides == {"MARS_POLICY_UPDATES": "false"}
+    fields = presets.settings_fields()
+    assert (fields["MARS_STATE_HEADER"], fields["MARS_POLICY_UPDATES"]) == (["dispatch"], ["router"])
+
+
+def test_header_and_updates_are_on_unless_a_preset_turns_them_off() -> None:
+    from mars_dispatch.service import DispatchSettings
+    from mars_router.service import RouterSettings
+
+    assert DispatchSettings().state_header is True and RouterSettings().policy_updates is True
+    with pytest.raises(ValueError, match="router settings refuse the overrides: MARS_POLICY_UPDATES"):
+        presets.resolve(["no-online-update"], ["MARS_POLICY_UPDATES=sometimes"])
+
+
 def test_unknown_preset_lists_the_known_ones() -> None:
     with pytest.raises(ValueError, match="unknown preset 'no-such'; known presets: full, embedding-only"):
         presets.resolve(["no-such"], [])

@@ -2,6 +2,10 @@
 
 Runs after routing: the same candidate view is clipped differently for each arm's context budget, and again
 for a fallback arm.
+
+The system message is SYSTEM RULES, MEMORY GUIDANCE (the QTM state header) and MEMORY; without the state
+header (`state_header=False`, dispatch's MARS_STATE_HEADER=false: the paper's "No QTM state/header"
+ablation, mars_semctx_noactive) it is SYSTEM RULES and MEMORY, with the same memory blocks and clipping.
 """
 
 from __future__ import annotations
@@ -76,8 +80,13 @@ def _memory_section(blocks: list[ev.MemoryBlock]) -> str:
     return "MEMORY\n" + "\n\n".join(_block_text(b) for b in blocks)
 
 
-def _messages(guidance: str, blocks: list[ev.MemoryBlock], query: str) -> list[dict[str, str]]:
-    system = f"{SYSTEM_RULES}\n\n{guidance}\n\n{_memory_section(blocks)}"
+def _head(guidance: str | None) -> str:
+    """Everything of the system message before the memory section."""
+    return f"{SYSTEM_RULES}\n\n{guidance}\n\n" if guidance is not None else f"{SYSTEM_RULES}\n\n"
+
+
+def _messages(guidance: str | None, blocks: list[ev.MemoryBlock], query: str) -> list[dict[str, str]]:
+    system = _head(guidance) + _memory_section(blocks)
     return [{"role": "system", "content": system}, {"role": "user", "content": query}]
 
 
@@ -91,8 +100,10 @@ class _PieceCounter:
     sum can differ from tokenizing the joined text by about a token per boundary, which the budget's
     safety margin (Eq. 13) absorbs; with the conservative estimate it is an upper bound."""
 
-    def __init__(self, guidance: str, blocks: list[ev.MemoryBlock], query: str, count: Callable[[str], int]):
-        self.header = count(f"{SYSTEM_RULES}\n\n{guidance}\n\nMEMORY\n")
+    def __init__(
+        self, guidance: str | None, blocks: list[ev.MemoryBlock], query: str, count: Callable[[str], int]
+    ):
+        self.header = count(_head(guidance) + "MEMORY\n")
         self.empty = count("(none)")
         self.separator = count("\n\n")
         self.blocks = [count(_block_text(b)) for b in blocks]
@@ -120,9 +131,11 @@ def pack_view(
     state: ev.SessionState,
     budget: int,
     count_tokens: Callable[[str], int] = estimate_tokens,
+    state_header: bool = True,
 ) -> PackedPrompt:
-    """Clip the candidate view to `budget` prompt tokens; active state and the query are never dropped."""
-    guidance = memory_guidance(state)
+    """Clip the candidate view to `budget` prompt tokens; active state and the query are never dropped.
+    `state_header=False` leaves the MEMORY GUIDANCE header (the session state) out of the prompt."""
+    guidance = memory_guidance(state) if state_header else None
     blocks = list(view.blocks)
     counter = _PieceCounter(guidance, blocks, query, count_tokens)
     dropped: set[int] = set()

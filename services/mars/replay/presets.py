@@ -2,9 +2,12 @@
 other routing policies) as sets of MARS_* settings, override files, and the check that every override
 names a real service setting with a value that setting accepts.
 
-Two Table 17 rows have no setting in this build and so no preset: "No QTM state/header"
-(mars_semctx_noactive: the generator prompt without the state header) and "No online update"
-(mars_full_no_update: a frozen router).
+Every Table 17 row has a preset. "No QTM state/header" (mars_semctx_noactive) starts from the
+embedding-only row and leaves the MEMORY GUIDANCE state header out of the generator prompt
+(dispatch's MARS_STATE_HEADER=false; the semantic view has no active-thread state block either).
+"No online update" (mars_full_no_update) keeps full MARS with a frozen router (MARS_POLICY_UPDATES=false):
+it routes with its cold-start matrices and records judged rewards without applying them, so the policy
+version never moves; the paper reads it as a cold-start adaptation diagnostic, not a static-router baseline.
 """
 
 from __future__ import annotations
@@ -60,6 +63,12 @@ PRESETS: dict[str, Preset] = {
             {"MARS_VIEW_POLICY": "semantic"},
         ),
         Preset(
+            "no-state-header",
+            "No QTM state/header (mars_semctx_noactive): embedding-only semantic memory and a generator "
+            "prompt without the MEMORY GUIDANCE state header",
+            {"MARS_VIEW_POLICY": "semantic", "MARS_STATE_HEADER": "false"},
+        ),
+        Preset(
             "recent-only",
             "Recent-only memory (mars_recentctx_bm): the last k turns, no retrieval",
             {"MARS_VIEW_POLICY": "recent"},
@@ -73,6 +82,12 @@ PRESETS: dict[str, Preset] = {
             "no-qtm-recent",
             "No-QTM recent (mars_noqtm_recentctx): recent-only memory, router on query-embedding features",
             {"MARS_VIEW_POLICY": "recent", **_NO_QTM_ROUTER},
+        ),
+        Preset(
+            "no-online-update",
+            "No online update (mars_full_no_update): full MARS with the router frozen at its cold start "
+            "(rewards recorded, never applied)",
+            {"MARS_POLICY_UPDATES": "false"},
         ),
         Preset("random-routing", "Uniformly random arm per turn", {"MARS_ROUTING_POLICY": "random"}),
         Preset("thompson", "Linear Thompson sampling instead of LinUCB", {"MARS_ROUTING_POLICY": "thompson"}),

@@ -15,7 +15,8 @@ comparison.
 
 Each user's turns keep their order. `--strict` sends one turn at a time and waits until its reward has
 reached the router (the policy version moved) before the next: the paper's Algorithm 1 exactly, so the same
-log, configuration and seed give identical decisions.
+log, configuration and seed give identical decisions. A frozen router (MARS_POLICY_UPDATES=false, the
+no-online-update preset) never moves its version and takes no reward in, so there is nothing to wait for.
 """
 
 from __future__ import annotations
@@ -88,10 +89,14 @@ def recorded_turns(records: list[RawRecord], counts: Counter[str]) -> list[Recor
     return sorted(out, key=lambda r: (r.tenant, r.user_id, r.seq))
 
 
-def _policy_version(router: svc_grpc.RouterStub | None, tenant: str, user: str) -> int:
+def _policy(router: svc_grpc.RouterStub | None, tenant: str, user: str) -> svc.PolicyInfo:
     if router is None:
-        return 0
-    return int(router.GetPolicy(svc.PolicyRequest(tenant=tenant, user_id=user), timeout=10).version)
+        return svc.PolicyInfo()
+    return router.GetPolicy(svc.PolicyRequest(tenant=tenant, user_id=user), timeout=10)
+
+
+def _policy_version(router: svc_grpc.RouterStub | None, tenant: str, user: str) -> int:
+    return int(_policy(router, tenant, user).version)
 
 
 def redrive(
@@ -107,7 +112,8 @@ def redrive(
     rows = []
     for t in turns:
         tenant = t.tenant + suffix
-        before = _policy_version(router, tenant, t.user_id)
+        policy = _policy(router, tenant, t.user_id)
+        before = int(policy.version)
         row: dict[str, Any] = {
             "recorded_turn_id": t.turn_id,
             "user_id": t.user_id,
@@ -134,8 +140,9 @@ def redrive(
             text=reply.text,
             cost_usd=reply.cost_usd,
         )
-        if router is not None:
-            # Strict mode: the next turn may only be decided once this turn's reward is in the policy.
+        if router is not None and not policy.frozen:
+            # Strict mode: the next turn may only be decided once this turn's reward is in the policy
+            # (a frozen policy takes no reward in: its decisions do not depend on when rewards arrive).
             deadline = time.monotonic() + reward_timeout_s
             while _policy_version(router, tenant, t.user_id) <= before:
                 if time.monotonic() > deadline:
@@ -291,8 +298,8 @@ def add_run_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="presets:\n"
-        + "\n".join(f"  {p.name:16s} {p.description}" for p in presets.PRESETS.values())
-        + f"\n  {presets.FIXED_PREFIX + '<arm>':16s} every turn to one arm of the model pool",
+        + "\n".join(f"  {p.name:17s} {p.description}" for p in presets.PRESETS.values())
+        + f"\n  {presets.FIXED_PREFIX + '<arm>':17s} every turn to one arm of the model pool",
     )
     p.add_argument("--file", required=True, help="exported log file (`mars replay export`)")
     p.add_argument(
