@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from mars.domain import ope
 from mars.domain.ope import LoggedStep, evaluate
 
 
@@ -53,3 +54,21 @@ def test_simulator_log_estimates_match_the_true_value() -> None:
     truth = true_value(target, 0.5, 10_000, seed=99)
     result = evaluate(steps, target, 4, bootstrap=200)
     assert abs(result.dr.value - truth) < 0.03 and abs(result.snips.value - truth) < 0.03
+
+
+def test_bca_matches_percentile_for_symmetric_data_and_shifts_right_for_skewed_means() -> None:
+    rng = np.random.default_rng(3)
+
+    def intervals(data: np.ndarray) -> tuple[tuple[float, float], tuple[float, float]]:
+        n = len(data)
+        boot = np.array([data[rng.integers(0, n, n)].mean() for _ in range(2000)])
+        jack = (data.sum() - data) / (n - 1)
+        pct = tuple(float(v) for v in np.percentile(boot, [2.5, 97.5]))
+        return pct, ope.bca_interval(float(data.mean()), boot, jack)  # type: ignore[return-value]
+
+    pct, bca = intervals(rng.normal(0.0, 1.0, 400))
+    assert abs(bca[0] - pct[0]) < 0.02 and abs(bca[1] - pct[1]) < 0.02
+    # A right-skewed sample (importance-weighted rewards look like this): BCa moves both ends up.
+    pct, bca = intervals(rng.exponential(1.0, 60) ** 2)
+    assert bca[0] > pct[0] and bca[1] > pct[1]
+    assert bca[0] < bca[1]
