@@ -79,15 +79,15 @@ def _print_summary(console: Console, summary: dict[str, object], seconds: float)
     )
 
 
-def cmd_read(args: argparse.Namespace) -> int:
-    console = Console(soft_wrap=True, stderr=True)
+def load_traces(args: argparse.Namespace, console: Console) -> tuple[TraceBuilder, int]:
+    """Traces from `args.file` (an exported log) or from the topics (`args.bootstrap`, `since_ms`,
+    `idle_s`, `topic_prefix`); the exit code is non-zero after an error was printed."""
     builder = TraceBuilder()
-    started = time.perf_counter()
     if args.file:
         path = Path(args.file)
         if not path.is_file():
             console.print(f"[red]no log file at {path}[/]")
-            return 2
+            return builder, 2
         with path.open(errors="replace") as fh:
             for record in records_from_lines(fh, builder.counts):
                 builder.add(record)
@@ -116,7 +116,16 @@ def cmd_read(args: argparse.Namespace) -> int:
                 asyncio.run(run())
             except Exception as exc:  # a broker that cannot be reached: a message, not a traceback
                 console.print(f"[red]cannot read from {args.bootstrap}: {type(exc).__name__}: {exc}[/]")
-                return 1
+                return builder, 1
+    return builder, 0
+
+
+def cmd_read(args: argparse.Namespace) -> int:
+    console = Console(soft_wrap=True, stderr=True)
+    started = time.perf_counter()
+    builder, rc = load_traces(args, console)
+    if rc:
+        return rc
     seconds = time.perf_counter() - started
     if args.out:
         with Path(args.out).open("w") as fh:
@@ -192,6 +201,9 @@ def add_replay_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
 
     add_report_parser(replay_sub)
     add_run_parser(replay_sub)
+    from mars.replay.offpolicy import add_ope_parser
+
+    add_ope_parser(replay_sub, common)
 
     e = replay_sub.add_parser(
         "export",
