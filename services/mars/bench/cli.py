@@ -12,7 +12,14 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
 from mars.bench.policies import POLICIES, CachingEmbedder, make_retriever
-from mars.bench.realmem import Prediction, evaluate, format_table, load_personas, replay, write_predictions
+from mars.bench.realmem import (
+    Prediction,
+    evaluate,
+    format_table,
+    load_selected_personas,
+    replay,
+    write_predictions,
+)
 
 
 def add_realmem_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -53,19 +60,10 @@ def add_realmem_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore
 
 def cmd_realmem(args: argparse.Namespace) -> int:
     console = Console()
-    data = Path(args.data)
-    if not data.is_dir():
-        console.print(f"[red]--data {data} is not a folder[/]")
-        return 2
-    personas = load_personas(data)
-    if args.personas:
-        unknown = set(args.personas) - {p.name for p in personas}
-        if unknown:
-            console.print(f"[red]unknown persona(s): {', '.join(sorted(unknown))}[/]")
-            return 2
-        personas = [p for p in personas if p.name in set(args.personas)]
-    if not personas:
-        console.print(f"[red]no *_dialogues_256k.json files in {data}[/]")
+    try:
+        personas = load_selected_personas(args.data, args.personas)
+    except ValueError as exc:
+        console.print(f"[red]{exc}[/]")
         return 2
     policies = list(POLICIES) if args.policy == "all" else [args.policy]
     embedder = None

@@ -169,6 +169,23 @@ def load_personas(directory: str | os.PathLike[str]) -> list[Persona]:
     return [load_persona(p) for p in sorted(Path(directory).glob(f"*{FILE_SUFFIX}"))]
 
 
+def load_selected_personas(
+    directory: str | os.PathLike[str], names: Sequence[str] | None = None
+) -> list[Persona]:
+    """The personas of `directory` (only `names` when given); ValueError saying what is wrong otherwise."""
+    if not Path(directory).is_dir():
+        raise ValueError(f"--data {directory} is not a folder")
+    personas = load_personas(directory)
+    if names:
+        unknown = set(names) - {p.name for p in personas}
+        if unknown:
+            raise ValueError(f"unknown persona(s): {', '.join(sorted(unknown))}")
+        personas = [p for p in personas if p.name in set(names)]
+    if not personas:
+        raise ValueError(f"no *{FILE_SUFFIX} files in {directory}")
+    return personas
+
+
 # ------------------------------------------------------------------------------------------------ scorer
 
 

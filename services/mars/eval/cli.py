@@ -63,23 +63,14 @@ def _progress(console: Console) -> Progress:
 
 
 def cmd_realmem(args: argparse.Namespace) -> int:
-    from mars.bench.realmem import format_table, load_personas
+    from mars.bench.realmem import format_table, load_selected_personas
     from mars.eval.realmem import run_eval, truncate
 
     console = Console()
-    data = Path(args.data)
-    if not data.is_dir():
-        console.print(f"[red]--data {data} is not a folder[/]")
-        return 2
-    personas = load_personas(data)
-    if args.personas:
-        unknown = set(args.personas) - {p.name for p in personas}
-        if unknown:
-            console.print(f"[red]unknown persona(s): {', '.join(sorted(unknown))}[/]")
-            return 2
-        personas = [p for p in personas if p.name in set(args.personas)]
-    if not personas:
-        console.print(f"[red]no *_dialogues_256k.json files in {data}[/]")
+    try:
+        personas = load_selected_personas(args.data, args.personas)
+    except ValueError as exc:
+        console.print(f"[red]{exc}[/]")
         return 2
     personas = [truncate(p, args.max_sessions) for p in personas]
     tenant = args.tenant or f"eval-{int(time.time())}"
