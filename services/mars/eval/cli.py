@@ -10,6 +10,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from mars.eval.driver import PipelineTarget
 from mars.replay.cli import topic_prefix_arg
 
 
@@ -48,8 +49,17 @@ def _max_tokens(value: str) -> int:
     return n
 
 
-def _options(args: argparse.Namespace) -> dict[str, str]:
-    return {} if args.max_tokens is None else {"max_tokens": str(args.max_tokens)}
+def _target(args: argparse.Namespace) -> PipelineTarget:
+    """The pipeline the arguments name; a fresh tenant unless one is given; views read from now on."""
+    return PipelineTarget(
+        ingress=args.ingress,
+        bootstrap=args.bootstrap,
+        tenant=args.tenant or f"eval-{int(time.time())}",
+        prefix=args.topic_prefix,
+        options={} if args.max_tokens is None else {"max_tokens": str(args.max_tokens)},
+        timeout_s=args.timeout_s,
+        since_ms=int(time.time() * 1000) - 1000,
+    )
 
 
 def _progress(console: Console) -> Progress:
@@ -73,23 +83,16 @@ def cmd_realmem(args: argparse.Namespace) -> int:
         console.print(f"[red]{exc}[/]")
         return 2
     personas = [truncate(p, args.max_sessions) for p in personas]
-    tenant = args.tenant or f"eval-{int(time.time())}"
-    since_ms = int(time.time() * 1000) - 1000
+    target = _target(args)
     console.print(
         f"{len(personas)} personas, {sum(len(p.sessions) for p in personas)} sessions, "
-        f"{sum(len(p.queries) for p in personas)} scored queries -> {args.ingress} as tenant {tenant}"
+        f"{sum(len(p.queries) for p in personas)} scored queries -> {target.ingress} as tenant {target.tenant}"
     )
     with _progress(console) as progress:
         tasks = {p.name: progress.add_task(p.name, total=len(p.sessions)) for p in personas}
         result = run_eval(
             personas,
-            args.ingress,
-            args.bootstrap,
-            tenant,
-            args.topic_prefix,
-            _options(args),
-            args.timeout_s,
-            since_ms,
+            target,
             on_session=lambda name, n: progress.update(tasks[name], completed=n),
         )
     console.print(
@@ -122,23 +125,16 @@ def cmd_locomo(args: argparse.Namespace) -> int:
             return 2
         conversations = [c for c in conversations if c.sample_id in set(args.conversations)]
     conversations = [truncate(c, args.max_sessions, args.max_questions) for c in conversations]
-    tenant = args.tenant or f"eval-{int(time.time())}"
-    since_ms = int(time.time() * 1000) - 1000
+    target = _target(args)
     total = sum(len(c.turns) + len(c.questions) for c in conversations)
     console.print(
-        f"{len(conversations)} conversations, {total} turns and questions -> {args.ingress} as tenant {tenant}"
+        f"{len(conversations)} conversations, {total} turns and questions -> {target.ingress} as tenant {target.tenant}"
     )
     with _progress(console) as progress:
         task = progress.add_task("turns", total=total)
         result = run_eval(
             conversations,
-            args.ingress,
-            args.bootstrap,
-            tenant,
-            args.topic_prefix,
-            _options(args),
-            args.timeout_s,
-            since_ms,
+            target,
             on_turn=lambda: progress.update(task, advance=1),
         )
     table, report = category_report(result.by_category, "LoCoMo evidence recall through the pipeline")

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -85,6 +86,38 @@ class IngressDriver:
 
     def close(self) -> None:
         self._channel.close()
+
+
+@dataclass(frozen=True)
+class PipelineTarget:
+    """A running pipeline to drive: its ingress, its broker and topic prefix (to read views back), the
+    tenant to send as, per-turn options and timeout, and when the run started (views are read from then)."""
+
+    ingress: str
+    bootstrap: str
+    tenant: str
+    prefix: str = ""
+    options: Mapping[str, str] = field(default_factory=dict)
+    timeout_s: float = 300.0
+    since_ms: int | None = None
+
+    @contextmanager
+    def user(self, user_id: str, sent: list[SentTurn]) -> Iterator[IngressDriver]:
+        """A driver for one user; every turn it sent is appended to `sent` when it closes."""
+        driver = IngressDriver(self.ingress, self.tenant, user_id, self.timeout_s, self.options)
+        try:
+            yield driver
+        finally:
+            driver.close()
+            sent.extend(driver.sent)
+
+    def views(self, turns: Iterable[SentTurn]) -> dict[str, ev.CandidateView]:
+        """The logged views of the turns that got an answer."""
+        return collect_views(self.bootstrap, [t.turn_id for t in turns if t.ok], self.since_ms, self.prefix)
+
+
+def failures(turns: Iterable[SentTurn]) -> int:
+    return sum(1 for t in turns if not t.ok)
 
 
 def collect_views(

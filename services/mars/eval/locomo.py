@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from mars.bench.locomo import Conversation, LocomoQuestion, score_question
-from mars.eval.driver import IngressDriver, SentTurn, collect_views, distinct, shown_sources
+from mars.eval.driver import IngressDriver, PipelineTarget, SentTurn, distinct, failures, shown_sources
 
 QUESTION_SESSION = "questions"
 
@@ -92,29 +92,18 @@ def drive_conversation(
 
 def run_eval(
     conversations: Sequence[Conversation],
-    ingress: str,
-    bootstrap: str,
-    tenant: str,
-    prefix: str = "",
-    options: dict[str, str] | None = None,
-    timeout_s: float = 300.0,
-    since_ms: int | None = None,
+    target: PipelineTarget,
     on_turn: Callable[[], None] = lambda: None,
 ) -> LocomoEval:
     dia_of: dict[str, str] = {}
     answered: list[AnsweredQuestion] = []
-    sent = failed = 0
+    sent: list[SentTurn] = []
     for conv in conversations:
-        driver = IngressDriver(ingress, tenant, conv.sample_id, timeout_s, options)
-        try:
+        with target.user(conv.sample_id, sent) as driver:
             mapping, answers = drive_conversation(driver, conv, on_turn)
-        finally:
-            driver.close()
         dia_of.update(mapping)
         answered += answers
-        sent += len(driver.sent)
-        failed += sum(1 for t in driver.sent if not t.ok)
-    views = collect_views(bootstrap, [a.sent.turn_id for a in answered if a.sent.ok], since_ms, prefix)
+    views = target.views(a.sent for a in answered)
     by_category: dict[int, list[dict[str, float]]] = defaultdict(list)
     missing = 0
     for a in answered:
@@ -128,4 +117,4 @@ def run_eval(
             dia_of.get(b.source_turn_id, f"other:{b.source_turn_id}") for b in shown_sources(view)
         )
         by_category[a.question.category].append(score_question(ranked, a.question.evidence))
-    return LocomoEval(dict(by_category), answered, sent, failed, missing)
+    return LocomoEval(dict(by_category), answered, len(sent), failures(sent), missing)

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from mars.bench.realmem import Persona, Prediction, Query, Results, evaluate
-from mars.eval.driver import IngressDriver, SentTurn, collect_views, distinct, shown_sources
+from mars.eval.driver import IngressDriver, PipelineTarget, SentTurn, distinct, failures, shown_sources
 
 
 @dataclass(frozen=True)
@@ -124,26 +124,14 @@ class RealMemEval:
 
 def run_eval(
     personas: Sequence[Persona],
-    ingress: str,
-    bootstrap: str,
-    tenant: str,
-    prefix: str = "",
-    options: dict[str, str] | None = None,
-    timeout_s: float = 300.0,
-    since_ms: int | None = None,
+    target: PipelineTarget,
     on_session: Callable[[str, int], None] = lambda _p, _n: None,
 ) -> RealMemEval:
     answered: list[AnsweredQuery] = []
-    sent = failed = 0
+    sent: list[SentTurn] = []
     for persona in personas:
-        driver = IngressDriver(ingress, tenant, persona.name, timeout_s, options)
-        try:
+        with target.user(persona.name, sent) as driver:
             answered += drive_persona(driver, persona, functools.partial(on_session, persona.name))
-        finally:
-            driver.close()
-        sent += len(driver.sent)
-        failed += sum(1 for t in driver.sent if not t.ok)
-    views = collect_views(bootstrap, [a.sent.turn_id for a in answered if a.sent.ok], since_ms, prefix)
-    predictions, missing = predictions_from_views(answered, views)
+    predictions, missing = predictions_from_views(answered, target.views(a.sent for a in answered))
     results = evaluate(personas, predictions)
-    return RealMemEval(results, predictions, answered, sent, failed, missing)
+    return RealMemEval(results, predictions, answered, len(sent), failures(sent), missing)
