@@ -1,10 +1,14 @@
 """The FAISS GPU path of the memory index: same results as the CPU path, on a CUDA machine.
 
 Skips (and says why) where faiss has no GPU support or no GPU is visible, as on CI and the laptop
-default; run it on a GPU node with a faiss GPU build installed (see tests/gpu/device_check.sh).
+default; run it on a GPU node with a faiss GPU build installed (see tests/gpu/device_check.sh). The CPU
+default and the per-thread resources are also checked without a GPU in tests/unit/test_dense_device.py.
 """
 
 from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -36,9 +40,14 @@ def test_gpu_index_matches_cpu_index() -> None:
             assert np.allclose([s for _, s in g], [s for _, s in c], atol=1e-4)
 
 
-def test_default_detects_gpu_and_keeps_owners_apart() -> None:
+def test_default_stays_on_cpu_even_with_a_gpu() -> None:
+    assert not DenseIndex(64).on_gpu
+    assert not ShardedDenseIndex(64).owner("a").on_gpu
+
+
+def test_explicit_gpu_keeps_owners_apart() -> None:
     rng = np.random.default_rng(1)
-    sharded = ShardedDenseIndex(64)
+    sharded = ShardedDenseIndex(64, use_gpu=True)
     a, b = _unit(rng, 50, 64), _unit(rng, 50, 64)
     sharded.owner("a").add(np.arange(50, dtype=np.int64), a)
     sharded.owner("b").add(np.arange(100, 150, dtype=np.int64), b)
@@ -48,3 +57,34 @@ def test_default_detects_gpu_and_keeps_owners_apart() -> None:
     # A write is searchable at once (the memory service's read-your-writes relies on it).
     sharded.owner("b").add(np.array([999], dtype=np.int64), a[3][None, :])
     assert sharded.search("b", a[3], 1)[0][0] == 999
+
+
+def test_threads_build_and_search_gpu_indexes_concurrently() -> None:
+    """Indexes built on four threads (each on its own resources) and searched from other threads at once
+    give the CPU index's answers."""
+    rng = np.random.default_rng(2)
+    dim, owners, builders = 128, 16, 4
+    data = [_unit(rng, 400, dim) for _ in range(owners)]
+    queries = _unit(rng, 64, dim)
+    gpu: dict[int, DenseIndex] = {}
+
+    def build(first: int) -> None:
+        for o in range(first, owners, builders):
+            index = DenseIndex(dim, use_gpu=True)
+            index.add(np.arange(400, dtype=np.int64) + o * 1000, data[o])
+            gpu[o] = index
+
+    threads = [threading.Thread(target=build, args=(t,)) for t in range(builders)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len({id(index._lane) for index in gpu.values()}) == builders
+    jobs = [(o, q) for o in range(owners) for q in range(len(queries))]
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda job: gpu[job[0]].search(queries[job[1]], 8), jobs))
+    cpu = {o: DenseIndex(dim) for o in range(owners)}
+    for o, index in cpu.items():
+        index.add(np.arange(400, dtype=np.int64) + o * 1000, data[o])
+    for (o, q), hits in zip(jobs, got, strict=True):
+        assert [i for i, _ in hits] == [i for i, _ in cpu[o].search(queries[q], 8)]

@@ -11,7 +11,7 @@ import numpy as np
 from rich.console import Console
 from rich.progress import Progress
 
-from mars.retrieval.dense import ShardedDenseIndex
+from mars.retrieval.dense import ShardedDenseIndex, gpu_count
 
 
 def add_memory_load_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -35,9 +35,9 @@ def add_memory_load_parser(sub: argparse._SubParsersAction) -> None:  # type: ig
     p.add_argument("--k", type=int, default=8, help="neighbours per search (default 8)")
     p.add_argument(
         "--device",
-        choices=["auto", "cpu", "gpu"],
-        default="auto",
-        help="FAISS on GPU when present (auto, the memory service's default), or forced cpu / gpu",
+        choices=["cpu", "gpu"],
+        default="cpu",
+        help="FAISS on the CPU (default, as in the memory service) or on the GPU (needs a faiss GPU build)",
     )
     p.add_argument("--no-ingest", action="store_true", help="skip the embedder ingest-ratio part")
     p.set_defaults(func=cmd_memory_load)
@@ -52,8 +52,11 @@ def cmd_memory_load(args: argparse.Namespace) -> int:
     if args.vectors < args.users or args.users <= 0:
         console.print("[red]--vectors must be at least --users, and --users positive[/]")
         return 2
+    if args.device == "gpu" and gpu_count() == 0:
+        console.print("[red]--device gpu needs a CUDA GPU and a faiss GPU build (faiss sees no GPU here)[/]")
+        return 2
     rng = np.random.default_rng(7)
-    index = ShardedDenseIndex(args.dim, use_gpu={"auto": None, "cpu": False, "gpu": True}[args.device])
+    index = ShardedDenseIndex(args.dim, use_gpu=args.device == "gpu")
     per_user = args.vectors // args.users
     batch_users = 250
     t0 = time.perf_counter()
@@ -125,7 +128,7 @@ def _ingest_ratio(args: argparse.Namespace, console: Console) -> None:
     embedder.encode(texts)
     raw = len(texts) / (time.perf_counter() - t)
     # The ingest path: chunking, batched embedding, FAISS + BM25 insertion, group bookkeeping.
-    memory = HybridMemory(embedder, use_gpu=None)
+    memory = HybridMemory(embedder, use_gpu=args.device == "gpu")
     t = time.perf_counter()
     from mars.retrieval.hybrid import chunk_pieces, embed_chunks
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from mars.domain.text import overlap, tokenize
@@ -307,41 +308,76 @@ def detect_cues(text: str) -> list[str]:
     return [name for name, rx in CUE_FAMILIES.items() if rx.search(text)]
 
 
-def estimate_state(text: str, active_context: Sequence[str]) -> ev.SessionState:
-    """Deterministic QTM: lexical cues + topic continuity -> a valid SessionState (backend 'rules')."""
-    cues = set(detect_cues(text))
+@dataclass(frozen=True)
+class TurnEvidence:
+    """What the rules read off a turn: its cue families and its lexical continuity with the active thread."""
+
+    cues: frozenset[str]
+    has_context: bool
+    context_overlap: float
+    #: A continuation of the active thread: a follow-up cue or enough shared vocabulary.
+    is_match: bool
+
+    @property
+    def temporal(self) -> bool:
+        return "temporal" in self.cues
+
+    @property
+    def continuous(self) -> bool:
+        return self.context_overlap >= CONTINUITY_OVERLAP
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """The retrieval side of the state: whether memory is used, where from, and how much."""
+
+    need_memory: int
+    scope: int
+    span: int
+    top_k: int
+    lens: int
+    prefer_recent: int
+
+
+def read_evidence(text: str, active_context: Sequence[str]) -> TurnEvidence:
+    cues = frozenset(detect_cues(text))
     has_context = any(c.strip() for c in active_context)
     context_overlap = overlap(text, "\n".join(active_context)) if has_context else 0.0
     followup_cue = bool(cues & {"revision", "finalization", "verification"}) or bool(_ANAPHORA.search(text))
     is_match = has_context and (followup_cue or context_overlap >= CONTINUITY_OVERLAP)
-    temporal = "temporal" in cues
+    return TurnEvidence(cues, has_context, context_overlap, is_match)
 
-    if temporal:
-        query_type = ev.TEMPORAL
-    elif _PROACTIVE.search(text):
-        query_type = ev.PROACTIVE
-    elif is_match:
-        query_type = ev.DYNAMIC
-    else:
-        query_type = ev.STATIC
 
+def _query_type(text: str, evidence: TurnEvidence) -> int:
+    if evidence.temporal:
+        return ev.TEMPORAL
+    if _PROACTIVE.search(text):
+        return ev.PROACTIVE
+    return ev.DYNAMIC if evidence.is_match else ev.STATIC
+
+
+def _phase(evidence: TurnEvidence) -> int:
     # REVISE/VERIFY only describe a continuation; on a new topic they would trip the clamp guardrail, so
     # there the next phases in priority order apply (the cue is still reported in risk_flags).
-    if is_match and "revision" in cues:
-        phase = ev.REVISE
-    elif is_match and "verification" in cues:
-        phase = ev.VERIFY
-    elif "finalization" in cues:
-        phase = ev.SYNTHESIZE
-    elif "constraint" in cues:
-        phase = ev.CONSTRAIN
-    else:
-        phase = ev.EXPLORE
+    cues = evidence.cues
+    if evidence.is_match and "revision" in cues:
+        return ev.REVISE
+    if evidence.is_match and "verification" in cues:
+        return ev.VERIFY
+    if "finalization" in cues:
+        return ev.SYNTHESIZE
+    if "constraint" in cues:
+        return ev.CONSTRAIN
+    return ev.EXPLORE
 
+
+def _memory_budget(text: str, evidence: TurnEvidence, query_type: int, phase: int) -> MemoryBudget:
+    is_match, temporal = evidence.is_match, evidence.temporal
     # Paper B.2: revision/finalization evidence keeps memory on even when no active thread is visible
     # (e.g. "make it shorter" as the first turn of a new session refers to earlier sessions).
-    refers_back = bool(cues & {"revision", "finalization"})
-    need_memory = 0 if (not is_match and query_type == ev.STATIC and not temporal and not refers_back) else 1
+    refers_back = bool(evidence.cues & {"revision", "finalization"})
+    self_contained = not is_match and query_type == ev.STATIC and not temporal and not refers_back
+    need_memory = 0 if self_contained else 1
     scope = ev.GLOBAL if (query_type == ev.TEMPORAL or (not is_match and need_memory)) else ev.LOCAL
     if phase == ev.SYNTHESIZE or query_type == ev.TEMPORAL:
         top_k = 8
@@ -350,64 +386,72 @@ def estimate_state(text: str, active_context: Sequence[str]) -> ev.SessionState:
     else:
         top_k = 3
     prefer_recent = int(phase in (ev.REVISE, ev.VERIFY) or (temporal and bool(_RECENCY.search(text))))
-    lens = 0 if need_memory == 0 else 3
-
     if need_memory == 0:
         span = ev.NONE
     elif scope == ev.GLOBAL:
         span = ev.CROSS_SESSION
     else:
         span = ev.ACTIVE_THREAD
+    lens = 0 if need_memory == 0 else 3
+    return MemoryBudget(need_memory, scope, span, top_k, lens, prefer_recent)
 
-    n_content = len(tokenize(text))
-    strong = bool(cues & set(_STRONG_FAMILIES))
-    if n_content < 3 and not has_context:
-        ambiguity = ev.HIGH
-    elif strong:
-        ambiguity = ev.LOW
-    else:
-        ambiguity = ev.MEDIUM
 
+def _ambiguity(text: str, evidence: TurnEvidence) -> int:
+    if len(tokenize(text)) < 3 and not evidence.has_context:
+        return ev.HIGH
+    return ev.LOW if evidence.cues & set(_STRONG_FAMILIES) else ev.MEDIUM
+
+
+def _confidence(evidence: TurnEvidence, ambiguity: int) -> float:
     # Confidence grows with independent evidence (cue families, lexical continuity) and drops when unclear.
-    confidence = 0.5 + 0.1 * len(cues) + (0.15 if context_overlap >= CONTINUITY_OVERLAP else 0.0)
+    confidence = 0.5 + 0.1 * len(evidence.cues) + (0.15 if evidence.continuous else 0.0)
     if ambiguity == ev.HIGH:
         confidence -= 0.2
-    confidence = min(0.95, max(0.05, confidence))
+    return round(min(0.95, max(0.05, confidence)), 4)
 
+
+def _reason(evidence: TurnEvidence, query_type: int, phase: int, need_memory: int) -> str:
     if need_memory == 0:
-        reason = "Self-contained new request; minimal memory view."
-    elif phase == ev.REVISE:
-        reason = "Revision of the active artifact."
-    elif phase == ev.VERIFY:
-        reason = "Verification of the active thread's content."
-    elif phase == ev.SYNTHESIZE:
-        reason = "Synthesis over prior turns needs a rich memory view."
-    elif query_type == ev.TEMPORAL:
-        reason = "Temporal recall needs cross-session evidence."
-    elif is_match:
-        reason = "Continuation of the active thread."
-    else:
-        reason = "Topic shift that may draw on earlier sessions."
+        return "Self-contained new request; minimal memory view."
+    if phase == ev.REVISE:
+        return "Revision of the active artifact."
+    if phase == ev.VERIFY:
+        return "Verification of the active thread's content."
+    if phase == ev.SYNTHESIZE:
+        return "Synthesis over prior turns needs a rich memory view."
+    if query_type == ev.TEMPORAL:
+        return "Temporal recall needs cross-session evidence."
+    if evidence.is_match:
+        return "Continuation of the active thread."
+    return "Topic shift that may draw on earlier sessions."
 
+
+def estimate_state(text: str, active_context: Sequence[str]) -> ev.SessionState:
+    """Deterministic QTM: lexical cues + topic continuity -> a valid SessionState (backend 'rules')."""
+    evidence = read_evidence(text, active_context)
+    query_type = _query_type(text, evidence)
+    phase = _phase(evidence)
+    budget = _memory_budget(text, evidence, query_type, phase)
+    ambiguity = _ambiguity(text, evidence)
     raw = {
-        "action": ev.Action.Name(ev.MATCH if is_match else ev.NEW_TOPIC),
+        "action": ev.Action.Name(ev.MATCH if evidence.is_match else ev.NEW_TOPIC),
         "query_type": ev.QueryType.Name(query_type),
         "phase": ev.Phase.Name(phase),
         "taxonomy": {
-            "need_memory": need_memory,
-            "memory_span": ev.MemorySpan.Name(span),
+            "need_memory": budget.need_memory,
+            "memory_span": ev.MemorySpan.Name(budget.span),
             "ambiguity": ev.Ambiguity.Name(ambiguity),
-            "risk_flags": [name for name in CUE_FAMILIES if name in cues],
+            "risk_flags": [name for name in CUE_FAMILIES if name in evidence.cues],
         },
-        "lens_recommendation": lens,
-        "top_k_hint": top_k,
-        "prefer_recent": prefer_recent,
-        "retrieval_scope": ev.RetrievalScope.Name(scope),
-        "lens_confidence": round(confidence, 4),
-        "lens_reason": reason,
+        "lens_recommendation": budget.lens,
+        "top_k_hint": budget.top_k,
+        "prefer_recent": budget.prefer_recent,
+        "retrieval_scope": ev.RetrievalScope.Name(budget.scope),
+        "lens_confidence": _confidence(evidence, ambiguity),
+        "lens_reason": _reason(evidence, query_type, phase, budget.need_memory),
     }
     state = clamp_state(raw)
-    # The rules only emit allowed values, so any correction here is a bug in this function.
+    # The rules only emit allowed values, so any correction here is a bug in this module.
     if state.clamped_fields:
         raise AssertionError(f"rule-based QTM produced invalid fields: {list(state.clamped_fields)}")
     state.usage.backend = "rules"

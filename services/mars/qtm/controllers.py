@@ -5,8 +5,9 @@
   Qwen2.5-7B-Instruct.
 - `llamacpp`: the local llama.cpp server of the default stack (llama-cpp-python's schema-constrained
   `json_object` response format, compiled to a grammar).
-- `vllm`: an in-process vLLM engine on a GPU node with guided JSON decoding; vllm is imported only
-  when this backend is selected (an optional extra, never needed for tests).
+- `vllm`: an in-process vLLM engine on a GPU node with guided JSON decoding, driven one call at a time
+  with a cap on calls in flight (`mars.qtm.serial_engine`); vllm is imported only when this backend is
+  selected (an optional extra, never needed for tests).
 
 Rule-based estimation (`rules`) is not a Controller: it is synchronous, never fails, and is the
 fallback the guard (`mars.qtm.guard`) uses whatever backend is configured.
@@ -14,13 +15,13 @@ fallback the guard (`mars.qtm.guard`) uses whatever backend is configured.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Sequence
 from typing import Any, Literal, Protocol
 
 from mars.llm_json import Dialect, EndpointError, JsonChatClient, JsonReply
 from mars.qtm.prompts import SYSTEM_ROLE, PromptTemplate
 from mars.qtm.schema import qtm_json_schema
+from mars.qtm.serial_engine import SerialEngine
 
 Backend = Literal["rules", "openai", "llamacpp", "vllm"]
 BACKENDS: tuple[str, ...] = ("rules", "openai", "llamacpp", "vllm")
@@ -72,52 +73,94 @@ class OpenAICompatibleController:
         await self._client.aclose()
 
 
-class VllmController:
-    """An in-process vLLM engine with guided JSON decoding (GPU nodes; `pip install vllm`)."""
+class OfflineEngine(Protocol):
+    """What the controller uses of vLLM's offline `LLM` (a test can stand in for it)."""
 
-    def __init__(self, model: str, prompt: PromptTemplate, max_tokens: int = 200, seed: int = 0) -> None:
+    def get_tokenizer(self) -> Any: ...
+
+    def generate(self, prompts: list[str], sampling_params: Any, *, use_tqdm: bool) -> list[Any]: ...
+
+
+def vllm_sampling_params(max_tokens: int, seed: int) -> Any:
+    """Deterministic decoding constrained to the QTM JSON schema, in the installed vLLM's spelling."""
+    from vllm import SamplingParams
+
+    params: dict[str, Any] = {"temperature": 0.0, "max_tokens": max_tokens, "seed": seed}
+    try:  # vLLM >= 0.10 names it structured outputs; older releases guided decoding
+        from vllm.sampling_params import StructuredOutputsParams
+
+        params["structured_outputs"] = StructuredOutputsParams(json=qtm_json_schema())
+    except ImportError:
+        from vllm.sampling_params import GuidedDecodingParams
+
+        params["guided_decoding"] = GuidedDecodingParams(json=qtm_json_schema())
+    return SamplingParams(**params)
+
+
+class VllmController:
+    """An in-process vLLM engine with guided JSON decoding (GPU nodes; `pip install vllm`).
+
+    The offline engine is not thread-safe and a `generate` cannot be stopped once started, so every call
+    (chat template and generate) runs on one worker thread, one at a time, at most `max_in_flight`
+    admitted (`SerialEngine`); past that, or when generate fails, the call raises ControllerUnavailable
+    and the guard answers from the rules.
+    """
+
+    def __init__(
+        self, engine: OfflineEngine, sampling_params: Any, prompt: PromptTemplate, max_in_flight: int = 4
+    ) -> None:
+        self.name = "vllm"
+        self.prompt_version = prompt.version
+        self._prompt = prompt
+        self._engine = engine
+        self._params = sampling_params
+        self._serial = SerialEngine(max_in_flight, name="vllm-engine")
+
+    @classmethod
+    def load(
+        cls, model: str, prompt: PromptTemplate, max_tokens: int = 200, seed: int = 0, max_in_flight: int = 4
+    ) -> VllmController:
+        """Load `model` into an offline vLLM engine on this node's GPU."""
         try:
-            from vllm import LLM, SamplingParams
+            from vllm import LLM
         except ImportError as exc:  # an optional extra: say how to get it instead of a bare traceback
             raise ImportError(
                 "the 'vllm' QTM backend needs vllm on a GPU node (pip install vllm); "
                 "use MARS_QTM_BACKEND=openai to reach a vLLM server instead"
             ) from exc
-        self.name = "vllm"
-        self.prompt_version = prompt.version
-        self._prompt = prompt
-        self._llm = LLM(model=model, seed=seed)
-        self._tokenizer = self._llm.get_tokenizer()
-        params: dict[str, Any] = {"temperature": 0.0, "max_tokens": max_tokens, "seed": seed}
-        try:  # vLLM >= 0.10 names it structured outputs; older releases guided decoding
-            from vllm.sampling_params import StructuredOutputsParams
+        engine = LLM(model=model, seed=seed)
+        return cls(engine, vllm_sampling_params(max_tokens, seed), prompt, max_in_flight)
 
-            params["structured_outputs"] = StructuredOutputsParams(json=qtm_json_schema())
-        except ImportError:
-            from vllm.sampling_params import GuidedDecodingParams
+    @property
+    def in_flight(self) -> int:
+        return self._serial.in_flight
 
-            params["guided_decoding"] = GuidedDecodingParams(json=qtm_json_schema())
-        self._params = SamplingParams(**params)
+    def _generate(self, messages: list[dict[str, str]]) -> ControllerReply:
+        """One blocking call on the engine's worker thread (the tokenizer is the engine's, so it too)."""
+        tokenizer = self._engine.get_tokenizer()
+        prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        out = self._engine.generate([prompt], self._params, use_tqdm=False)[0]
+        return ControllerReply(
+            text=out.outputs[0].text,
+            input_tokens=len(out.prompt_token_ids or []),
+            output_tokens=len(out.outputs[0].token_ids),
+            usage_estimated=False,
+        )
 
     async def call(self, text: str, active_context: Sequence[str]) -> ControllerReply:
         messages = [
             {"role": "system", "content": SYSTEM_ROLE},
             {"role": "user", "content": self._prompt.render(text, active_context)},
         ]
-        prompt = self._tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        # The offline engine is synchronous; a worker thread keeps the event loop (and Kafka) alive.
-        outputs = await asyncio.to_thread(self._llm.generate, [prompt], self._params, use_tqdm=False)
-        out = outputs[0]
-        content = out.outputs[0].text
-        return ControllerReply(
-            text=content,
-            input_tokens=len(out.prompt_token_ids or []),
-            output_tokens=len(out.outputs[0].token_ids),
-            usage_estimated=False,
-        )
+        try:
+            return await self._serial.run(lambda: self._generate(messages))
+        except ControllerUnavailable:
+            raise
+        except Exception as exc:  # an engine error is an endpoint error: the guard falls back to rules
+            raise ControllerUnavailable(f"vllm generate failed: {exc!r}") from exc
 
     async def aclose(self) -> None:
-        return None
+        self._serial.close()
 
 
 def make_controller(
@@ -129,8 +172,11 @@ def make_controller(
     api_key: str | None = None,
     timeout_s: float = 10.0,
     max_tokens: int = 200,
+    max_in_flight: int = 4,
 ) -> Controller | None:
-    """The configured controller, or None for `rules` (the guard answers from rules alone)."""
+    """The configured controller, or None for `rules` (the guard answers from rules alone).
+
+    `max_in_flight` caps the in-process vllm backend's admitted calls (running and queued)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown QTM backend {backend!r}; known: {', '.join(BACKENDS)}")
     if backend == "rules":
@@ -139,7 +185,7 @@ def make_controller(
     if backend == "vllm":
         if not model:
             raise ValueError("the vllm QTM backend needs a model path (MARS_QTM_MODEL)")
-        return VllmController(model, template, max_tokens)
+        return VllmController.load(model, template, max_tokens, max_in_flight=max_in_flight)
     if not base_url:
         raise ValueError(f"the {backend} QTM backend needs an endpoint (MARS_QTM_URL)")
     flavour: Dialect = "llamacpp" if backend == "llamacpp" else "openai"

@@ -80,7 +80,7 @@ class HybridMemory:
         self,
         embedder: Embedder | None,
         config: HybridConfig | None = None,
-        use_gpu: bool | None = None,
+        use_gpu: bool = False,
         query_embedder: Embedder | None = None,
     ) -> None:
         self.config = config or HybridConfig()
