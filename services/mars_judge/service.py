@@ -59,7 +59,8 @@ class JudgeSettings(ServiceSettings):
     #: Name of the environment variable holding the judge endpoint's API key.
     judge_api_key_env: str = "MARS_JUDGE_API_KEY"
     judge_prompt: str = "judge-v1"
-    #: Eq. 17 penalty coefficients: realmem or multichallenge (Table 9).
+    #: Eq. 17 profile (B.5): realmem, or multichallenge (its penalties, and M averaging in revision
+    #: application with coverage as 1).
     judge_profile: str = "realmem"
     judge_deadline_ms: int = 10_000
     judge_max_tokens: int = 200

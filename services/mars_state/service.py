@@ -19,6 +19,7 @@ from mars.v1 import services_pb2 as svc
 from mars.v1 import services_pb2_grpc as svc_grpc
 from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
+from pydantic import Field
 
 STAGE = "state"
 
@@ -51,6 +52,9 @@ class StateSettings(ServiceSettings):
     #: After this the rules backend answers the turn (the controller call is abandoned).
     qtm_deadline_ms: int = 1500
     qtm_max_tokens: int = 200
+    #: In-process vllm backend: calls in flight (running or queued on its one engine thread); beyond it a
+    #: turn falls back to the rules at once instead of queueing behind a busy engine.
+    qtm_max_in_flight: int = Field(default=4, ge=1)
     #: Controller prices per million tokens (Table 10: Qwen2.5-7B-Instruct).
     qtm_price_input_per_m: float = 0.04
     qtm_price_output_per_m: float = 0.10
@@ -69,6 +73,7 @@ def make_estimator(settings: StateSettings) -> GuardedEstimator:
         api_key=os.environ.get(settings.qtm_api_key_env) or None,
         timeout_s=deadline_s + 1.0,
         max_tokens=settings.qtm_max_tokens,
+        max_in_flight=settings.qtm_max_in_flight,
     )
     pricing = TokenPrices(settings.qtm_price_input_per_m, settings.qtm_price_output_per_m)
     return GuardedEstimator(controller, deadline_s, pricing)

@@ -79,6 +79,17 @@ def test_profiles_set_the_penalties(profile: str, penalty: float) -> None:
     assert j.penalty == pytest.approx(penalty) == pytest.approx(PROFILES[profile].restart)
 
 
+def test_profiles_compose_m_from_the_llm_scores() -> None:
+    """B.5: MultiChallenge's M averages in the judge's revision application, with coverage as 1."""
+    text = json.dumps({"scores": dict(TOP, revision_application=1), "flags": NO_FLAGS, "confidence": 1})
+    mc = run(judge(FakeClient(text), "multichallenge").score(generated(phase=ev.REVISE), 0.0))
+    assert mc.memory_component == pytest.approx((1.0 + 1.0 + 1.0 + 0.2) / 4)
+    assert mc.utility == pytest.approx(0.45 * 0.8 + 0.40 + 0.15)
+    rm = run(judge(FakeClient(text), "realmem").score(generated(phase=ev.REVISE), 0.0))
+    assert 0.0 < rm.coverage < 1.0 and rm.coverage == pytest.approx(mc.coverage)
+    assert rm.memory_component == pytest.approx((rm.coverage + 1.0 + 1.0) / 3)
+
+
 def test_bad_fields_are_repaired_from_the_deterministic_judge() -> None:
     deterministic = run(judge(None).score(generated(), 0.0))
     scores = dict(TOP, answer_helpfulness=9)

@@ -19,7 +19,8 @@ def _enum_names(enum: Any) -> list[str]:
 
 @functools.cache
 def qtm_json_schema() -> dict[str, Any]:
-    """JSON schema of one controller answer: what `response_format` / guided decoding constrain to."""
+    """JSON schema of one controller answer: what `response_format` / guided decoding constrain to. Within
+    OpenAI's strict subset (`mars.llm_json.strict_schema_violations`) but for the grammar-only maxLength."""
     return {
         "type": "object",
         "properties": {
@@ -34,13 +35,16 @@ def qtm_json_schema() -> dict[str, Any]:
                     "ambiguity": {"type": "string", "enum": _enum_names(ev.Ambiguity)},
                 },
                 "required": ["need_memory", "memory_span", "ambiguity"],
+                "additionalProperties": False,
             },
             "lens_recommendation": {"type": "integer", "enum": list(ALLOWED_LENS)},
             "top_k_hint": {"type": "integer", "enum": list(ALLOWED_TOP_K)},
             "prefer_recent": {"type": "integer", "enum": [0, 1]},
             "retrieval_scope": {"type": "string", "enum": _enum_names(ev.RetrievalScope)},
             "lens_confidence": {"type": "number", "minimum": 0, "maximum": 1},
-            "lens_reason": {"type": "string", "maxLength": 200},
+            # maxLength bounds the grammar dialect's output; strict mode rejects it, so the openai dialect
+            # drops it (mars.llm_json.strict_subset) and the description asks for the same bound.
+            "lens_reason": {"type": "string", "maxLength": 200, "description": "at most 200 characters"},
         },
         "required": [
             "action",
@@ -54,6 +58,8 @@ def qtm_json_schema() -> dict[str, Any]:
             "lens_confidence",
             "lens_reason",
         ],
+        # Strict mode (OpenAI) rejects objects that allow extra keys; grammars then stop at the listed ones.
+        "additionalProperties": False,
     }
 
 

@@ -1,11 +1,11 @@
 """The rubric judge (paper Eq. 17, Table 9, appendix B.5).
 
-The deterministic judge (`mars.domain.reward.judge_turn`) always runs first: its signals (memory coverage
-of the answer, empty answer) are given to the LLM judge, and it is the answer whenever the LLM judge is
-down, late or unparseable (`judge_fallback_reason` on the Judged event). Scores the LLM leaves out or puts
-out of range are taken from, or clamped towards, the deterministic judge field by field, so every judged
-turn carries a complete, valid rubric. The judge sees the query, the packed memory, the state and the
-answer; never future turns or labels.
+The deterministic judge (`mars.domain.reward.judge_turn`) always runs first: its signals (the answer's
+use of the relevant memory, empty answer) are given to the LLM judge, and it is the answer whenever the
+LLM judge is down, late or unparseable (`judge_fallback_reason` on the Judged event). Scores the LLM
+leaves out or puts out of range are taken from, or clamped towards, the deterministic judge field by field,
+so every judged turn carries a complete, valid rubric. The judge sees the query, the packed memory, the
+state and the answer; never future turns or labels.
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ _outcomes = metrics.get_meter("mars.judge").create_counter(
 
 @functools.cache
 def rubric_json_schema() -> dict[str, Any]:
-    """Schema of one judgement, derived from the proto RubricScores / FailureFlags fields."""
+    """Schema of one judgement, derived from the proto RubricScores / FailureFlags fields; within OpenAI's
+    strict subset (`mars.llm_json.strict_schema_violations`)."""
     return {
         "type": "object",
         "properties": {
@@ -48,15 +49,19 @@ def rubric_json_schema() -> dict[str, Any]:
                 "type": "object",
                 "properties": {f: {"type": "integer", "enum": [0, 1, 2, 3, 4, 5]} for f in SCORE_FIELDS},
                 "required": list(SCORE_FIELDS),
+                "additionalProperties": False,
             },
             "flags": {
                 "type": "object",
                 "properties": {f: {"type": "boolean"} for f in FLAG_FIELDS},
                 "required": list(FLAG_FIELDS),
+                "additionalProperties": False,
             },
             "confidence": {"type": "number", "minimum": 0, "maximum": 1},
         },
         "required": ["scores", "flags", "confidence"],
+        # Strict mode (OpenAI) rejects objects that allow extra keys; every object here is closed.
+        "additionalProperties": False,
     }
 
 
@@ -144,7 +149,7 @@ class RubricJudge:
             self._count("empty_answer")
             return judged
         signals = {
-            "memory_coverage_of_answer": round(judged.coverage, 3),
+            "answer_use_of_relevant_memory": round(judged.coverage, 3),
             "answer_empty": not generated.text.strip(),
             "memory_blocks": len(generated.packed_blocks),
             "final_step": judged.final_step,
@@ -176,7 +181,8 @@ class RubricJudge:
         return judged
 
     def _apply(self, judged: ev.Judged, raw: dict[str, Any], lambda_cost: float) -> None:
-        """LLM scores and flags over the deterministic ones, field by field, then Eq. 17 again."""
+        """LLM scores and flags over the deterministic ones, field by field, then Eq. 17 again under the
+        profile (MultiChallenge's M takes the LLM's revision application, and coverage as 1)."""
         scores: dict[str, Any] = raw["scores"] if isinstance(raw.get("scores"), dict) else {}
         flags: dict[str, Any] = raw["flags"] if isinstance(raw.get("flags"), dict) else {}
         repaired = 0
