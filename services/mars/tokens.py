@@ -8,15 +8,30 @@ over-counts so a packed prompt stays inside the budget.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import logging
 from collections.abc import Callable
+from typing import Any
 
 from mars.domain.text import estimate_tokens
 
 log = logging.getLogger(__name__)
 
 TokenCounter = Callable[[str], int]
+
+#: GGUF vocabularies loaded by counters, freed by close_tokenizers.
+_vocabularies: list[Any] = []
+
+
+@atexit.register
+def close_tokenizers() -> None:
+    """Free every loaded GGUF vocabulary now. Runs at exit while the interpreter still works: left to
+    garbage collection, llama_cpp's finaliser can run after its module globals are gone and print
+    `TypeError: 'NoneType' object is not callable` from free_model. Counters made before are dropped."""
+    load_counter.cache_clear()
+    while _vocabularies:
+        _vocabularies.pop().close()
 
 
 #: Texts whose token counts a real tokenizer keeps: memory blocks recur from turn to turn (the active
@@ -41,6 +56,7 @@ def _load_exact(spec: str | None) -> TokenCounter:
             from llama_cpp import Llama
 
             vocab = Llama(model_path=path, vocab_only=True, verbose=False)
+            _vocabularies.append(vocab)
             return lambda text: len(vocab.tokenize(text.encode("utf-8"), add_bos=False, special=False))
         if kind == "hf":
             from tokenizers import Tokenizer

@@ -1,10 +1,10 @@
-"""`mars probe qtm` and `mars probe qtm-boundaries` on the real RealMem bench data at a small N, with the
-rules backend against the real local llama.cpp controller (started by the probe itself)."""
+"""`mars probe qtm` and `mars probe qtm-boundaries` on the project's synthetic RealMem-format persona
+(tests/fixtures/realmem) at a small N, with the rules backend against the real local llama.cpp controller
+(started by the probe itself). The public RealMem data is for benchmark runs (`--data`), not for tests."""
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,14 +13,12 @@ import pytest
 
 pytestmark = pytest.mark.integration
 
-REALMEM = Path(
-    os.environ.get("MARS_REALMEM_DATA", Path(__file__).parents[2] / ".." / "shared" / "bench" / "realmem")
-)
+#: Made by tests/fixtures/realmem/make_synthetic_persona.py: 14 sessions, 3 projects, 5 scored queries.
+REALMEM = Path(__file__).parents[1] / "fixtures" / "realmem"
+PERSONA = "Synth_Wanderer"
 
 
 def realmem_dir() -> Path:
-    # The bench data lies beside the checkout (../shared), as on CI: required, not optional.
-    assert REALMEM.is_dir(), f"RealMem bench data not found at {REALMEM} (set MARS_REALMEM_DATA)"
     return REALMEM
 
 
@@ -37,7 +35,7 @@ def mars(*args: str, timeout: float = 400) -> subprocess.CompletedProcess[str]:
 def test_probe_qtm_rules_vs_llamacpp(tmp_path: Path) -> None:
     out = tmp_path / "probe.json"
     run = mars(
-        "probe", "qtm", "--data", str(realmem_dir()), "--snapshots", "3", "--personas", "Lin_Wanyu",
+        "probe", "qtm", "--data", str(realmem_dir()), "--snapshots", "3", "--personas", PERSONA,
         "--max-sessions", "20", "--a", "rules", "--b", "backend=llamacpp,prompt=qtm-v1-paraphrased",
         "--out", str(out),
     )  # fmt: skip
@@ -56,7 +54,7 @@ def test_probe_qtm_rules_vs_llamacpp(tmp_path: Path) -> None:
 def test_probe_boundaries_scores_each_backend(tmp_path: Path) -> None:
     out = tmp_path / "boundaries.json"
     run = mars(
-        "probe", "qtm-boundaries", "--data", str(realmem_dir()), "--personas", "Lin_Wanyu", "--limit", "3",
+        "probe", "qtm-boundaries", "--data", str(realmem_dir()), "--personas", PERSONA, "--limit", "3",
         "--configs", "rules", "backend=llamacpp", "--out", str(out),
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]

@@ -50,3 +50,28 @@ def test_packing_with_a_real_tokenizer_stays_in_budget() -> None:
     assert packed.clipped_block_ids and packed.clipped_block_ids[0] == "hist:9"  # lowest-ranked goes first
     recount = sum(count(m["content"]) + 4 for m in packed.messages)
     assert recount <= 600
+
+
+def test_gguf_vocabulary_is_freed_before_interpreter_exit() -> None:
+    """The interpreter-exit noise `TypeError: 'NoneType' object is not callable` from llama_cpp's
+    free_model: at exit, atexit hooks run first, then module globals are torn down, then leftover objects
+    are collected. The subprocess replays that order (exit hooks, llama_cpp's globals gone, collection):
+    the vocabulary must already be freed by then, so its finaliser has nothing left to do."""
+    import subprocess
+    import sys
+
+    code = (
+        "import atexit, gc\n"
+        "import llama_cpp._internals as internals\n"
+        "from mars.tokens import load_counter\n"
+        f"count = load_counter('gguf:{GGUF}')\n"
+        "assert count('hello world') > 0\n"
+        "atexit._run_exitfuncs()\n"
+        "internals.llama_cpp = None\n"
+        "load_counter.cache_clear()\n"
+        "del count\n"
+        "gc.collect()\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "Exception ignored" not in run.stderr, run.stderr
