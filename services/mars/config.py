@@ -10,7 +10,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from pydantic import field_validator
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 #: Base topic names, one per turn stage plus the dead-letter topic (ARCHITECTURE.md, "Events over Kafka").
@@ -123,8 +123,11 @@ class ServiceSettings(BaseSettings):
     handler_attempts: int = 3
     #: OTLP/gRPC endpoint for traces; nothing is exported when unset.
     otlp_endpoint: str | None = None
-    #: Directory where each service appends its finished spans as JSON lines (tests, local debugging).
+    #: Directory where each service appends its finished spans as JSON lines, and metric snapshots under
+    #: metrics/ (tests, local debugging).
     trace_dir: str | None = None
+    #: Seconds between metric exports (to the OTLP endpoint and the trace_dir file).
+    metrics_interval_s: float = Field(default=30.0, gt=0)
     log_level: str = "INFO"
     #: Put in front of every topic name (e.g. "run7." gives "run7.mars.turn.received"), so runs with
     #: different configurations share one broker without mixing events; "" keeps the plain names.

@@ -18,7 +18,7 @@ from psycopg_pool import AsyncConnectionPool
 from mars import db
 from mars.bus import EventProducer, StageConsumer, ensure_topics
 from mars.config import ServiceSettings
-from mars.telemetry import setup_tracing
+from mars.telemetry import setup_telemetry
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ def configure_logging(level: str, name: str) -> None:
 
 async def serve(name: str, settings: ServiceSettings, build: Builder, migrations: Sequence[str] = ()) -> None:
     configure_logging(settings.log_level, name)
-    provider = setup_tracing(name, settings)
+    telemetry = setup_telemetry(name, settings)
     await ensure_topics(settings.kafka_bootstrap, settings.kafka_partitions, settings.topics.all)
     producer = EventProducer(settings, name)
     await producer.start()
@@ -123,7 +123,7 @@ async def serve(name: str, settings: ServiceSettings, build: Builder, migrations
         await hook()
     await producer.stop()
     await pool.close()
-    provider.shutdown()
+    telemetry.shutdown()
     if crashed:
         raise SystemExit(1)
 

@@ -1,7 +1,11 @@
-"""OpenTelemetry setup and W3C trace-context propagation over Kafka headers and gRPC metadata.
+"""OpenTelemetry setup (traces and metrics) and W3C trace-context propagation over Kafka headers and gRPC
+metadata.
 
-Nothing is exported by default; `MARS_OTLP_ENDPOINT` adds an OTLP exporter and `MARS_TRACE_DIR` a
-JSON-lines file per service (used by the end-to-end tests to check one trace covers a whole turn).
+Nothing is exported by default; `MARS_OTLP_ENDPOINT` adds OTLP exporters for spans and metrics, and
+`MARS_TRACE_DIR` a JSON-lines file of spans per service (used by the end-to-end tests to check one trace
+covers a whole turn) and one of metric snapshots under `metrics/` (every `MARS_METRICS_INTERVAL_S`).
+Metric instruments (`mars.cost.usd`, `mars.qtm.outcomes`, ...) are created from the global API at import
+time; they record once a MeterProvider is installed here.
 """
 
 from __future__ import annotations
@@ -10,10 +14,19 @@ import json
 import logging
 import threading
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 from opentelemetry import context as otel_context
-from opentelemetry import propagate, trace
+from opentelemetry import metrics, propagate, trace
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import (
+    ConsoleMetricExporter,
+    MetricReader,
+    MetricsData,
+    PeriodicExportingMetricReader,
+)
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import (
@@ -75,9 +88,57 @@ def _jsonable(value: object) -> object:
     return str(value)
 
 
-def setup_tracing(service: str, settings: ServiceSettings) -> TracerProvider:
+@dataclass
+class Telemetry:
+    """The installed providers; `shutdown` flushes what is pending (a last metric snapshot included)."""
+
+    tracer_provider: TracerProvider
+    meter_provider: MeterProvider
+    _files: list[IO[str]]
+
+    def shutdown(self) -> None:
+        self.tracer_provider.shutdown()
+        self.meter_provider.shutdown()
+        for fh in self._files:
+            fh.close()
+
+
+def _one_line(data: MetricsData) -> str:
+    return data.to_json(indent=None) + "\n"
+
+
+def setup_telemetry(service: str, settings: ServiceSettings) -> Telemetry:
+    """Install the tracer and meter providers for `service` with the exporters the settings ask for."""
+    resource = Resource.create({"service.name": f"mars-{service}"})
+    tracer_provider = setup_tracing(service, settings, resource)
+    readers: list[MetricReader] = []
+    files: list[IO[str]] = []
+    interval_ms = settings.metrics_interval_s * 1000
+    if settings.trace_dir:
+        path = Path(settings.trace_dir) / "metrics" / f"{service}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fh = path.open("a", encoding="utf-8")
+        files.append(fh)
+        exporter = ConsoleMetricExporter(out=fh, formatter=_one_line)
+        readers.append(PeriodicExportingMetricReader(exporter, export_interval_millis=interval_ms))
+    if settings.otlp_endpoint:
+        from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
+
+        readers.append(
+            PeriodicExportingMetricReader(
+                OTLPMetricExporter(endpoint=settings.otlp_endpoint), export_interval_millis=interval_ms
+            )
+        )
+    meter_provider = MeterProvider(resource=resource, metric_readers=readers)
+    metrics.set_meter_provider(meter_provider)
+    return Telemetry(tracer_provider, meter_provider, files)
+
+
+def setup_tracing(
+    service: str, settings: ServiceSettings, resource: Resource | None = None
+) -> TracerProvider:
     """Install a tracer provider for `service` with the exporters the settings ask for."""
-    provider = TracerProvider(resource=Resource.create({"service.name": f"mars-{service}"}))
+    provider = TracerProvider(resource=resource or Resource.create({"service.name": f"mars-{service}"}))
     if settings.trace_dir:
         # Simple (synchronous) processor: spans must be on disk before a test reads them.
         provider.add_span_processor(

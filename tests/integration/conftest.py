@@ -19,7 +19,8 @@ HERE = Path(__file__).parent
 #: Settings every test stack gets. Answers take seconds here; ingress's turn bound (turn_timeout_s) only
 #: matters when something hangs. Checked against the services' settings models, so a misspelt name fails
 #: here instead of being ignored.
-STACK_ENV = {"MARS_TURN_TIMEOUT_S": "120"}
+#: Metric snapshots every 2 s, so a test sees its counters soon after the turns.
+STACK_ENV = {"MARS_TURN_TIMEOUT_S": "120", "MARS_METRICS_INTERVAL_S": "2"}
 
 
 def start_stack(

@@ -311,6 +311,39 @@ def test_one_trace_covers_every_stage(
     assert {s["trace_id"] for s in spans} == {reply.trace_id}
 
 
+def _metric_points(stack: LocalStack, service: str, metric: str) -> list[dict[str, object]]:
+    """Data points of `metric` in the service's newest metric snapshot (cumulative sums)."""
+    path = Path(stack.env["MARS_TRACE_DIR"]) / "metrics" / f"{service}.jsonl"
+    if not path.exists():
+        return []
+    points: list[dict[str, object]] = []
+    for line in path.read_text().splitlines()[-1:]:
+        for rm in json.loads(line)["resource_metrics"]:
+            for sm in rm["scope_metrics"]:
+                for m in sm["metrics"]:
+                    if m["name"] == metric:
+                        points.extend(m["data"]["data_points"])
+    return points
+
+
+def test_cost_and_controller_counters_are_exported(
+    stack: LocalStack, conversation: dict[str, list[svc.TurnReply]]
+) -> None:
+    """The OTel counters record through a real MeterProvider and reach the exporter (metric snapshots
+    under MARS_TRACE_DIR/metrics): generator cost per conversation user, controller outcomes."""
+
+    def generator_users() -> set[str]:
+        return {
+            str(p["attributes"]["user"])  # type: ignore[index]
+            for p in _metric_points(stack, "judge", "mars.cost.usd")
+            if p["attributes"].get("component") == "generator" and float(p["value"]) > 0  # type: ignore[attr-defined, arg-type]
+        }
+
+    wait_for(lambda: generator_users() >= set(conversation), timeout_s=30, what="mars.cost.usd points")
+    outcomes = _metric_points(stack, "state", "mars.qtm.outcomes")
+    assert sum(int(p["value"]) for p in outcomes) >= sum(len(r) for r in conversation.values())  # type: ignore[call-overload]
+
+
 @pytest.mark.parametrize(
     ("request_fields", "message"),
     [
