@@ -10,7 +10,8 @@ import pytest
 from mars import db
 from mars.retrieval.embedder import SentenceTransformerEmbedder
 from mars.v1 import events_pb2 as ev
-from mars_memory.service import MIGRATIONS, MemorySettings, MemoryStore
+from mars_memory.service import MemorySettings
+from mars_memory.store import MIGRATIONS, MemoryStore
 from mars_stack import LocalStack, StackSettings
 
 pytestmark = pytest.mark.integration

@@ -1,0 +1,335 @@
+"""The memory service's persistence: turn pairs, threads and progress in Postgres, and each user's
+FAISS + BM25 index derived from them (paper Eq. 12, Table 6: the state-conditioned candidate view)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+import uuid
+from typing import TYPE_CHECKING
+
+import numpy as np
+from mars.domain.memory_policy import MemoryControls, MemoryRecord, build_view, memory_controls
+from mars.domain.thread_state import (
+    fold_turn,
+    new_thread,
+    render_active_state,
+    thread_from_json,
+    thread_to_json,
+)
+from mars.retrieval.embedder import Embedder, LruEmbedder
+from mars.retrieval.hybrid import POLICY_CONFIGS, HybridMemory, embed_chunks, state_conditioned
+from mars.v1 import events_pb2 as ev
+from psycopg import AsyncConnection
+from psycopg.types.json import Jsonb
+from psycopg_pool import AsyncConnectionPool
+
+if TYPE_CHECKING:  # the settings model lives with the service (one per service); only its type is needed
+    from mars_memory.service import MemorySettings
+
+MIGRATIONS = [
+    """
+    CREATE TABLE IF NOT EXISTS memory_threads (
+        thread_id TEXT PRIMARY KEY, tenant TEXT NOT NULL, user_id TEXT NOT NULL,
+        status TEXT NOT NULL, opened_seq BIGINT NOT NULL, title TEXT NOT NULL,
+        created_at TIMESTAMPTZ NOT NULL DEFAULT now()
+    )
+    """,
+    "CREATE INDEX IF NOT EXISTS memory_threads_user ON memory_threads (tenant, user_id, status)",
+    """
+    CREATE TABLE IF NOT EXISTS memory_records (
+        record_id TEXT PRIMARY KEY, turn_id TEXT NOT NULL UNIQUE,
+        tenant TEXT NOT NULL, user_id TEXT NOT NULL, session_id TEXT NOT NULL, thread_id TEXT NOT NULL,
+        seq BIGINT NOT NULL, user_text TEXT NOT NULL, assistant_text TEXT NOT NULL,
+        created_at TIMESTAMPTZ NOT NULL DEFAULT now()
+    )
+    """,
+    "CREATE INDEX IF NOT EXISTS memory_records_user ON memory_records (tenant, user_id, seq)",
+    # The active-thread state (subject, constraints, latest artifact version) as JSON.
+    "ALTER TABLE memory_threads ADD COLUMN IF NOT EXISTS state JSONB",
+    # Chunk vectors (float32, one row per piece) beside the text, so indexes rebuild without re-embedding.
+    "ALTER TABLE memory_records ADD COLUMN IF NOT EXISTS embedding BYTEA",
+    "ALTER TABLE memory_records ADD COLUMN IF NOT EXISTS embedding_model TEXT",
+    """
+    CREATE TABLE IF NOT EXISTS memory_progress (
+        tenant TEXT NOT NULL, user_id TEXT NOT NULL, applied_seq BIGINT NOT NULL,
+        PRIMARY KEY (tenant, user_id)
+    )
+    """,
+]
+
+
+def _blob(vectors: np.ndarray | None) -> bytes | None:
+    return vectors.astype(np.float32).tobytes() if vectors is not None else None
+
+
+def _record(row: tuple[object, ...]) -> MemoryRecord:
+    return MemoryRecord(
+        record_id=str(row[0]),
+        session_id=str(row[1]),
+        turn_id=str(row[2]),
+        seq=int(row[3]),  # type: ignore[call-overload]
+        user_text=str(row[4]),
+        assistant_text=str(row[5]),
+    )
+
+
+class UserIndex:
+    """One user's derived retrieval index (rebuilt from Postgres on first use after a start)."""
+
+    def __init__(self, memory: HybridMemory) -> None:
+        self.memory = memory
+        self.records: dict[str, MemoryRecord] = {}
+        self.thread_of: dict[str, str] = {}
+
+    def add(self, record: MemoryRecord, thread_id: str, vectors: np.ndarray | None) -> None:
+        if record.record_id in self.memory:
+            return
+        self.memory.add_group(record.record_id, record.seq, [record.text], vectors)
+        self.records[record.record_id] = record
+        self.thread_of[record.record_id] = thread_id
+
+
+class MemoryStore:
+    """Postgres-backed memory of one deployment; every query is scoped to (tenant, user_id).
+
+    Postgres holds the records, threads and chunk vectors; the FAISS + BM25 index of each user is a
+    cache derived from them, loaded on the user's first view after a start (a replica only ever sees
+    the users of the partitions it owns, so indexes shard with the Kafka partitions).
+    """
+
+    def __init__(
+        self, pool: AsyncConnectionPool, settings: MemorySettings, embedder: Embedder | None
+    ) -> None:
+        self._pool = pool
+        self._settings = settings
+        # None: the embedder could not load; views are served from Postgres-backed BM25 alone.
+        self._embedder = embedder
+        self._query_embedder = LruEmbedder(embedder) if embedder is not None else None
+        self._model_name = settings.embedding_model or "all-MiniLM-L6-v2"
+        self._applied = asyncio.Condition()
+        self._indexes: dict[tuple[str, str], UserIndex] = {}
+        self._locks: dict[tuple[str, str], asyncio.Lock] = {}
+        base = POLICY_CONFIGS.get(settings.view_policy, POLICY_CONFIGS["mars"])
+        self._config = dataclasses.replace(base, **settings.fusion)  # type: ignore[arg-type]
+
+    def _new_memory(self) -> HybridMemory:
+        return HybridMemory(self._embedder, self._config, self._settings.use_gpu, self._query_embedder)
+
+    async def user_index(self, tenant: str, user_id: str) -> UserIndex:
+        key = (tenant, user_id)
+        if key in self._indexes:
+            return self._indexes[key]
+        lock = self._locks.setdefault(key, asyncio.Lock())
+        async with lock:
+            if key in self._indexes:
+                return self._indexes[key]
+            index = UserIndex(self._new_memory())
+            async with self._pool.connection() as conn:
+                cur = await conn.execute(
+                    "SELECT record_id, session_id, turn_id, seq, user_text, assistant_text, thread_id, embedding, "
+                    "embedding_model FROM memory_records WHERE tenant = %s AND user_id = %s ORDER BY seq",
+                    (tenant, user_id),
+                )
+                rows = await cur.fetchall()
+            for row in rows:
+                record = _record(row)
+                blob, model = row[7], row[8]
+                vectors = None
+                if self._embedder is None:
+                    pass
+                elif blob is not None and model == self._model_name:
+                    vectors = np.frombuffer(bytes(blob), dtype=np.float32).reshape(-1, self._embedder.dim)
+                else:
+                    # Written by another embedding model (or none): re-embed and store back.
+                    vectors = await asyncio.to_thread(self._embed_record, record)
+                    async with self._pool.connection() as conn:
+                        await conn.execute(
+                            "UPDATE memory_records SET embedding = %s, embedding_model = %s WHERE record_id = %s",
+                            (_blob(vectors), self._model_name, record.record_id),
+                        )
+                index.add(record, str(row[6]), vectors)
+            self._indexes[key] = index
+            return index
+
+    async def applied_seq(self, conn: AsyncConnection, tenant: str, user_id: str) -> int:
+        cur = await conn.execute(
+            "SELECT applied_seq FROM memory_progress WHERE tenant = %s AND user_id = %s", (tenant, user_id)
+        )
+        row = await cur.fetchone()
+        return int(row[0]) if row else 0
+
+    async def wait_applied(self, tenant: str, user_id: str, seq: int) -> bool:
+        """True once seq is applied; False when the bounded wait ran out."""
+        deadline = time.monotonic() + self._settings.read_your_writes_wait_s
+        while True:
+            async with self._pool.connection() as conn:
+                if await self.applied_seq(conn, tenant, user_id) >= seq:
+                    return True
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            async with self._applied:
+                try:
+                    # Woken by a local commit; the timeout covers commits by another replica.
+                    await asyncio.wait_for(self._applied.wait(), timeout=min(0.05, remaining))
+                except TimeoutError:
+                    pass
+
+    def _controls(self, state: ev.SessionState) -> MemoryControls:
+        if self._settings.view_policy == "mars":
+            return memory_controls(state)
+        # The ablation policies ignore the state: a fixed budget of retrieved history, nothing else.
+        return MemoryControls(False, 0, self._settings.ablation_top_k, ev.GLOBAL, False)
+
+    async def view(self, tenant: str, user_id: str, text: str, state: ev.SessionState) -> ev.CandidateView:
+        index = await self.user_index(tenant, user_id)
+        async with self._pool.connection() as conn:
+            cur = await conn.execute(
+                "SELECT thread_id, title, state FROM memory_threads "
+                "WHERE tenant = %s AND user_id = %s AND status = 'ACTIVE'",
+                (tenant, user_id),
+            )
+            active = await cur.fetchone()
+        controls = self._controls(state)
+        # A NEW_TOPIC turn starts a fresh thread: the old active thread becomes history.
+        continuing = active is not None and state.action != ev.NEW_TOPIC
+        thread_id = active[0] if continuing and active else None
+        by_seq = sorted(index.records.values(), key=lambda r: r.seq)
+        thread = [r for r in by_seq if index.thread_of[r.record_id] == thread_id]
+        window = thread[-controls.recent_window :] if controls.recent_window > 0 else []
+        active_state = None
+        if continuing and active:
+            thread_state = thread_from_json(active[2]) if active[2] else new_thread(str(active[1]))
+            active_state = render_active_state(thread_state)
+        retrieved = await asyncio.to_thread(self._retrieve, index, text, thread, window, controls)
+        return build_view(controls, active_state, window, retrieved, policy=self._settings.view_policy)
+
+    def _retrieve(
+        self,
+        index: UserIndex,
+        text: str,
+        thread: list[MemoryRecord],
+        window: list[MemoryRecord],
+        controls: MemoryControls,
+    ) -> list[tuple[MemoryRecord, float]]:
+        k = controls.retrieve_k
+        if k <= 0 or not index.records:
+            return []
+        policy = self._settings.view_policy
+        shown = {r.record_id for r in window}
+        if policy == "recent":
+            newest = sorted(index.records.values(), key=lambda r: -r.seq)
+            return [(r, 1.0) for r in newest if r.record_id not in shown][:k]
+        # LOCAL scope keeps retrieval inside the active thread (Table 6: local evidence for revisions).
+        allowed = {r.record_id for r in thread} if controls.scope == ev.LOCAL else set(index.records)
+        cfg = self._config
+        context: list[str] = []
+        if policy == "mars":
+            context = [r.user_text for r in thread[-self._settings.context_turns :]]
+            cfg = state_conditioned(cfg, controls.prefer_recent)
+        ranked = index.memory.rank_groups(text, context, len(index.records), cfg)
+        hits = [(index.records[rid], score) for rid, score in ranked if rid in allowed and rid not in shown]
+        return hits[:k]
+
+    async def commit(self, event: ev.Generated) -> ev.MemoryCommitted:
+        """Store the turn pair and advance the user's applied seq, in one transaction (idempotent by turn_id)."""
+        turn = event.turn
+        out = ev.MemoryCommitted(turn=turn)
+        added: tuple[MemoryRecord, str, np.ndarray | None] | None = None
+        async with self._pool.connection() as conn, conn.transaction():
+            # Serialise a user's commits (two replicas during a rebalance, or a redelivery).
+            await conn.execute(
+                "SELECT pg_advisory_xact_lock(hashtext(%s))", (f"{turn.tenant}/{turn.user_id}",)
+            )
+            cur = await conn.execute(
+                "SELECT record_id, thread_id FROM memory_records WHERE turn_id = %s", (turn.turn_id,)
+            )
+            existing = await cur.fetchone()
+            if existing is not None:
+                out.record_id, out.thread_id, out.stored = existing[0], existing[1], True
+            elif event.status == ev.OK:
+                cur = await conn.execute(
+                    "SELECT thread_id, state, title FROM memory_threads "
+                    "WHERE tenant = %s AND user_id = %s AND status = 'ACTIVE'",
+                    (turn.tenant, turn.user_id),
+                )
+                active = await cur.fetchone()
+                thread_state = new_thread(event.query)
+                if active is None or event.state.action == ev.NEW_TOPIC:
+                    if active is not None:
+                        await conn.execute(
+                            "UPDATE memory_threads SET status = 'ARCHIVED' WHERE thread_id = %s", (active[0],)
+                        )
+                        out.archived_previous_thread = True
+                    out.thread_id = uuid.uuid4().hex
+                    await conn.execute(
+                        "INSERT INTO memory_threads (thread_id, tenant, user_id, status, opened_seq, title) "
+                        "VALUES (%s, %s, %s, 'ACTIVE', %s, %s)",
+                        (out.thread_id, turn.tenant, turn.user_id, turn.seq, event.query[:200]),
+                    )
+                else:
+                    out.thread_id = active[0]
+                    thread_state = thread_from_json(active[1]) if active[1] else new_thread(str(active[2]))
+                thread_state = fold_turn(thread_state, turn.seq, event.query, event.text, event.state)
+                await conn.execute(
+                    "UPDATE memory_threads SET state = %s WHERE thread_id = %s",
+                    (Jsonb(thread_to_json(thread_state)), out.thread_id),
+                )
+                out.record_id = uuid.uuid4().hex
+                record = MemoryRecord(
+                    out.record_id, turn.session_id, turn.turn_id, turn.seq, event.query, event.text
+                )
+                vectors = await asyncio.to_thread(self._embed_record, record)
+                await conn.execute(
+                    "INSERT INTO memory_records (record_id, turn_id, tenant, user_id, session_id, thread_id, seq, "
+                    "user_text, assistant_text, embedding, embedding_model) "
+                    "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
+                    (
+                        out.record_id,
+                        turn.turn_id,
+                        turn.tenant,
+                        turn.user_id,
+                        turn.session_id,
+                        out.thread_id,
+                        turn.seq,
+                        event.query,
+                        event.text,
+                        _blob(vectors),
+                        self._model_name if vectors is not None else None,
+                    ),
+                )
+                out.stored = True
+                added = (record, out.thread_id, vectors)
+            # A failed turn stores nothing but still advances seq, so turn n+1 never waits for it.
+            await conn.execute(
+                """
+                INSERT INTO memory_progress (tenant, user_id, applied_seq) VALUES (%s, %s, %s)
+                ON CONFLICT (tenant, user_id) DO UPDATE
+                SET applied_seq = GREATEST(memory_progress.applied_seq, EXCLUDED.applied_seq)
+                """,
+                (turn.tenant, turn.user_id, turn.seq),
+            )
+        # Searchable right after the commit; a user not loaded yet is rebuilt from Postgres on first use.
+        loaded = self._indexes.get((turn.tenant, turn.user_id))
+        if added is not None and loaded is not None:
+            loaded.add(*added)
+        async with self._applied:
+            self._applied.notify_all()
+        return out
+
+    def query_embedding(self, text: str) -> list[float]:
+        """The query's vector (cached: a view that retrieved already embedded it), [] without an embedder."""
+        if self._query_embedder is None or not self._settings.view_query_embedding:
+            return []
+        return [float(v) for v in self._query_embedder.encode([text])[0]]
+
+    def _embed_record(self, record: MemoryRecord) -> np.ndarray | None:
+        if self._embedder is None:
+            return None
+        return embed_chunks(self._embedder, [record.text], self._config.max_chunk_words)
+
+    @property
+    def dense_available(self) -> bool:
+        return self._embedder is not None
