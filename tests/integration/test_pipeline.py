@@ -527,7 +527,9 @@ def test_confidence_cascade_escalates_on_low_logprob(stack: LocalStack) -> None:
     import asyncio
 
     from mars.pool import ModelPool, ModelSpec
-    from mars_dispatch.service import Dispatcher, DispatchSettings, ModelClients
+    from mars_dispatch.clients import ModelClients
+    from mars_dispatch.dispatcher import Dispatcher
+    from mars_dispatch.service import DispatchSettings
 
     url = stack.env["MARS_LOCAL_LLM_URL"] + "/v1"
     common = {
@@ -570,7 +572,9 @@ def test_turn_deadline_bounds_model_calls(stack: LocalStack) -> None:
     import time
 
     from mars.pool import ModelPool, ModelSpec
-    from mars_dispatch.service import Dispatcher, DispatchSettings, ModelClients
+    from mars_dispatch.clients import ModelClients
+    from mars_dispatch.dispatcher import Dispatcher
+    from mars_dispatch.service import DispatchSettings
 
     spec = ModelSpec(
         name="local",

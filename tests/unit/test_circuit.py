@@ -55,6 +55,29 @@ def test_failed_trial_reopens_for_a_full_pause() -> None:
     assert cb.allow()
 
 
+def test_released_trial_frees_the_slot_without_reopening() -> None:
+    """A trial that ends with no verdict (the caller's deadline, a cancelled caller) must not leave the
+    circuit waiting for a verdict that never comes: the next call becomes the trial."""
+    clock = Clock()
+    cb = CircuitBreaker(failure_threshold=1, reset_after_s=5, clock=clock)
+    cb.record_failure()
+    clock.now = 5
+    assert cb.allow() and not cb.allow()
+    cb.release()
+    assert cb.state == "half_open" and cb.allow()
+    cb.record_success()
+    assert cb.state == "closed"
+
+
+def test_release_counts_nothing_and_keeps_the_streak() -> None:
+    cb = CircuitBreaker(failure_threshold=2, reset_after_s=5, clock=Clock())
+    cb.record_failure()
+    cb.release()
+    assert cb.state == "closed"
+    cb.record_failure()  # the streak was not reset by the release: two failures in a row open it
+    assert cb.state == "open"
+
+
 def test_bad_settings_are_rejected() -> None:
     with pytest.raises(ValueError):
         CircuitBreaker(failure_threshold=0)

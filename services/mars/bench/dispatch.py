@@ -72,7 +72,9 @@ def _view(blocks: int, words: int, salt: int = 0) -> tuple[ev.CandidateView, ev.
 
 
 async def _run(args: argparse.Namespace, console: Console) -> dict[str, list[float]]:
-    from mars_dispatch.service import Dispatcher, DispatchSettings, ModelClients
+    from mars_dispatch.clients import ModelClients
+    from mars_dispatch.dispatcher import Dispatcher
+    from mars_dispatch.service import DispatchSettings
 
     server = await asyncio.start_server(_serve_connection, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]

@@ -3,6 +3,10 @@ fall back at once instead of each waiting out its timeout, and probe it again af
 
 closed --(failure_threshold consecutive failures)--> open --(reset_after_s)--> half-open
 half-open lets one trial call through: success closes the circuit, failure opens it again.
+
+Every call `allow` lets through must end in exactly one of `record_success`, `record_failure` or `release`
+(the call ended with no verdict on the endpoint, e.g. the caller's own deadline cut it or the caller went
+away): an unresolved half-open trial would keep the circuit from ever closing.
 """
 
 from __future__ import annotations
@@ -51,6 +55,11 @@ class CircuitBreaker:
     def record_success(self) -> None:
         self._failures = 0
         self._opened_at = None
+        self._trial_in_flight = False
+
+    def release(self) -> None:
+        """The call ended with no verdict on the endpoint: nothing is counted, the failure streak stands,
+        and a half-open trial's slot is freed so that the next call becomes the trial."""
         self._trial_in_flight = False
 
     def record_failure(self) -> None:
