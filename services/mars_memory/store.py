@@ -10,7 +10,13 @@ import uuid
 from typing import TYPE_CHECKING
 
 import numpy as np
-from mars.domain.memory_policy import MemoryControls, MemoryRecord, build_view, memory_controls
+from mars.domain.memory_policy import (
+    MemoryControls,
+    MemoryRecord,
+    build_view,
+    memory_controls,
+    score_bounds,
+)
 from mars.domain.thread_state import (
     fold_turn,
     new_thread,
@@ -203,8 +209,15 @@ class MemoryStore:
         if continuing and active:
             thread_state = thread_from_json(active[2]) if active[2] else new_thread(str(active[1]))
             active_state = render_active_state(thread_state)
-        retrieved = await asyncio.to_thread(self._retrieve, index, text, thread, window, controls)
-        return build_view(controls, active_state, window, retrieved, policy=self._settings.view_policy)
+        retrieved, bounds = await asyncio.to_thread(self._retrieve, index, text, thread, window, controls)
+        return build_view(
+            controls,
+            active_state,
+            window,
+            retrieved,
+            policy=self._settings.view_policy,
+            ranking_bounds=bounds,
+        )
 
     def _retrieve(
         self,
@@ -213,15 +226,16 @@ class MemoryStore:
         thread: list[MemoryRecord],
         window: list[MemoryRecord],
         controls: MemoryControls,
-    ) -> list[tuple[MemoryRecord, float]]:
+    ) -> tuple[list[tuple[MemoryRecord, float]], tuple[float, float] | None]:
+        """The retrieved records (best first) and the score bounds of the whole ranking they came from."""
         k = controls.retrieve_k
         if k <= 0 or not index.records:
-            return []
+            return [], None
         policy = self._settings.view_policy
         shown = {r.record_id for r in window}
         if policy == "recent":
             newest = sorted(index.records.values(), key=lambda r: -r.seq)
-            return [(r, 1.0) for r in newest if r.record_id not in shown][:k]
+            return [(r, 1.0) for r in newest if r.record_id not in shown][:k], None
         # LOCAL scope keeps retrieval inside the active thread (Table 6: local evidence for revisions).
         allowed = {r.record_id for r in thread} if controls.scope == ev.LOCAL else set(index.records)
         cfg = self._config
@@ -231,7 +245,7 @@ class MemoryStore:
             cfg = state_conditioned(cfg, controls.prefer_recent)
         ranked = index.memory.rank_groups(text, context, len(index.records), cfg)
         hits = [(index.records[rid], score) for rid, score in ranked if rid in allowed and rid not in shown]
-        return hits[:k]
+        return hits[:k], score_bounds(ranked)
 
     async def commit(self, event: ev.Generated) -> ev.MemoryCommitted:
         """Store the turn pair and advance the user's applied seq, in one transaction (idempotent by turn_id)."""

@@ -15,12 +15,20 @@ Layout (FEATURE_DIM = 35; the paper reports 30 for its own encoding):
   3  top_k_hint one-hot (3, 5, 8)
   1  prefer_recent
   1  lens == 3
-  6  load: blocks/16, tokens/4000 (clipped), has_history, retrieved/8 (clipped), max and mean score s/(1+s)
-  3  position: min(depth, 20)/20, revision flag, finalization flag
+  6  load: blocks/16, tokens/4000 (clipped), has_history, retrieved/8 (clipped), max and mean retrieval
+     score as the view reports them: normalised per view into [0, 1] (memory_policy.relative_scores)
+  3  position: min(depth, 20)/20, recent revision flag, recent finalization flag
 An unspecified enum value leaves its one-hot group all zero.
+
+Session position (Table 7: "turn depth, recent revision flag, finalization flag"). The current turn's
+phase is already one-hot above, so the two flags look back instead: a REVISE (resp. SYNTHESIZE) turn among
+the last RECENT_TURNS turns of the session before this one. They tell a fresh revision from one in an
+ongoing edit loop, and a verification or touch-up after a synthesis from an early one.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -53,8 +61,8 @@ FEATURE_NAMES: tuple[str, ...] = (
     "load.max_retrieval_score",
     "load.mean_retrieval_score",
     "pos.turn_depth",
-    "pos.revision",
-    "pos.finalization",
+    "pos.recent_revision",
+    "pos.recent_finalization",
 )
 FEATURE_DIM: int = len(FEATURE_NAMES)
 
@@ -63,20 +71,26 @@ MAX_BLOCKS = 16.0
 MAX_TOKENS = 4000.0
 MAX_RETRIEVED = 8.0
 MAX_DEPTH = 20
+#: How far back the session-position flags look: the session's previous turns, newest last.
+RECENT_TURNS = 3
+_PHASE_START = FEATURE_NAMES.index(f"phase={ev.Phase.Name(_PHASES[0])}")
 
 
 def _one_hot(value: int, choices: tuple[int, ...]) -> list[float]:
     return [1.0 if value == c else 0.0 for c in choices]
 
 
-def _squash(score: float) -> float:
-    """Map a non-negative BM25 score into [0, 1) without a corpus-dependent maximum."""
-    s = max(0.0, score)
-    return s / (1.0 + s)
+def _unit(value: float) -> float:
+    return min(max(value, 0.0), 1.0)
 
 
-def featurize(state: ev.SessionState, load: ev.ViewLoad, turn_depth: int) -> np.ndarray:
-    """Feature vector x_t (float64, length FEATURE_DIM, values in [0, 1])."""
+def featurize(
+    state: ev.SessionState, load: ev.ViewLoad, turn_depth: int, recent_phases: Sequence[int] = ()
+) -> np.ndarray:
+    """Feature vector x_t (float64, length FEATURE_DIM, values in [0, 1]).
+
+    `recent_phases`: the phases of the session's earlier turns, oldest first (only the last RECENT_TURNS
+    count); empty when the caller has no history (the flags are then 0)."""
     tax = state.taxonomy
     values: list[float] = [1.0]
     values += _one_hot(state.action, _ACTIONS)
@@ -94,17 +108,28 @@ def featurize(state: ev.SessionState, load: ev.ViewLoad, turn_depth: int) -> np.
         min(max(load.estimated_tokens, 0) / MAX_TOKENS, 1.0),
         1.0 if load.has_retrieved_history else 0.0,
         min(max(load.num_retrieved, 0) / MAX_RETRIEVED, 1.0),
-        _squash(load.max_retrieval_score),
-        _squash(load.mean_retrieval_score),
+        # Already relative to the view's ranking (build_view); clipping only guards foreign producers.
+        _unit(load.max_retrieval_score),
+        _unit(load.mean_retrieval_score),
     ]
+    last = list(recent_phases)[-RECENT_TURNS:]
     values += [
         min(max(turn_depth, 0), MAX_DEPTH) / MAX_DEPTH,
-        1.0 if state.phase == ev.REVISE else 0.0,
-        1.0 if state.phase == ev.SYNTHESIZE else 0.0,
+        1.0 if ev.REVISE in last else 0.0,
+        1.0 if ev.SYNTHESIZE in last else 0.0,
     ]
     x = np.asarray(values, dtype=np.float64)
     assert x.shape == (FEATURE_DIM,)
     return x
+
+
+def phase_of(features: Sequence[float]) -> int:
+    """The phase a recorded state feature vector encodes (PHASE_UNSPECIFIED when it encodes none), so a
+    router can recover a session's recent phases from the decisions it logged."""
+    if len(features) != FEATURE_DIM:
+        return int(ev.PHASE_UNSPECIFIED)
+    hot = [p for i, p in enumerate(_PHASES) if features[_PHASE_START + i] >= 0.5]
+    return int(hot[0]) if len(hot) == 1 else int(ev.PHASE_UNSPECIFIED)
 
 
 # ---- the no-QTM baseline: features from the query embedding alone --------------------------------------

@@ -25,28 +25,51 @@ class MemoryControls:
     prefer_recent: bool
 
 
+#: Recent-turn windows of Table 6: the last exchange ("optional short window" of a self-contained turn),
+#: a "short recency window" beside global retrieval, and the recent turns of the active thread ("included").
+MINIMAL_WINDOW = 1
+SHORT_WINDOW = 2
+THREAD_WINDOW = 4
+#: The hint that asks for the richest view (Table 6, last row); 8 is the largest allowed top_k_hint.
+EXPANDED_TOP_K = 8
+
+
 def memory_controls(state: ev.SessionState) -> MemoryControls:
-    """Table 6 rows, applied from the most restrictive condition to the richest one."""
+    """psi_mem, Table 6 row by row.
+
+    1. need_memory=0 or lens=0: self-contained turn; no active state, the last exchange, no retrieval.
+       It gates the other rows, except that top_k_hint=8 (row 6) overrides lens=0 when memory is needed:
+       the two fields disagree, and the paper's conservative rule (B.2) keeps memory on. need_memory=0
+       always wins, so a self-contained turn is never expanded.
+    2. action=MATCH, scope=LOCAL: active state and the thread's recent turns; retrieval stays inside the
+       active thread ("none or active-thread artifacts": the store ranks only the thread's records).
+    3. phase=REVISE or VERIFY: active state and the thread's recent turns whatever the action says, so a
+       revision keeps its artifact even when the controller mis-segments it (not only via the clamp).
+    4. scope=GLOBAL: ranked global candidates (top_k_hint of them) beside a short recency window; the
+       active summary only when the turn continues the thread (it is optional there).
+    5. prefer_recent=1: carried in the controls; the store strengthens the recency prior of the ranking
+       ("recent candidates prioritized") and the recent turns are the newest ones by construction.
+    6. lens=3 or top_k_hint=8: expanded ranked evidence, i.e. top_k_hint retrieved records in the
+       turn's scope on top of what rows 2-5 include (active state and recent turns are kept, not replaced).
+    Overlapping rows combine: rows 2-4 decide the active state and the window, rows 2, 4 and 6 the
+    retrieval; e.g. a REVISE turn with GLOBAL scope keeps the thread window and ranks global evidence.
+    """
     prefer_recent = bool(state.prefer_recent)
     scope = state.retrieval_scope or ev.LOCAL
-    if state.taxonomy.need_memory == 0 or state.lens_recommendation == 0:
-        # Self-contained turn: avoid context expansion, keep only the last exchange for conversational flow.
-        return MemoryControls(False, 1, 0, scope, prefer_recent)
-    if scope == ev.GLOBAL:
-        # Cross-session recall: ranked global candidates plus a short recency window.
-        recent = 2
-        include_active = state.action == ev.MATCH
-        retrieve = state.top_k_hint
-    else:
-        # LOCAL (continuation, local edit, verification): the active thread carries the evidence. A LOCAL
-        # topic switch keeps only a short window, since the previous thread's state no longer applies.
-        include_active = state.action == ev.MATCH
-        recent = 4 if include_active else 2
-        retrieve = 0
-    if state.top_k_hint == 8:
-        # Lens 3 with the largest hint: richer view for synthesis/finalization (retrieval even when LOCAL).
-        recent = 4
-        retrieve = 8
+    top_k = max(0, state.top_k_hint)
+    expanded = state.lens_recommendation == 3 or top_k == EXPANDED_TOP_K
+    if state.taxonomy.need_memory == 0 or (state.lens_recommendation == 0 and top_k != EXPANDED_TOP_K):
+        return MemoryControls(False, MINIMAL_WINDOW, 0, scope, prefer_recent)
+    continuing = state.action == ev.MATCH
+    revising = state.phase in (ev.REVISE, ev.VERIFY)
+    # Rows 2 and 3 keep the active thread; on a topic switch (row 4 aside) the old thread's state and
+    # most of its window no longer apply.
+    include_active = continuing or revising
+    thread_view = revising or (continuing and scope != ev.GLOBAL)
+    recent = THREAD_WINDOW if thread_view else SHORT_WINDOW
+    # Row 4 ranks global candidates; row 6 expands any memory turn's evidence to the hint; row 2 alone
+    # (a lens other than 0 or 3, which the clamp never lets through) retrieves nothing.
+    retrieve = top_k if (expanded or scope == ev.GLOBAL) else 0
     return MemoryControls(include_active, recent, retrieve, scope, prefer_recent)
 
 
@@ -72,10 +95,13 @@ def build_view(
     recent: Sequence[MemoryRecord],
     retrieved: Sequence[tuple[MemoryRecord, float]],
     policy: str = "mars",
+    ranking_bounds: tuple[float, float] | None = None,
 ) -> ev.CandidateView:
     """Assemble the ordered candidate view: active state, recent turns (oldest->newest), retrieved history.
 
     `retrieved` is the retriever's ranking (best first, scored); the controls decide how much of it enters.
+    `ranking_bounds` is the (lowest, highest) score of the retriever's whole ranking for this query (see
+    `score_bounds`); the view's load reports its retrieval scores relative to it (`relative_scores`).
     """
     view = ev.CandidateView(policy=policy)
     if controls.include_active and active_state and active_state.strip():
@@ -102,10 +128,39 @@ def build_view(
     load.num_retrieved = len(retrieved)
     load.has_retrieved_history = bool(retrieved)
     if retrieved:
-        scores = [s for _, s in retrieved]
-        load.max_retrieval_score = max(scores)
-        load.mean_retrieval_score = sum(scores) / len(scores)
+        load.max_retrieval_score, load.mean_retrieval_score = relative_scores(
+            [s for _, s in retrieved], ranking_bounds
+        )
     return view
+
+
+def score_bounds(ranked: Sequence[tuple[object, float]]) -> tuple[float, float] | None:
+    """(lowest, highest) score of a retriever's ranking over the whole memory; None when it is empty."""
+    scores = [s for _, s in ranked]
+    return (min(scores), max(scores)) if scores else None
+
+
+def relative_scores(scores: Sequence[float], bounds: tuple[float, float] | None) -> tuple[float, float]:
+    """(max, mean) of a view's retrieval scores, min-max normalised into [0, 1] per view.
+
+    Raw scores are not comparable across views: fused reciprocal-rank sums stay below ~0.15 and barely
+    move (ranks 1-10 of a k=30 fusion differ by a factor 1.3), BM25 is unbounded, and the scale changes
+    with the fusion settings. Relative to the bounds of the retriever's whole ranking for this query, the
+    max says how close the view's best retrieved record comes to the best match in the user's memory
+    (below 1 when the scope or the recent window kept that match out of the retrieved blocks) and the
+    mean how deep into the ranking the retrieved blocks reach. Without bounds the view's own retrieved
+    scores are the bounds: the max is then 1 and the mean says how evenly strong the evidence is.
+    A zero range (one candidate, or equal scores) counts as full strength.
+    """
+    if not scores:
+        return 0.0, 0.0
+    lo, hi = bounds if bounds is not None else (min(scores), max(scores))
+    span = hi - lo
+
+    def rel(value: float) -> float:
+        return 1.0 if span <= 0 else min(max((value - lo) / span, 0.0), 1.0)
+
+    return rel(max(scores)), rel(sum(scores) / len(scores))
 
 
 def _record_block(rec: MemoryRecord, prefix: str, kind: int, score: float) -> ev.MemoryBlock:
