@@ -5,7 +5,8 @@ import json
 import sys
 
 from mars import db
-from mars_router.service import MIGRATIONS, PolicyStore, RouterSettings
+from mars_router.service import RouterSettings
+from mars_router.store import MIGRATIONS, PolicyStore
 
 
 async def main(dsn: str, jobs: list[list[object]], arms: list[str]) -> None:

@@ -91,3 +91,92 @@ def test_state_features_beat_the_query_embedding_baseline() -> None:
     # The query's wording carries the phase, so it learns; the view load is invisible to it, so it
     # stays behind the state-feature policy.
     assert random.reward < query.reward < state.reward
+
+
+def _stochastic(
+    name: str, construction_seed: int
+) -> EpsilonGreedyRouting | LinearThompsonRouting | RandomRouting:
+    if name == "thompson":
+        return LinearThompsonRouting(ARMS, DIM, v=0.3, seed=construction_seed)
+    if name == "eps-greedy":
+        return EpsilonGreedyRouting(ARMS, DIM, epsilon=0.5, seed=construction_seed)
+    return RandomRouting(ARMS, DIM, seed=construction_seed)
+
+
+@pytest.mark.parametrize("name", ["thompson", "eps-greedy", "random"])
+def test_seeded_turn_draws_repeat_per_turn_and_differ_across_turns(name: str) -> None:
+    """Item 7 (MARS_ROUTING_SEED): the same (seed, turn, state) gives the same decision, whatever the
+    policy object's own generator (two processes seed theirs from OS entropy), and the turns differ."""
+    from mars.domain.bandits import draw_key, turn_rng
+
+    x = np.array([1.0, 0.5, 0.25])
+    m = models()
+    m["b"] = LinUCBRouting(ARMS, DIM).update(m["b"], x, 0.2)  # not all arms cold: means differ
+
+    def run(policy: EpsilonGreedyRouting | LinearThompsonRouting | RandomRouting, seed: int) -> list[str]:
+        return [policy.decide(x, m, None, turn_rng(seed, draw_key("u1", seq))).arm for seq in range(1, 61)]
+
+    first = run(_stochastic(name, 1), 7)
+    second = run(_stochastic(name, 2), 7)  # another process: another construction seed
+    assert first == second
+    # Within one run, turns draw differently: every arm is chosen on some turn.
+    assert set(first) == set(ARMS)
+    assert run(_stochastic(name, 1), 8) != first  # another routing seed, another sequence
+    # The draw for a turn does not depend on what other turns drew before it (any order of users).
+    policy = _stochastic(name, 3)
+    for seq in (40, 7, 33):
+        assert policy.decide(x, m, None, turn_rng(7, draw_key("u1", seq))).arm == first[seq - 1]
+    # Without a turn generator the policy draws from its own: two construction seeds, two sequences.
+    own = [[_p.decide(x, m).arm for _ in range(60)] for _p in (_stochastic(name, 1), _stochastic(name, 2))]
+    assert own[0] != own[1]
+
+
+def test_turn_rng_is_a_stable_hash_of_seed_and_key() -> None:
+    """Reproducible across processes (Python's str hash is salted per process; this one must not be)."""
+    import os
+    import subprocess
+    import sys
+
+    from mars.domain.bandits import draw_key, turn_rng
+
+    assert draw_key("u1", 3) == "u1/3"
+    here = turn_rng(7, "u1/3").integers(0, 2**32, 4).tolist()
+    assert here == turn_rng(7, "u1/3").integers(0, 2**32, 4).tolist()
+    assert here != turn_rng(7, "u1/4").integers(0, 2**32, 4).tolist()
+    assert here != turn_rng(8, "u1/3").integers(0, 2**32, 4).tolist()
+    code = (
+        "from mars.domain.bandits import turn_rng; print(turn_rng(7, 'u1/3').integers(0, 2**32, 4).tolist())"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "PYTHONHASHSEED": "123"},
+    ).stdout
+    assert out.strip() == str(here)
+
+
+def test_simulator_cost_is_usd_at_table_10_prices() -> None:
+    """Item 8: the simulator's C_gen is the live dispatch's cost (ModelSpec.cost_usd with the paper pool's
+    Table 10 prices, USD per million tokens), so its lambda is the service's MARS_LAMBDA_COST."""
+    from pathlib import Path
+
+    from mars.bench.router_sim import OUTPUT_TOKENS, POOL, PROMPT_OVERHEAD, draw_turn
+    from mars.pool import load_pool
+
+    paper = load_pool(str(Path(__file__).parents[2] / "config" / "models.paper.yaml"))
+    assert [a.name for a in POOL] == paper.arms
+    rng = np.random.default_rng(5)
+    turns = [draw_turn(rng, depth=1) for _ in range(200)]
+    assert any(t.view_tokens > 0 for t in turns) and any(t.view_tokens == 0 for t in turns)
+    for turn in turns:
+        for arm, cost in zip(POOL, turn.cost, strict=True):
+            live = paper.get(arm.name).cost_usd(turn.view_tokens + PROMPT_OVERHEAD, OUTPUT_TOKENS)
+            assert cost == pytest.approx(live, rel=1e-12)
+        # Table 10 pinned by hand: GPT-4o at $2.50 in / $10.00 out per million tokens.
+        gpt4o = ((turn.view_tokens + PROMPT_OVERHEAD) * 2.50 + OUTPUT_TOKENS * 10.00) / 1e6
+        assert turn.cost[-1] == pytest.approx(gpt4o, rel=1e-12)
+    # A bare turn (no memory) on GPT-4o: 300 tokens in, 300 out = $0.00375, not 0.375 (cents).
+    bare = next(t for t in turns if t.view_tokens == 0)
+    assert bare.cost[-1] == pytest.approx(0.00375)

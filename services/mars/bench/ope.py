@@ -154,7 +154,12 @@ def add_ope_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
     p.add_argument("--seeds", type=int, default=20, help="independent logs (default 20)")
     p.add_argument("--turns", type=int, default=3000, help="logged turns per seed (default 3000)")
     p.add_argument("--epsilon", type=float, default=0.3, help="logging policy exploration (default 0.3)")
-    p.add_argument("--lam", type=float, default=0.5, help="cost weight lambda (default 0.5)")
+    p.add_argument(
+        "--lam",
+        type=float,
+        default=50.0,
+        help="cost weight lambda per USD, as MARS_LAMBDA_COST (default 50: a cent weighs half a quality point)",
+    )
     p.add_argument("--train-turns", type=int, default=2000, help="turns to train the frozen LinUCB target")
     p.add_argument("--truth-turns", type=int, default=20000, help="fresh turns for each true value")
     p.add_argument("--bootstrap", type=int, default=300, help="bootstrap resamples (default 300)")

@@ -17,9 +17,13 @@ for Llama-3.2-3B, Mixtral-8x7B, Qwen2.5-72B, GPT-4o: base 0.62 / 0.66 / 0.70 / 0
 no arm is best everywhere (small models on light exploration, the strongest on heavy synthesis).
 The observed utility is q_a plus N(0, 0.1) noise, clipped to [0, 1]; the
 reward is u - lambda * C_gen, with C_gen the cost of (view + 300 prompt tokens in, 300 out) at the
-arm's Table 10 price, in US cents (so lambda 0.5 weighs a cent as half a quality point, and the paper's
-0.002 makes routing quality-first). The oracle plays argmax of the expected reward; regret is in
-expected reward.
+arm's Table 10 price in US dollars, the unit of the live judge's reward (Eq. 10, MARS_LAMBDA_COST), so a
+lambda here is the service's lambda. A turn costs $0.0002 on Llama-3.2-3B, $0.0014 on Qwen2.5-72B and
+$0.012 on GPT-4o on average: at the paper's lambdas (0.002 main, 0.5 ablation) cost moves an average
+GPT-4o turn's reward by 0.00002 / 0.006, so routing is quality-first (as in the paper's Table 19, where
+lambda from 0 to 1 shifts the model shares by a few points); lambda 50 (a cent weighs half a quality
+point) shows the simulator under real cost pressure. The oracle plays argmax of the expected reward; regret is
+in expected reward.
 
 The no-QTM baseline (`query-linucb`, as MetaLLM routes) sees a synthetic query embedding instead of x:
 
@@ -38,6 +42,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from rich.console import Console
@@ -65,6 +70,10 @@ class Arm:
     input_price_per_m: float
     output_price_per_m: float
 
+    def cost_usd(self, input_tokens: int, output_tokens: int) -> float:
+        """What the live dispatch charges (ModelSpec.cost_usd): prices are USD per million tokens."""
+        return (input_tokens * self.input_price_per_m + output_tokens * self.output_price_per_m) / 1e6
+
 
 POOL = (
     Arm("llama-3.2-3b", 0.62, 0.90, 8_192, 0.05, 0.10),
@@ -79,7 +88,6 @@ AFFINITY = {
     "qwen2.5-72b": (-0.05, 0.0, 0.10, 0.20, 0.0),
     "gpt-4o": (-0.10, 0.0, 0.05, 0.0, 0.25),
 }
-CENTS_PER_USD = 100.0
 PROMPT_OVERHEAD, OUTPUT_TOKENS, NOISE = 300, 300, 0.1
 
 
@@ -87,7 +95,9 @@ PROMPT_OVERHEAD, OUTPUT_TOKENS, NOISE = 300, 300, 0.1
 class Turn:
     x: np.ndarray
     expected_quality: np.ndarray  # per arm
-    cost: np.ndarray  # per arm, USD
+    cost: np.ndarray  # per arm, USD (Table 10 prices per million tokens)
+    #: Tokens of the view before packing (the prompt adds PROMPT_OVERHEAD, the answer OUTPUT_TOKENS).
+    view_tokens: int = 0
     #: The no-QTM baseline's context: features of the synthetic query embedding.
     xq: np.ndarray | None = None
 
@@ -130,7 +140,8 @@ def draw_turn(rng: np.random.Generator, depth: int, query_rng: np.random.Generat
         load.estimated_tokens = int(min(60_000, blocks * per_block))
         load.num_retrieved = state.top_k_hint if state.retrieval_scope == ev.GLOBAL else 0
         load.has_retrieved_history = load.num_retrieved > 0
-        load.max_retrieval_score = float(rng.uniform(2, 12)) if load.has_retrieved_history else 0.0
+        # Per-view normalised scores in [0, 1], as live views report them (mars.domain.memory_policy).
+        load.max_retrieval_score = float(rng.uniform(0.2, 1.0)) if load.has_retrieved_history else 0.0
         load.mean_retrieval_score = load.max_retrieval_score * 0.6
     tokens = load.estimated_tokens
     load_difficulty = (
@@ -152,20 +163,13 @@ def draw_turn(rng: np.random.Generator, depth: int, query_rng: np.random.Generat
             for a in POOL
         ]
     )
-    cost = np.array(
-        [
-            CENTS_PER_USD
-            * ((tokens + PROMPT_OVERHEAD) * a.input_price_per_m + OUTPUT_TOKENS * a.output_price_per_m)
-            / 1e6
-            for a in POOL
-        ]
-    )
+    cost = np.array([a.cost_usd(tokens + PROMPT_OVERHEAD, OUTPUT_TOKENS) for a in POOL])
     xq = (
         query_features(query_embedding(query_rng, phase, state.taxonomy.need_memory))
         if query_rng is not None
         else None
     )
-    return Turn(featurize(state, load, depth), quality, cost, xq)
+    return Turn(featurize(state, load, depth), quality, cost, view_tokens=tokens, xq=xq)
 
 
 @dataclass
@@ -270,7 +274,12 @@ def add_router_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     p.add_argument("--turns", type=int, default=3000, help="turns per run (default 3000)")
     p.add_argument("--seeds", type=int, default=5, help="runs per policy (default 5)")
     p.add_argument(
-        "--lambdas", type=float, nargs="+", default=[0.002, 0.5], help="cost weights (paper: 0.002, 0.5)"
+        "--lambdas",
+        type=float,
+        nargs="+",
+        default=[0.002, 0.5, 50.0],
+        help="cost weights per US dollar, as MARS_LAMBDA_COST (default: the paper's 0.002 and 0.5, and 50, "
+        "where a cent weighs half a quality point)",
     )
     p.add_argument("--out", help="write results as JSON here")
     p.add_argument(
@@ -290,7 +299,7 @@ def cmd_router(args: argparse.Namespace) -> int:
     if args.turns < 4 or args.seeds < 1:
         console.print("[red]--turns must be at least 4 and --seeds at least 1[/]")
         return 2
-    report: dict[str, dict[str, dict[str, float]]] = {}
+    report: dict[str, dict[str, dict[str, Any]]] = {}
     for lam in args.lambdas:
         results = {
             name: [
@@ -302,7 +311,7 @@ def cmd_router(args: argparse.Namespace) -> int:
         ref_q = np.mean([r.quality for r in strongest])
         ref_c = np.mean([r.cost for r in strongest])
         table = Table(
-            title=f"lambda = {lam}: {args.turns} turns x {args.seeds} seeds (mean ± std over seeds)"
+            title=f"lambda = {lam} per USD: {args.turns} turns x {args.seeds} seeds (mean ± std over seeds)"
         )
         for col in (
             "policy",
@@ -312,6 +321,7 @@ def cmd_router(args: argparse.Namespace) -> int:
             "regret/turn last 25%",
             "quality vs gpt-4o",
             "cost vs gpt-4o",
+            "cost/turn (USD)",
             "shares (llama/mixtral/qwen/gpt-4o)",
         ):
             table.add_column(col)
@@ -332,6 +342,7 @@ def cmd_router(args: argparse.Namespace) -> int:
                 ms([r.last_quarter_regret for r in runs], "{:.4f}"),
                 f"{quality:.3f}",
                 f"{cost:.3f}",
+                f"{np.mean([r.cost for r in runs]):.5f}",
                 shares,
             )
             report[str(lam)][name] = {
@@ -341,6 +352,8 @@ def cmd_router(args: argparse.Namespace) -> int:
                 "last_quarter_regret": float(np.mean([r.last_quarter_regret for r in runs])),
                 "quality_vs_strongest": quality,
                 "cost_vs_strongest": cost,
+                "cost_usd_per_turn": float(np.mean([r.cost for r in runs])),
+                "shares": {a.name: float(np.mean([r.shares[a.name] for r in runs])) for a in POOL},
             }
         console.print(table)
     route, update = time_in_process()
@@ -363,7 +376,8 @@ def time_against_postgres(samples: int = 500) -> tuple[list[float], list[float]]
     """route = load the user's policy + choose; update = the ledgered, row-locked Eq. 11 transaction."""
     import asyncio
 
-    from mars_router.service import MIGRATIONS, PolicyStore, RouterSettings
+    from mars_router.service import RouterSettings
+    from mars_router.store import MIGRATIONS, PolicyStore
     from mars_stack import LocalStack, StackSettings
 
     from mars import db

@@ -3,10 +3,16 @@
 Every policy keeps one ArmModel (A, A^-1, b) per arm, updated by the same ridge-regression step, so
 policies differ only in how they choose; `decide` also returns the chosen arm's probability
 (propensity), logged on the routed event for off-policy evaluation.
+
+Reproducibility: `decide` takes an optional generator for the turn's draws. The router passes
+`turn_rng(seed, draw_key(user_id, seq))` when MARS_ROUTING_SEED is set, so a stochastic policy's choice is
+a function of (seed, turn, matrices) alone, not of the process or of what other turns drew before it;
+without one a policy draws from its own generator (seeded at construction, or from OS entropy).
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -29,10 +35,28 @@ class RoutingPolicy(Protocol):
     arms: tuple[str, ...]
 
     def decide(
-        self, x: np.ndarray, models: Mapping[str, ArmModel], penalties: Mapping[str, float] | None = None
+        self,
+        x: np.ndarray,
+        models: Mapping[str, ArmModel],
+        penalties: Mapping[str, float] | None = None,
+        rng: np.random.Generator | None = None,
     ) -> Decision: ...
 
     def update(self, model: ArmModel, x: np.ndarray, reward: float) -> ArmModel: ...
+
+
+def draw_key(user_id: str, seq: int) -> str:
+    """What a turn's seeded draws are keyed on: the user and the per-user seq that ingress assigns. Not
+    turn_id: ingress mints a fresh one for every re-driven turn, while a user's seq repeats in a re-drive
+    (also under a renamed tenant, which is why the tenant is not part of the key)."""
+    return f"{user_id}/{seq}"
+
+
+def turn_rng(seed: int, key: str) -> np.random.Generator:
+    """A generator for one turn's draws: a stable hash of (seed, key) (not Python's salted `hash`), so
+    the same turn draws the same numbers in any process, after a restart and in any order of turns."""
+    digest = hashlib.sha256(f"{seed}:{key}".encode()).digest()
+    return np.random.default_rng(int.from_bytes(digest[:16], "little"))
 
 
 class _RidgeBase:
@@ -58,7 +82,11 @@ class LinUCBRouting(_RidgeBase):
         self._ucb = LinUCBPolicy(arms, dim, alpha=alpha, ridge=ridge)
 
     def decide(
-        self, x: np.ndarray, models: Mapping[str, ArmModel], penalties: Mapping[str, float] | None = None
+        self,
+        x: np.ndarray,
+        models: Mapping[str, ArmModel],
+        penalties: Mapping[str, float] | None = None,
+        rng: np.random.Generator | None = None,
     ) -> Decision:
         arm, scores = self._ucb.choose(x, models)
         if penalties:
@@ -81,7 +109,11 @@ class FixedArmRouting(_RidgeBase):
         self._arm = arm
 
     def decide(
-        self, x: np.ndarray, models: Mapping[str, ArmModel], penalties: Mapping[str, float] | None = None
+        self,
+        x: np.ndarray,
+        models: Mapping[str, ArmModel],
+        penalties: Mapping[str, float] | None = None,
+        rng: np.random.Generator | None = None,
     ) -> Decision:
         return Decision(self._arm, self._means(x, models), 1.0)
 
@@ -92,9 +124,13 @@ class RandomRouting(_RidgeBase):
         self._rng = np.random.default_rng(seed)
 
     def decide(
-        self, x: np.ndarray, models: Mapping[str, ArmModel], penalties: Mapping[str, float] | None = None
+        self,
+        x: np.ndarray,
+        models: Mapping[str, ArmModel],
+        penalties: Mapping[str, float] | None = None,
+        rng: np.random.Generator | None = None,
     ) -> Decision:
-        arm = self.arms[int(self._rng.integers(len(self.arms)))]
+        arm = self.arms[int((rng if rng is not None else self._rng).integers(len(self.arms)))]
         return Decision(arm, self._means(x, models), 1.0 / len(self.arms))
 
 
@@ -107,13 +143,18 @@ class EpsilonGreedyRouting(_RidgeBase):
         self._rng = np.random.default_rng(seed)
 
     def decide(
-        self, x: np.ndarray, models: Mapping[str, ArmModel], penalties: Mapping[str, float] | None = None
+        self,
+        x: np.ndarray,
+        models: Mapping[str, ArmModel],
+        penalties: Mapping[str, float] | None = None,
+        rng: np.random.Generator | None = None,
     ) -> Decision:
         scores = self._means(x, models)
         greedy = max(range(len(scores)), key=lambda i: (scores[i].mean, -i))
         n = len(self.arms)
-        if self._rng.random() < self._eps:
-            pick = int(self._rng.integers(n))
+        draws = rng if rng is not None else self._rng
+        if draws.random() < self._eps:
+            pick = int(draws.integers(n))
         else:
             pick = greedy
         propensity = self._eps / n + (1.0 - self._eps if pick == greedy else 0.0)
@@ -131,16 +172,21 @@ class LinearThompsonRouting(_RidgeBase):
         self._rng = np.random.default_rng(seed)
 
     def decide(
-        self, x: np.ndarray, models: Mapping[str, ArmModel], penalties: Mapping[str, float] | None = None
+        self,
+        x: np.ndarray,
+        models: Mapping[str, ArmModel],
+        penalties: Mapping[str, float] | None = None,
+        rng: np.random.Generator | None = None,
     ) -> Decision:
         scores = self._means(x, models)
+        draws = rng if rng is not None else self._rng
         samples = []
         for arm in self.arms:
             model = models.get(arm) or ArmModel.cold(self.dim, self._linucb.ridge)
             # Sampling x^T theta directly: mean x^T theta_hat, variance v^2 x^T A^-1 x.
             var = max(float(x @ model.A_inv @ x), 0.0)
             samples.append(
-                float(model.theta() @ x) + self._v * math.sqrt(var) * float(self._rng.standard_normal())
+                float(model.theta() @ x) + self._v * math.sqrt(var) * float(draws.standard_normal())
             )
         pick = int(np.argmax(samples))
         # The exact propensity has no closed form; log it as unknown (0) rather than guess.
