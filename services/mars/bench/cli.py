@@ -56,6 +56,10 @@ def add_realmem_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore
         help="embedder runtime (default auto)",
     )
     p.set_defaults(func=cmd_realmem)
+    # Registered beside `realmem` (mars/cli.py adds the bench parsers): same data, an honest figure.
+    from mars.bench.realmem_lopo import add_realmem_lopo_parser
+
+    add_realmem_lopo_parser(sub)
 
 
 def cmd_realmem(args: argparse.Namespace) -> int:
