@@ -76,15 +76,15 @@ def test_bad_score_tables_are_rejected() -> None:
 
 def test_grids_hold_the_tuned_config_and_vary_only_fusion_settings() -> None:
     full, small = fusion_grid("full"), fusion_grid("small")
-    # 4 levels of 4 weights x rrf_k {30, 60} x prf_top {2, 3}, less prf_top 2 when PRF is off (a duplicate).
-    assert len(full) == 4**4 * 2 * 2 - 4**3 * 2 and len(small) == 4
+    # 3 levels of 4 weights x rrf_k {30, 60}.
+    assert len(full) == 3**4 * 2 and len(small) == 4
     assert len(set(full.values())) == len(full)
     assert tuned_name(full) is not None and tuned_name(small) is not None
     assert full[tuned_name(full) or ""] == POLICY_CONFIGS["mars"]
     memory_level = {(c.bm25_k1, c.bm25_b, c.max_chunk_words, c.fusion) for c in full.values()}
     assert memory_level == {(TUNED.bm25_k1, TUNED.bm25_b, TUNED.max_chunk_words, "rrf")}
     assert {c.context_weight for c in full.values()} == {m * TUNED.context_weight for m in FULL_LEVELS}
-    assert {c.prf_top for c in full.values() if c.prf_weight == 0} == {TUNED.prf_top}
+    assert {c.prf_top for c in full.values()} == {TUNED.prf_top}
     with pytest.raises(ValueError, match="unknown grid"):
         fusion_grid("huge")
 

@@ -46,23 +46,22 @@ PersonaScores = Mapping[str, Mapping[str, float]]
 
 def _config_name(cfg: HybridConfig) -> str:
     return (
-        f"rec{cfg.recency_weight:g}_prf{cfg.prf_weight:g}x{cfg.prf_top}_ctx{cfg.context_weight:g}"
+        f"rec{cfg.recency_weight:g}_prf{cfg.prf_weight:g}_ctx{cfg.context_weight:g}"
         f"_cen{cfg.centroid_weight:g}_k{cfg.rrf_k:g}"
     )
 
 
-#: Multiples of each tuned weight in the full grid: off, half, tuned and half again (so the tuned value is
-#: inside the grid, not on its edge).
-FULL_LEVELS: tuple[float, ...] = (0.0, 0.5, 1.0, 1.5)
+#: Multiples of each tuned weight in the full grid: off, half and tuned.
+FULL_LEVELS: tuple[float, ...] = (0.0, 0.5, 1.0)
 
 
 def fusion_grid(size: str = "full") -> dict[str, HybridConfig]:
     """Fusion configurations around the tuned `mars` values, named by their settings, in grid order.
 
-    `full`: recency, PRF, context and centroid weights each at FULL_LEVELS x tuned, rrf_k at {30, 60},
-    prf_top at {2, 3} (only when PRF is on: with weight 0 it changes nothing): 896 configurations, the
-    tuned one among them; about 15 minutes on 2 idle CPU cores once embeddings are cached (measured ~1 s
-    per configuration over the 7 RealMem personas). `small` (tests): recency {0, tuned} x rrf_k {30, 60}.
+    `full`: recency, PRF, context and centroid weights each at FULL_LEVELS x tuned, rrf_k at {30, 60}
+    (prf_top stays the tuned 3): 162 configurations, the tuned one among them; 40 minutes for the 7 RealMem
+    personas on the shared 2-core machine, embedding included. `small` (tests): recency {0, tuned} x rrf_k
+    {30, 60}.
     Memory-level settings (BM25 k1/b, chunk size) stay the tuned ones, so one memory per persona serves
     every configuration.
     """
@@ -77,24 +76,14 @@ def fusion_grid(size: str = "full") -> dict[str, HybridConfig]:
             return [m * tuned for m in FULL_LEVELS]
 
         points = [
-            replace(
-                TUNED,
-                recency_weight=r,
-                prf_weight=p,
-                prf_top=top,
-                context_weight=c,
-                centroid_weight=z,
-                rrf_k=k,
-            )
-            for r, p, top, c, z, k in itertools.product(
+            replace(TUNED, recency_weight=r, prf_weight=p, context_weight=c, centroid_weight=z, rrf_k=k)
+            for r, p, c, z, k in itertools.product(
                 levels(TUNED.recency_weight),
                 levels(TUNED.prf_weight),
-                (2, 3),
                 levels(TUNED.context_weight),
                 levels(TUNED.centroid_weight),
                 (30.0, 60.0),
             )
-            if p or top == TUNED.prf_top
         ]
     else:
         raise ValueError(f"unknown grid {size!r}; known: small, full")
@@ -245,10 +234,9 @@ def add_realmem_lopo_parser(sub: argparse._SubParsersAction) -> None:  # type: i
         "held-out persona chooses the configuration best on the other personas (objective: mean of "
         "persona-macro R_all@20 and nDCG@20) and scores it on the held-out one. Prints each fold's choice, "
         "the LOPO macro figure, the in-sample figure of the configuration best on all personas, and the "
-        "tuned `mars` configuration's in-sample figure. Needs at least 2 personas. The full grid (896 "
-        "configurations) takes about 15 minutes on 2 idle CPU cores once embeddings are cached "
-        "(the first run also embeds every session, ~9 minutes; share --cache-dir with `mars bench "
-        "realmem`).",
+        "tuned `mars` configuration's in-sample figure. Needs at least 2 personas. The full grid (162 "
+        "configurations) took 40 minutes on a shared 2-core machine, embedding every session included "
+        "(share --cache-dir with `mars bench realmem` to embed once).",
     )
     p.add_argument("--data", required=True, help="folder holding *_dialogues_256k.json (at least 2 personas)")
     p.add_argument(
@@ -258,8 +246,8 @@ def add_realmem_lopo_parser(sub: argparse._SubParsersAction) -> None:  # type: i
         "--grid",
         default="full",
         choices=["small", "full"],
-        help="full (default): recency/PRF/context/centroid weights at {0, 0.5, 1, 1.5} x tuned, "
-        "rrf_k {30, 60}, prf_top {2, 3} (896 configs); small: recency {0, tuned} x rrf_k {30, 60} "
+        help="full (default): recency/PRF/context/centroid weights at {0, 0.5, 1} x tuned, "
+        "rrf_k {30, 60} (162 configs); small: recency {0, tuned} x rrf_k {30, 60} "
         "(4 configs, for tests)",
     )
     p.add_argument(
