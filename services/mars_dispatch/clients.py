@@ -55,6 +55,11 @@ def _status_retryable(status: int) -> bool:
     return status in _RETRYABLE_STATUS or status >= 500
 
 
+def _chat_body(spec: ModelSpec, packed: PackedPrompt, max_tokens: int) -> dict[str, object]:
+    """The chat-completions request both the plain and the streamed call send (deterministic decoding)."""
+    return {"model": spec.model, "messages": packed.messages, "max_tokens": max_tokens, "temperature": 0.0}
+
+
 class ModelClients:
     """One pooled HTTP client per endpoint."""
 
@@ -83,12 +88,7 @@ class ModelClients:
         """One chat completion. `timeout_s` is the caller's deadline (from now) over the slot wait, every
         attempt and the backoff between them; the endpoint's own `timeout_s` bounds each attempt."""
         headers = self._headers(spec)
-        body: dict[str, object] = {
-            "model": spec.model,
-            "messages": packed.messages,
-            "max_tokens": max_tokens,
-            "temperature": 0.0,
-        }
+        body = _chat_body(spec, packed, max_tokens)
         if want_logprobs and spec.returns_logprobs:
             # top_logprobs >= 1 as well: llama.cpp's server returns none without it.
             body["logprobs"] = True
@@ -120,14 +120,9 @@ class ModelClients:
         """Chat completion with `stream: true` (server-sent events): each content delta goes to `on_delta`
         as it arrives. Retried like `complete` only while nothing has been streamed yet."""
         headers = self._headers(spec)
-        body: dict[str, object] = {
-            "model": spec.model,
-            "messages": packed.messages,
-            "max_tokens": max_tokens,
-            "temperature": 0.0,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
+        body = _chat_body(spec, packed, max_tokens)
+        body["stream"] = True
+        body["stream_options"] = {"include_usage": True}
 
         async def once() -> Completion:
             parts: list[str] = []

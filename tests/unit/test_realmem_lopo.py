@@ -109,6 +109,15 @@ def test_grid_scores_of_the_tuned_config_equal_the_mars_policy_replay(
     assert len({json.dumps(s, sort_keys=True) for s in scores.values()}) > 1
 
 
+def _two_personas(tmp_path: Path) -> Path:
+    """A data folder holding the synthetic persona twice, as personas A and B (LOPO needs two)."""
+    data = tmp_path / "data"
+    data.mkdir()
+    for name in ("A", "B"):
+        shutil.copy(FIXTURE, data / f"{name}_dialogues_256k.json")
+    return data
+
+
 def _run(argv: list[str]) -> int:
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
@@ -118,10 +127,7 @@ def _run(argv: list[str]) -> int:
 def test_command_end_to_end_on_two_synthetic_personas(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    data = tmp_path / "data"
-    data.mkdir()
-    for name in ("A", "B"):
-        shutil.copy(FIXTURE, data / f"{name}_dialogues_256k.json")
+    data = _two_personas(tmp_path)
     out = tmp_path / "lopo.json"
     code = _run(
         [
@@ -168,10 +174,7 @@ def test_bad_input_exits_2_with_a_message(
 def test_missing_out_folder_is_reported_before_the_run(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    data = tmp_path / "data"
-    data.mkdir()
-    for name in ("A", "B"):
-        shutil.copy(FIXTURE, data / f"{name}_dialogues_256k.json")
+    data = _two_personas(tmp_path)
     code = _run(["bench", "realmem-lopo", "--data", str(data), "--out", str(tmp_path / "no" / "x.json")])
     assert code == 2
     assert "does not exist" in capsys.readouterr().out

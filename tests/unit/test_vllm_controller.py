@@ -186,4 +186,7 @@ def test_vllm_backend_without_vllm_says_how_to_get_it() -> None:
         with pytest.raises(ImportError, match="pip install vllm"):
             make_controller("vllm", model="/models/qwen2.5-7b-instruct")
     else:
-        pytest.skip("vllm is installed here: loading a model is the GPU node's check, not a unit test")
+        pytest.skip(
+            "checks the message shown where vllm is absent; vllm is installed here (a GPU node), where "
+            "make_controller would load a real model, which is tests/gpu's job, not a unit test's"
+        )
