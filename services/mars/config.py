@@ -116,6 +116,21 @@ class ServiceSettings(BaseSettings):
     kafka_partitions: int = 3
     #: Measured on the embedded broker: 5 ms keeps a hop near 3.5 ms p50; the client default 500 is unusable.
     kafka_fetch_max_wait_ms: int = 5
+    #: Idempotent producer (Kafka: no duplicates or reordering from producer retries). The local stack turns
+    #: it off on Tansu, which refuses it; effects stay exactly-once through the consumers' turn_id keys.
+    kafka_idempotence: bool = True
+    #: Broadcast readers (every ingress replica's reply reader) start at the end of each partition. The local
+    #: stack turns this off on Tansu, whose end offsets have been seen wrong: they read from the beginning.
+    kafka_trust_end_offsets: bool = True
+    #: This process's name among its service's replicas (set by the launcher, e.g. "memory-2").
+    replica: str = ""
+    #: Static group membership (Kafka KIP-345): a stable id per replica (a StatefulSet pod name, or the
+    #: launcher's replica name). A replica restarted under the same id takes its partitions back at once,
+    #: without a rebalance; "" joins as a dynamic member. Tansu does not support it.
+    kafka_group_instance_id: str = ""
+    #: A member silent this long is dropped and its partitions move (a replica that died for good).
+    kafka_session_timeout_ms: int = 10_000
+    kafka_heartbeat_interval_ms: int = 2_000
     postgres_dsn: str = "postgresql://mars@127.0.0.1:5432/mars"
     grpc_host: str = "127.0.0.1"
     grpc_port: int = 0

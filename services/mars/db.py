@@ -19,7 +19,15 @@ CREATE TABLE IF NOT EXISTS stage_emitted (
 
 
 async def open_pool(dsn: str, max_size: int = 8) -> AsyncConnectionPool:
-    pool = AsyncConnectionPool(dsn, min_size=1, max_size=max_size, open=False, kwargs={"autocommit": True})
+    # check: a connection broken by a Postgres restart is replaced when taken, not handed to a handler.
+    pool = AsyncConnectionPool(
+        dsn,
+        min_size=1,
+        max_size=max_size,
+        open=False,
+        kwargs={"autocommit": True},
+        check=AsyncConnectionPool.check_connection,
+    )
     await pool.open(wait=True, timeout=30)
     return pool
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +41,8 @@ class ServiceParts:
     health: dict[str, bool] = field(default_factory=dict)
     #: Component health that changes at run time (e.g. "mars.v1.StateEstimator.controller"), polled.
     health_probes: dict[str, Callable[[], bool]] = field(default_factory=dict)
+    #: Loops run beside the consumers while serving (e.g. ingress's orphan sweep), cancelled on stop.
+    background: list[Callable[[], Coroutine[Any, Any, None]]] = field(default_factory=list)
 
 
 @dataclass
@@ -96,6 +98,7 @@ async def serve(name: str, settings: ServiceSettings, build: Builder, migrations
         status = health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING
         await health_servicer.set(component, status)
     probes_task = asyncio.create_task(_poll_health(health_servicer, parts.health_probes))
+    background = [asyncio.create_task(loop_fn()) for loop_fn in parts.background]
     log.info(
         "%s serving gRPC on %s:%d with %d consumer(s)", name, settings.grpc_host, port, len(parts.consumers)
     )
@@ -114,6 +117,8 @@ async def serve(name: str, settings: ServiceSettings, build: Builder, migrations
 
     log.info("%s stopping", name)
     probes_task.cancel()
+    for task in background:
+        task.cancel()
     for svc in ["", *names]:
         await health_servicer.set(svc, health_pb2.HealthCheckResponse.NOT_SERVING)
     for consumer in parts.consumers:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-import socket
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -19,7 +18,10 @@ from mars.config import (
     TOPIC_FEEDBACK,
     TOPIC_GENERATED,
     TOPIC_RECEIVED,
+    TOPIC_ROUTED,
+    TOPIC_STATE,
     TOPIC_TOKENS,
+    TOPIC_VIEW,
     ServiceSettings,
 )
 from mars.domain.feedback import rating_from
@@ -48,7 +50,17 @@ MIGRATIONS = [
         created_at TIMESTAMPTZ NOT NULL DEFAULT now(), finished_at TIMESTAMPTZ
     )
     """,
+    # When the caller stops waiting: a turn still PENDING past it lost its waiting replica (the reaper).
+    "ALTER TABLE ingress_turns ADD COLUMN IF NOT EXISTS deadline_at TIMESTAMPTZ",
+    "CREATE INDEX IF NOT EXISTS ingress_turns_pending ON ingress_turns (deadline_at) WHERE status = 'PENDING'",
 ]
+
+ANSWER_PATH_TOPICS = (TOPIC_RECEIVED, TOPIC_STATE, TOPIC_VIEW, TOPIC_ROUTED)
+#: Outcome recording: first final status wins, except that a late answer replaces a TIMEOUT.
+FINISH_SQL = (
+    "UPDATE ingress_turns SET status = %s, error = %s, finished_at = now() "
+    "WHERE turn_id = %s AND (status = 'PENDING' OR (status = 'TIMEOUT' AND %s = 'ANSWERED'))"
+)
 
 _ID = re.compile(r"^[A-Za-z0-9_.@:\-]{1,128}$")
 KNOWN_OPTIONS = {"max_tokens", "stream"}
@@ -58,8 +70,10 @@ class IngressSettings(ServiceSettings):
     max_text_chars: int = 8000
     #: How long a call waits for its answer before DEADLINE_EXCEEDED (the turn stays recorded).
     turn_timeout_s: float = 180.0
-    #: Reply-consumer group; one per ingress replica because every replica must see every answer.
-    reply_group: str = f"ingress-replies-{socket.gethostname()}"
+    #: Seconds past its deadline after which a turn still PENDING (its waiting replica died before the
+    #: answer came) is marked TIMEOUT by whichever replica sweeps first.
+    orphan_grace_s: float = 5.0
+    orphan_sweep_every_s: float = 2.0
 
 
 class InvalidTurn(ValueError):
@@ -148,10 +162,37 @@ class IngressServicer(svc_grpc.IngressServicer):
 
     async def _finish(self, turn_id: str, status: str, error: str | None = None) -> None:
         async with self._pool.connection() as conn:
-            await conn.execute(
-                "UPDATE ingress_turns SET status = %s, error = %s, finished_at = now() WHERE turn_id = %s",
-                (status, error, turn_id),
-            )
+            await conn.execute(FINISH_SQL, (status, error, turn_id, status))  # type: ignore[arg-type]
+
+    # --- outcomes (shared group: whichever replica reads the event records it) -------------------
+
+    async def record_generated(self, event: ev.Generated) -> None:
+        if event.status == ev.OK:
+            await self._finish(event.turn.turn_id, "ANSWERED")
+        else:
+            await self._finish(event.turn.turn_id, "FAILED", event.error or "no model could answer")
+
+    async def record_dead_letter(self, letter: ev.DeadLetter) -> None:
+        # Only the answer path's dead letters fail a turn; one from the learning path (memory writer, judge)
+        # comes after the answer and must not turn an ANSWERED turn read out of order into FAILED.
+        if letter.turn_id and self._settings.topics.base(letter.source_topic) in ANSWER_PATH_TOPICS:
+            await self._finish(letter.turn_id, "FAILED", f"turn failed in {letter.consumer}: {letter.reason}")
+
+    async def sweep_orphans(self) -> None:
+        """Turns whose waiting replica died before their answer: TIMEOUT with the reason, never PENDING
+        for good (a late answer still turns them ANSWERED)."""
+        while True:
+            try:
+                async with self._pool.connection() as conn:
+                    await conn.execute(
+                        "UPDATE ingress_turns SET status = 'TIMEOUT', finished_at = now(), error = "
+                        "'no answer before the deadline; the ingress replica holding the call stopped' "
+                        "WHERE status = 'PENDING' AND deadline_at < now() - make_interval(secs => %s)",
+                        (self._settings.orphan_grace_s,),
+                    )
+            except Exception as exc:  # Postgres restarting: try again at the next sweep
+                log.warning("orphan sweep failed: %r", exc)
+            await asyncio.sleep(self._settings.orphan_sweep_every_s)
 
     async def _turn(
         self,
@@ -186,9 +227,16 @@ class IngressServicer(svc_grpc.IngressServicer):
             span.set_attribute("mars.service", "ingress")
             async with self._pool.connection() as conn:
                 await conn.execute(
-                    "INSERT INTO ingress_turns (turn_id, tenant, user_id, session_id, seq, status) "
-                    "VALUES (%s, %s, %s, %s, %s, 'PENDING')",
-                    (envelope.turn_id, envelope.tenant, envelope.user_id, envelope.session_id, seq),
+                    "INSERT INTO ingress_turns (turn_id, tenant, user_id, session_id, seq, status, deadline_at) "
+                    "VALUES (%s, %s, %s, %s, %s, 'PENDING', to_timestamp(%s / 1000.0))",
+                    (
+                        envelope.turn_id,
+                        envelope.tenant,
+                        envelope.user_id,
+                        envelope.session_id,
+                        seq,
+                        envelope.deadline_ms,
+                    ),
                 )
             fut: asyncio.Future[ev.Generated] = asyncio.get_running_loop().create_future()
             self._waiting[envelope.turn_id] = fut
@@ -339,20 +387,37 @@ async def build(ctx: ServiceContext) -> ServiceParts:
     settings = ctx.settings
     assert isinstance(settings, IngressSettings)
     servicer = IngressServicer(settings, ctx.producer, ctx.pool)
+    # Every replica reads every reply (a call waits on the replica it came to) ...
     replies = StageConsumer(
         settings,
         ctx.producer,
         "ingress",
-        settings.reply_group,
+        "ingress-replies",
         [
             Subscription(TOPIC_GENERATED, ev.Generated, servicer.on_generated),
             Subscription(TOPIC_TOKENS, ev.TokenChunk, servicer.on_token),
             Subscription(TOPIC_DEAD_LETTER, ev.DeadLetter, servicer.on_dead_letter, requires_envelope=False),
         ],
+        broadcast=True,
+    )
+    # ... and one replica of the group records each outcome, so a turn whose replica died still ends
+    # ANSWERED or FAILED in ingress_turns.
+    outcomes = StageConsumer(
+        settings,
+        ctx.producer,
+        "ingress",
+        "mars-ingress-outcomes",
+        [
+            Subscription(TOPIC_GENERATED, ev.Generated, servicer.record_generated),
+            Subscription(
+                TOPIC_DEAD_LETTER, ev.DeadLetter, servicer.record_dead_letter, requires_envelope=False
+            ),
+        ],
     )
     return ServiceParts(
         bindings=[GrpcBinding(svc_grpc.add_IngressServicer_to_server, servicer, "mars.v1.Ingress")],
-        consumers=[replies],
+        consumers=[replies, outcomes],
+        background=[servicer.sweep_orphans],
     )
 
 

@@ -19,12 +19,13 @@ from mars.v1 import events_pb2 as ev
 from mars.v1 import services_pb2 as svc
 from mars.v1 import services_pb2_grpc as svc_grpc
 from psycopg_pool import AsyncConnectionPool
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from mars_memory.store import MIGRATIONS, MemoryStore
 
 log = logging.getLogger(__name__)
 
+MEMORY_ROLES = ("views", "writer")
 VIEW_STAGE = "memory-view"
 COMMIT_STAGE = "memory-commit"
 
@@ -53,6 +54,21 @@ class MemorySettings(ServiceSettings):
     #: Overrides of the policy's fusion settings (HybridConfig field names), e.g.
     #: MARS_FUSION='{"fusion": "weighted", "dense_weight": 2.0, "recency_weight": 0.5}'.
     fusion: dict[str, float | str] = Field(default_factory=dict)
+    #: Which consumer groups this replica joins: "views,writer" (default), or one of them, to scale view
+    #: building and writing apart (any replica serves correct views: indexes follow Postgres).
+    memory_roles: str = "views,writer"
+
+    @field_validator("memory_roles")
+    @classmethod
+    def _check_roles(cls, value: str) -> str:
+        roles = {r.strip() for r in value.split(",") if r.strip()}
+        if not roles or roles - set(MEMORY_ROLES):
+            raise ValueError(f"memory_roles must be a comma-separated subset of {', '.join(MEMORY_ROLES)}")
+        return ",".join(sorted(roles))
+
+    @property
+    def roles(self) -> set[str]:
+        return set(self.memory_roles.split(","))
 
 
 class MemoryStage:
@@ -97,6 +113,13 @@ class MemoryServicer(svc_grpc.MemoryServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "tenant and user_id are required")
         return await self._store.view(request.tenant, request.user_id, request.text, request.state)
 
+    async def DescribeIndex(
+        self, request: svc.DescribeIndexRequest, context: grpc.aio.ServicerContext
+    ) -> svc.IndexDescription:
+        if not request.tenant or not request.user_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "tenant and user_id are required")
+        return await self._store.describe(request.tenant, request.user_id)
+
 
 async def build(ctx: ServiceContext) -> ServiceParts:
     settings = ctx.settings
@@ -127,11 +150,12 @@ async def build(ctx: ServiceContext) -> ServiceParts:
         "mars-memory-writer",
         [Subscription(TOPIC_GENERATED, ev.Generated, stage.on_generated)],
     )
+    consumers = [c for role, c in (("views", views), ("writer", writer)) if role in settings.roles]
     return ServiceParts(
         bindings=[
             GrpcBinding(svc_grpc.add_MemoryServicer_to_server, MemoryServicer(store), "mars.v1.Memory")
         ],
-        consumers=[views, writer],
+        consumers=consumers,
         health={"mars.v1.Memory.dense": store.dense_available},
     )
 

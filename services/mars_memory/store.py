@@ -27,6 +27,7 @@ from mars.domain.thread_state import (
 from mars.retrieval.embedder import Embedder, LruEmbedder
 from mars.retrieval.hybrid import POLICY_CONFIGS, HybridMemory, embed_chunks, state_conditioned
 from mars.v1 import events_pb2 as ev
+from mars.v1 import services_pb2 as svc
 from psycopg import AsyncConnection
 from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
@@ -63,7 +64,16 @@ MIGRATIONS = [
         PRIMARY KEY (tenant, user_id)
     )
     """,
+    # Commit order of the records: a user's commits are serialised (advisory lock), so per user it only
+    # grows; an index holds every record up to its watermark and catches up with `commit_no > watermark`.
+    "ALTER TABLE memory_records ADD COLUMN IF NOT EXISTS commit_no BIGSERIAL",
+    "CREATE INDEX IF NOT EXISTS memory_records_commit ON memory_records (tenant, user_id, commit_no)",
 ]
+
+RECORD_COLUMNS = (
+    "record_id, session_id, turn_id, seq, user_text, assistant_text, thread_id, embedding, embedding_model, "
+    "commit_no"
+)
 
 
 def _blob(vectors: np.ndarray | None) -> bytes | None:
@@ -82,27 +92,34 @@ def _record(row: tuple[object, ...]) -> MemoryRecord:
 
 
 class UserIndex:
-    """One user's derived retrieval index (rebuilt from Postgres on first use after a start)."""
+    """One user's derived retrieval index: every record of the user up to `record_no` (its watermark,
+    the highest commit_no it holds). Built from Postgres on first use, then caught up before each use."""
 
     def __init__(self, memory: HybridMemory) -> None:
         self.memory = memory
         self.records: dict[str, MemoryRecord] = {}
         self.thread_of: dict[str, str] = {}
+        self.order: list[str] = []  # record ids in commit order
+        self.record_no = 0
+        #: Serialises this user's index writes (catch-up) and searches, which run on worker threads.
+        self.lock = asyncio.Lock()
 
-    def add(self, record: MemoryRecord, thread_id: str, vectors: np.ndarray | None) -> None:
-        if record.record_id in self.memory:
-            return
-        self.memory.add_group(record.record_id, record.seq, [record.text], vectors)
-        self.records[record.record_id] = record
-        self.thread_of[record.record_id] = thread_id
+    def add(self, record: MemoryRecord, thread_id: str, vectors: np.ndarray | None, record_no: int) -> None:
+        if record.record_id not in self.memory:
+            self.memory.add_group(record.record_id, record.seq, [record.text], vectors)
+            self.records[record.record_id] = record
+            self.thread_of[record.record_id] = thread_id
+            self.order.append(record.record_id)
+        self.record_no = max(self.record_no, record_no)
 
 
 class MemoryStore:
     """Postgres-backed memory of one deployment; every query is scoped to (tenant, user_id).
 
     Postgres holds the records, threads and chunk vectors; the FAISS + BM25 index of each user is a
-    cache derived from them, loaded on the user's first view after a start (a replica only ever sees
-    the users of the partitions it owns, so indexes shard with the Kafka partitions).
+    cache derived from them, loaded on the user's first view after a start and caught up by commit
+    watermark before every use (a replica mostly sees the users of the partitions it owns, so indexes
+    shard with the Kafka partitions, but correctness never depends on who wrote what).
     """
 
     def __init__(
@@ -116,7 +133,6 @@ class MemoryStore:
         self._model_name = settings.embedding_model or "all-MiniLM-L6-v2"
         self._applied = asyncio.Condition()
         self._indexes: dict[tuple[str, str], UserIndex] = {}
-        self._locks: dict[tuple[str, str], asyncio.Lock] = {}
         base = POLICY_CONFIGS.get(settings.view_policy, POLICY_CONFIGS["mars"])
         self._config = dataclasses.replace(base, **settings.fusion)  # type: ignore[arg-type]
 
@@ -124,40 +140,67 @@ class MemoryStore:
         return HybridMemory(self._embedder, self._config, self._settings.use_gpu, self._query_embedder)
 
     async def user_index(self, tenant: str, user_id: str) -> UserIndex:
+        """The user's index, caught up with Postgres. Hold `index.lock` while using it.
+
+        Any replica may have applied the user's writes (the view and writer consumer groups are assigned
+        independently, and a rebalance moves users between replicas), so the index follows the table, not
+        this process's own commits: every record committed past the watermark is loaded first. A view
+        that waited for applied seq n-1 therefore finds turn n-1 searchable, since the record and the
+        applied mark are committed in one transaction."""
         key = (tenant, user_id)
-        if key in self._indexes:
-            return self._indexes[key]
-        lock = self._locks.setdefault(key, asyncio.Lock())
-        async with lock:
-            if key in self._indexes:
-                return self._indexes[key]
-            index = UserIndex(self._new_memory())
-            async with self._pool.connection() as conn:
-                cur = await conn.execute(
-                    "SELECT record_id, session_id, turn_id, seq, user_text, assistant_text, thread_id, embedding, "
-                    "embedding_model FROM memory_records WHERE tenant = %s AND user_id = %s ORDER BY seq",
-                    (tenant, user_id),
-                )
-                rows = await cur.fetchall()
-            for row in rows:
-                record = _record(row)
-                blob, model = row[7], row[8]
-                vectors = None
-                if self._embedder is None:
-                    pass
-                elif blob is not None and model == self._model_name:
-                    vectors = np.frombuffer(bytes(blob), dtype=np.float32).reshape(-1, self._embedder.dim)
-                else:
-                    # Written by another embedding model (or none): re-embed and store back.
-                    vectors = await asyncio.to_thread(self._embed_record, record)
-                    async with self._pool.connection() as conn:
-                        await conn.execute(
-                            "UPDATE memory_records SET embedding = %s, embedding_model = %s WHERE record_id = %s",
-                            (_blob(vectors), self._model_name, record.record_id),
-                        )
-                index.add(record, str(row[6]), vectors)
-            self._indexes[key] = index
-            return index
+        index = self._indexes.get(key)
+        if index is None:
+            index = self._indexes.setdefault(key, UserIndex(self._new_memory()))
+        return index
+
+    async def catch_up(self, tenant: str, user_id: str, index: UserIndex) -> None:
+        """Load the records committed after the index's watermark (call with index.lock held)."""
+        async with self._pool.connection() as conn:
+            cur = await conn.execute(
+                f"SELECT {RECORD_COLUMNS} FROM memory_records "
+                "WHERE tenant = %s AND user_id = %s AND commit_no > %s ORDER BY commit_no",
+                (tenant, user_id, index.record_no),
+            )
+            rows = await cur.fetchall()
+        if not rows:
+            return
+        loaded = []
+        for row in rows:
+            record = _record(row)
+            blob, model = row[7], row[8]
+            vectors = None
+            if self._embedder is None:
+                pass
+            elif blob is not None and model == self._model_name:
+                vectors = np.frombuffer(bytes(blob), dtype=np.float32).reshape(-1, self._embedder.dim)
+            else:
+                # Written by another embedding model (or none): re-embed and store back.
+                vectors = await asyncio.to_thread(self._embed_record, record)
+                async with self._pool.connection() as conn:
+                    await conn.execute(
+                        "UPDATE memory_records SET embedding = %s, embedding_model = %s WHERE record_id = %s",
+                        (_blob(vectors), self._model_name, record.record_id),
+                    )
+            loaded.append((record, str(row[6]), vectors, int(row[9])))
+
+        # Index writes on a worker thread too (FAISS adds), never beside a search: the lock is held.
+        def add_all() -> None:
+            for item in loaded:
+                index.add(*item)
+
+        await asyncio.to_thread(add_all)
+
+    async def describe(self, tenant: str, user_id: str) -> svc.IndexDescription:
+        index = await self.user_index(tenant, user_id)
+        async with index.lock:
+            await self.catch_up(tenant, user_id, index)
+            return svc.IndexDescription(
+                record_ids=list(index.order),
+                record_no=index.record_no,
+                dense_vectors=index.memory.dense_vectors,
+                lexical_docs=index.memory.lexical_docs,
+                replica=self._settings.replica,
+            )
 
     async def applied_seq(self, conn: AsyncConnection, tenant: str, user_id: str) -> int:
         cur = await conn.execute(
@@ -191,6 +234,13 @@ class MemoryStore:
 
     async def view(self, tenant: str, user_id: str, text: str, state: ev.SessionState) -> ev.CandidateView:
         index = await self.user_index(tenant, user_id)
+        async with index.lock:
+            await self.catch_up(tenant, user_id, index)
+            return await self._view(index, tenant, user_id, text, state)
+
+    async def _view(
+        self, index: UserIndex, tenant: str, user_id: str, text: str, state: ev.SessionState
+    ) -> ev.CandidateView:
         async with self._pool.connection() as conn:
             cur = await conn.execute(
                 "SELECT thread_id, title, state FROM memory_threads "
@@ -251,7 +301,6 @@ class MemoryStore:
         """Store the turn pair and advance the user's applied seq, in one transaction (idempotent by turn_id)."""
         turn = event.turn
         out = ev.MemoryCommitted(turn=turn)
-        added: tuple[MemoryRecord, str, np.ndarray | None] | None = None
         async with self._pool.connection() as conn, conn.transaction():
             # Serialise a user's commits (two replicas during a rebalance, or a redelivery).
             await conn.execute(
@@ -315,7 +364,6 @@ class MemoryStore:
                     ),
                 )
                 out.stored = True
-                added = (record, out.thread_id, vectors)
             # A failed turn stores nothing but still advances seq, so turn n+1 never waits for it.
             await conn.execute(
                 """
@@ -325,10 +373,7 @@ class MemoryStore:
                 """,
                 (turn.tenant, turn.user_id, turn.seq),
             )
-        # Searchable right after the commit; a user not loaded yet is rebuilt from Postgres on first use.
-        loaded = self._indexes.get((turn.tenant, turn.user_id))
-        if added is not None and loaded is not None:
-            loaded.add(*added)
+        # Indexes (this replica's and any other's) pick the record up from Postgres before their next use.
         async with self._applied:
             self._applied.notify_all()
         return out

@@ -217,3 +217,54 @@ def test_fusion_settings_come_from_config(postgres: str, embedder: SentenceTrans
         await pool.close()  # type: ignore[attr-defined]
 
     asyncio.run(scenario())
+
+
+def test_a_replica_serves_views_for_writes_another_replica_applied(
+    postgres: str, embedder: SentenceTransformerEmbedder
+) -> None:
+    """Two stores on one Postgres, as two memory replicas: `writer` applies every write, `reader` only
+    builds views. The reader's index follows the table by commit watermark, so each view sees the turn
+    before it, and its index equals a rebuild from Postgres after every write (no stale cache)."""
+
+    async def scenario() -> None:
+        writer, wpool = await make_store(postgres, embedder)
+        reader, rpool = await make_store(postgres, embedder, replica="memory-2")
+        user = "replica-user"
+        try:
+            facts = [
+                ("My ferry to the island leaves from pier 4 at 7:15", "Noted: pier 4, 7:15."),
+                ("I also need a dentist appointment on Friday", "Noted: dentist Friday."),
+                ("Remind me what time my ferry leaves", "Pier 4 at 7:15."),
+            ]
+            for seq, (query, answer) in enumerate(facts, start=1):
+                # The reader builds a view before each write too, so its index is loaded and cached: the
+                # writes after that must still reach it.
+                await reader.view("t", user, query, state())
+                await writer.commit(generated(user, seq, query, answer))
+                assert await reader.wait_applied("t", user, seq)
+                view = await reader.view("t", user, "when does the ferry leave?", state())
+                shown = {b.source_turn_id for b in view.blocks}
+                assert f"{user}-{seq}" in shown, (seq, shown)
+                described = await reader.describe("t", user)
+                rebuilt = await _rebuild(postgres, embedder, user)
+                assert list(described.record_ids) == rebuilt.order
+                assert described.dense_vectors == rebuilt.memory.dense_vectors > 0
+                assert described.lexical_docs == seq
+                assert described.replica == "memory-2"
+        finally:
+            await wpool.close()  # type: ignore[attr-defined]
+            await rpool.close()  # type: ignore[attr-defined]
+
+    asyncio.run(scenario())
+
+
+async def _rebuild(dsn: str, embedder: SentenceTransformerEmbedder, user: str):  # type: ignore[no-untyped-def]
+    """A fresh store's index of the user: what Postgres holds, built from nothing."""
+    store, pool = await make_store(dsn, embedder)
+    try:
+        index = await store.user_index("t", user)
+        async with index.lock:
+            await store.catch_up("t", user, index)
+        return index
+    finally:
+        await pool.close()  # type: ignore[attr-defined]

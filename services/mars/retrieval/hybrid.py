@@ -106,6 +106,14 @@ class HybridMemory:
     def __contains__(self, key: str) -> bool:
         return key in self._group_index
 
+    @property
+    def dense_vectors(self) -> int:
+        return len(self._dense) if self._dense is not None else 0
+
+    @property
+    def lexical_docs(self) -> int:
+        return len(self._lexical)
+
     def add_group(
         self, key: str, position: int, chunks: Sequence[str], vectors: np.ndarray | None = None
     ) -> None:

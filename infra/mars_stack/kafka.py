@@ -1,0 +1,172 @@
+"""Apache Kafka for the local stack: one KRaft broker (combined broker + controller) run on the local
+Java from the jars Maven fetches (infra/kafka/pom.xml), with its log dir on disk so a restart keeps
+every topic. `choose_broker` picks Kafka wherever Java >= 17 is found and Tansu otherwise."""
+
+from __future__ import annotations
+
+import base64
+import os
+import re
+import shutil
+import subprocess
+import uuid
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+KAFKA_DIR = REPO_ROOT / "infra" / "kafka"
+POM = KAFKA_DIR / "pom.xml"
+LOG4J_CONFIG = KAFKA_DIR / "log4j2.properties"
+#: Where `mvn dependency:copy-dependencies` puts kafka_2.13 and its dependencies (MARS_KAFKA_LIBS overrides).
+DEFAULT_LIBS = KAFKA_DIR / "target" / "kafka-libs"
+BROKERS = ("kafka", "tansu")
+
+
+class KafkaUnavailable(RuntimeError):
+    pass
+
+
+def kafka_version() -> str:
+    match = re.search(r"<kafka.version>([^<]+)</kafka.version>", POM.read_text())
+    if match is None:  # pragma: no cover - the pom is ours
+        raise KafkaUnavailable(f"no kafka.version in {POM}")
+    return match.group(1)
+
+
+def java_major(java: str | None = None) -> int | None:
+    """The major version of `java` on PATH (or MARS_JAVA), None when there is none."""
+    java = java or os.environ.get("MARS_JAVA") or shutil.which("java")
+    if not java:
+        return None
+    try:
+        out = subprocess.run([java, "-version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    match = re.search(r'version "(\d+)(?:\.(\d+))?', out.stderr + out.stdout)
+    if match is None:
+        return None
+    major = int(match.group(1))
+    return int(match.group(2) or 0) if major == 1 else major  # "1.8" is Java 8
+
+
+def choose_broker(requested: str | None = None) -> str:
+    """kafka or tansu: `requested` (or MARS_BROKER) when set, else Kafka wherever Java >= 17 runs."""
+    choice = (requested or os.environ.get("MARS_BROKER") or "").strip().lower()
+    if choice and choice not in BROKERS:
+        raise ValueError(f"MARS_BROKER must be one of {', '.join(BROKERS)}, got {choice!r}")
+    if choice:
+        return choice
+    major = java_major()
+    return "kafka" if major is not None and major >= 17 else "tansu"
+
+
+def libs_dir() -> Path:
+    return Path(os.environ.get("MARS_KAFKA_LIBS") or DEFAULT_LIBS)
+
+
+def ensure_kafka_libs(quiet: bool = True) -> Path:
+    """The broker's jars, fetched from Maven Central on first use (about 45 MB, cached)."""
+    libs = libs_dir()
+    version = kafka_version()
+    if (libs / f"kafka_2.13-{version}.jar").exists():
+        return libs
+    mvn = shutil.which("mvn")
+    if mvn is None:
+        raise KafkaUnavailable(
+            "Apache Kafka's jars are not fetched and `mvn` is not installed; install Maven "
+            "(apt-get install maven) or run with MARS_BROKER=tansu"
+        )
+    if libs.exists():
+        shutil.rmtree(libs)  # another version's jars would shadow this one on the classpath
+    cmd = [
+        mvn,
+        "-B",
+        *(["-q"] if quiet else []),
+        "-f",
+        str(POM),
+        "dependency:copy-dependencies",
+        f"-DoutputDirectory={libs}",
+        "-DincludeScope=runtime",
+    ]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0 or not (libs / f"kafka_2.13-{version}.jar").exists():
+        raise KafkaUnavailable(
+            f"fetching Apache Kafka {version} failed:\n{(done.stdout + done.stderr)[-3000:]}"
+        )
+    return libs
+
+
+def cluster_id() -> str:
+    """A KRaft cluster id: 16 random bytes, base64url without padding (what kafka-storage random-uuid gives)."""
+    return base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+
+
+def server_properties(log_dir: Path, port: int, controller_port: int, partitions: int) -> str:
+    """One node that is both broker and controller, sized for one machine: single replicas, a handful of
+    internal partitions (fast start), no initial rebalance delay (services join groups as they start)."""
+    props = {
+        "process.roles": "broker,controller",
+        "node.id": "1",
+        "controller.quorum.voters": f"1@127.0.0.1:{controller_port}",
+        "listeners": f"PLAINTEXT://127.0.0.1:{port},CONTROLLER://127.0.0.1:{controller_port}",
+        "advertised.listeners": f"PLAINTEXT://127.0.0.1:{port}",
+        "controller.listener.names": "CONTROLLER",
+        "inter.broker.listener.name": "PLAINTEXT",
+        "listener.security.protocol.map": "CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT",
+        "log.dirs": str(log_dir),
+        "num.partitions": str(partitions),
+        "offsets.topic.replication.factor": "1",
+        "offsets.topic.num.partitions": str(max(1, partitions)),
+        "transaction.state.log.replication.factor": "1",
+        "transaction.state.log.min.isr": "1",
+        "transaction.state.log.num.partitions": "1",
+        "share.coordinator.state.topic.replication.factor": "1",
+        "share.coordinator.state.topic.min.isr": "1",
+        "group.initial.rebalance.delay.ms": "0",
+        # Our topics are created by the services (mars.bus.ensure_topics) with the shared partition count.
+        "auto.create.topics.enable": "false",
+    }
+    return "".join(f"{k}={v}\n" for k, v in props.items())
+
+
+def prepare(workdir: Path, port: int, controller_port: int, partitions: int, java: str = "java") -> list[str]:
+    """Write the config, format the log dir once (a restart reuses it, data included), and return the
+    command that runs the broker in the foreground."""
+    libs = ensure_kafka_libs()
+    classpath = f"{libs}/*"
+    config = workdir / "kafka" / "server.properties"
+    log_dir = workdir / "kafka" / "data"
+    config.parent.mkdir(parents=True, exist_ok=True)
+    config.write_text(server_properties(log_dir, port, controller_port, partitions))
+    if not (log_dir / "meta.properties").exists():
+        done = subprocess.run(
+            [
+                java,
+                "-cp",
+                classpath,
+                "kafka.tools.StorageTool",
+                "format",
+                "-t",
+                cluster_id(),
+                "-c",
+                str(config),
+            ],
+            capture_output=True,
+            text=True,
+        )
+        if done.returncode != 0:
+            raise KafkaUnavailable(
+                f"formatting the Kafka log dir failed:\n{(done.stdout + done.stderr)[-3000:]}"
+            )
+    heap = os.environ.get("MARS_KAFKA_HEAP", "512m")
+    return [
+        java,
+        f"-Xmx{heap}",
+        f"-Xms{heap}",
+        "-XX:+UseG1GC",
+        "-Djava.awt.headless=true",
+        f"-Dlog4j2.configurationFile={LOG4J_CONFIG}",
+        "-cp",
+        classpath,
+        "kafka.Kafka",
+        str(config),
+    ]
