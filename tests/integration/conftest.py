@@ -1,5 +1,6 @@
-"""End-to-end fixtures: a real local stack (Tansu broker, Postgres, llama.cpp server, six service
-processes) per test module, and helpers to read topics and tables back."""
+"""End-to-end fixtures: a real local stack (Apache Kafka, or Tansu where asked; Postgres; llama.cpp server
+or the stand-in LLM; six services, each one or more processes) per test module, and helpers to read topics
+and tables back."""
 
 from __future__ import annotations
 
@@ -30,6 +31,9 @@ def start_stack(
     service_env: dict[str, dict[str, str]] | None = None,
     services: tuple[str, ...] | None = None,
     topic_prefix: str = "",
+    broker: str | None = None,
+    llm: str = "llama",
+    replicas: int = 1,
 ) -> LocalStack:
     check_settings(STACK_ENV)
     settings = StackSettings(
@@ -40,6 +44,9 @@ def start_stack(
         service_env=service_env or {},
         topic_prefix=topic_prefix,
         extra_env=dict(STACK_ENV),
+        broker=broker,
+        llm=llm,
+        replicas=replicas,
     )
     if services is not None:
         settings.services = services

@@ -1,0 +1,122 @@
+"""Two replicas of every service on Apache Kafka. Memory is split by role so the test is exact: memory-1
+only applies writes, memory-2 only builds views, so every view comes from a replica that applied none of
+the user's writes (its index must follow Postgres). Both ingress replicas take turns for the same users
+and each call gets its own reply."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from mars.config import TOPIC_VIEW, topic_name
+from mars.v1 import events_pb2 as ev
+from mars.v1 import services_pb2 as svc
+from mars.v1 import services_pb2_grpc as svc_grpc
+from mars_stack import LocalStack, StackSettings
+from mars_stack.kafka import choose_broker
+
+from conftest import STACK_ENV, query, read_topic
+
+pytestmark = pytest.mark.integration
+REPO = Path(__file__).resolve().parents[2]
+USERS = ("ana", "ben", "cy")
+TURNS = [
+    "My ferry to the island leaves from pier 4 at 7:15 every Tuesday",
+    "I also have a dentist appointment on Friday afternoon",
+    "Please remember I am allergic to peanuts",
+    "When does my ferry leave, and from which pier?",
+]
+
+
+@pytest.fixture(scope="module")
+def replicated(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
+    if choose_broker() != "kafka":
+        pytest.skip("needs Java >= 17 for Apache Kafka (this machine would run Tansu)")
+    tmp = tmp_path_factory.mktemp("replicas")
+    settings = StackSettings(
+        workdir=tmp / "stack",
+        model_pool=REPO / "config" / "models.standin.yaml",
+        llm="standin",
+        broker="kafka",
+        replicas=2,
+        partitions=4,
+        extra_env=dict(STACK_ENV),
+        service_env={"memory-1": {"MARS_MEMORY_ROLES": "writer"}, "memory-2": {"MARS_MEMORY_ROLES": "views"}},
+    )
+    stack = LocalStack(settings).start()
+    try:
+        yield stack
+    finally:
+        stack.stop()
+
+
+def test_views_from_a_replica_that_applied_none_of_the_writes(replicated: LocalStack) -> None:
+    stubs = [svc_grpc.IngressStub(grpc.insecure_channel(a)) for a in replicated.addrs("ingress")]
+    assert len(stubs) == 2
+    replies: dict[str, list[svc.TurnReply]] = {u: [] for u in USERS}
+    for n, text in enumerate(TURNS):
+        for k, user in enumerate(USERS):
+            stub = stubs[(n + k) % 2]  # a user's turns alternate between the two ingress replicas
+            reply = stub.SendTurn(svc.TurnRequest(tenant="rep", user_id=user, text=text), timeout=60)
+            assert reply.seq == n + 1 and reply.text
+            replies[user].append(reply)
+
+    # Every view waited for and found the user's previous turn (read-your-writes across replicas).
+    views = [
+        ev.ViewBuilt.FromString(r.value)
+        for r in read_topic(replicated.env["MARS_KAFKA_BOOTSTRAP"], topic_name(TOPIC_VIEW))
+    ]
+    ours = [v for v in views if v.turn.tenant == "rep"]
+    assert len({v.turn.turn_id for v in ours}) == len(USERS) * len(TURNS)
+    assert not [v.turn.turn_id for v in ours if v.view.possibly_stale]
+
+    # memory-2 wrote nothing; its index of every user equals the records memory-1 stored.
+    with grpc.insecure_channel(replicated.addr("memory-2")) as channel:
+        memory = svc_grpc.MemoryStub(channel)
+        for user in USERS:
+            rows = query(
+                replicated,
+                "SELECT record_id, turn_id FROM memory_records WHERE tenant = 'rep' AND user_id = %s "
+                "ORDER BY commit_no",
+                (user,),
+            )
+            assert [t for _, t in rows] == [r.turn_id for r in replies[user]]
+            described = memory.DescribeIndex(svc.DescribeIndexRequest(tenant="rep", user_id=user), timeout=30)
+            assert described.replica == "memory-2"
+            assert list(described.record_ids) == [r for r, _ in rows]
+            assert described.lexical_docs == len(rows) and described.dense_vectors >= len(rows)
+            # A view built there now finds the ferry turn, which memory-1 applied.
+            view = memory.BuildView(
+                svc.BuildViewRequest(
+                    tenant="rep", user_id=user, text="ferry pier time", state=_recall_state()
+                ),
+                timeout=30,
+            )
+            assert replies[user][0].turn_id in {b.source_turn_id for b in view.blocks}
+
+
+def test_every_turn_recorded_answered_once(replicated: LocalStack) -> None:
+    rows = query(
+        replicated, "SELECT status, count(*) FROM ingress_turns WHERE tenant = 'rep' GROUP BY status"
+    )
+    assert dict(rows) == {"ANSWERED": len(USERS) * len(TURNS)}
+    dup = query(
+        replicated, "SELECT count(*) - count(DISTINCT turn_id) FROM memory_records WHERE tenant = 'rep'"
+    )
+    assert dup[0][0] == 0
+
+
+def _recall_state() -> ev.SessionState:
+    state = ev.SessionState(
+        action=ev.MATCH,
+        query_type=ev.DYNAMIC,
+        phase=ev.EXPLORE,
+        retrieval_scope=ev.GLOBAL,
+        top_k_hint=5,
+        prefer_recent=0,
+        lens_recommendation=3,
+    )
+    state.taxonomy.need_memory = 1
+    return state
