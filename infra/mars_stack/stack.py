@@ -267,8 +267,13 @@ class LocalStack:
                     f"\n--- mars-stack: {proc.name} exited ({event.detail}); restart in {wait:.1f}s ---\n"
                 )
         elif now >= proc.restart_at:
-            self._respawn(proc)
             proc.restarts += 1
+            try:
+                self._respawn(proc)
+            except Exception as exc:  # e.g. a fork failure: try again later, never stop supervising
+                proc.restart_at = now + min(BACKOFF_MAX_S, BACKOFF_FIRST_S * (2**proc.restarts))
+                self.events.append(ProcEvent(time.time(), proc.name, "exited", f"could not start: {exc!r}"))
+                return
             self.events.append(ProcEvent(time.time(), proc.name, "restarted", f"restart #{proc.restarts}"))
 
     def _respawn(self, proc: Proc) -> None:

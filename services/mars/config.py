@@ -26,6 +26,8 @@ TOPIC_JUDGED = "mars.turn.judged"
 TOPIC_FEEDBACK = "mars.turn.feedback"
 TOPIC_MEMORY_COMMITTED = "mars.memory.committed"
 TOPIC_DEAD_LETTER = "mars.deadletter"
+#: The state stage's name in `stage_emitted` (ingress reads it to tell a turn that never left ingress).
+STATE_STAGE = "state"
 
 ALL_TOPICS = (
     TOPIC_RECEIVED,

@@ -14,6 +14,7 @@ import grpc
 from mars.bus import EventProducer, StageConsumer, Subscription
 from mars.config import (
     SCHEMA_VERSION,
+    STATE_STAGE,
     TOPIC_DEAD_LETTER,
     TOPIC_FEEDBACK,
     TOPIC_GENERATED,
@@ -53,12 +54,16 @@ MIGRATIONS = [
     # When the caller stops waiting: a turn still PENDING past it lost its waiting replica (the reaper).
     "ALTER TABLE ingress_turns ADD COLUMN IF NOT EXISTS deadline_at TIMESTAMPTZ",
     "CREATE INDEX IF NOT EXISTS ingress_turns_pending ON ingress_turns (deadline_at) WHERE status = 'PENDING'",
+    # The turn's received event (an outbox): a turn whose replica died before publishing it is sent again.
+    "ALTER TABLE ingress_turns ADD COLUMN IF NOT EXISTS received BYTEA",
+    "ALTER TABLE ingress_turns ADD COLUMN IF NOT EXISTS republished_at TIMESTAMPTZ",
 ]
 
 ANSWER_PATH_TOPICS = (TOPIC_RECEIVED, TOPIC_STATE, TOPIC_VIEW, TOPIC_ROUTED)
-#: Outcome recording: first final status wins, except that a late answer replaces a TIMEOUT.
+#: Outcome recording: first final status wins, except that a late answer replaces a TIMEOUT. The outbox
+#: copy of the turn is dropped with it (the text lives on in memory, not twice).
 FINISH_SQL = (
-    "UPDATE ingress_turns SET status = %s, error = %s, finished_at = now() "
+    "UPDATE ingress_turns SET status = %s, error = %s, finished_at = now(), received = NULL "
     "WHERE turn_id = %s AND (status = 'PENDING' OR (status = 'TIMEOUT' AND %s = 'ANSWERED'))"
 )
 
@@ -74,6 +79,9 @@ class IngressSettings(ServiceSettings):
     #: answer came) is marked TIMEOUT by whichever replica sweeps first.
     orphan_grace_s: float = 5.0
     orphan_sweep_every_s: float = 2.0
+    #: A PENDING turn that no state replica has taken after this long is published again from the outbox
+    #: (its replica may have died before publishing it); duplicates are harmless (effects by turn_id).
+    republish_after_s: float = 10.0
 
 
 class InvalidTurn(ValueError):
@@ -144,6 +152,25 @@ class IngressServicer(svc_grpc.IngressServicer):
                 TurnFailed(grpc.StatusCode.INTERNAL, f"turn failed in {letter.consumer}: {letter.reason}")
             )
 
+    async def _republish_unsent(self) -> None:
+        async with self._pool.connection() as conn:
+            cur = await conn.execute(
+                "SELECT turn_id, received FROM ingress_turns t WHERE status = 'PENDING' "
+                "AND republished_at IS NULL AND received IS NOT NULL AND deadline_at > now() "
+                "AND created_at < now() - make_interval(secs => %s) AND NOT EXISTS "
+                "(SELECT 1 FROM stage_emitted s WHERE s.stage = %s AND s.turn_id = t.turn_id) LIMIT 500",
+                (self._settings.republish_after_s, STATE_STAGE),
+            )
+            rows = await cur.fetchall()
+        for turn_id, raw in rows:
+            event = ev.TurnReceived.FromString(bytes(raw))
+            await self._producer.publish(TOPIC_RECEIVED, event, event.turn)
+            async with self._pool.connection() as conn:
+                await conn.execute(
+                    "UPDATE ingress_turns SET republished_at = now() WHERE turn_id = %s", (turn_id,)
+                )
+            log.warning("turn %s never left ingress; published it again from the outbox", turn_id)
+
     # --- turn path -----------------------------------------------------------------------------
 
     async def _next_seq(self, tenant: str, user_id: str) -> int:
@@ -179,10 +206,12 @@ class IngressServicer(svc_grpc.IngressServicer):
             await self._finish(letter.turn_id, "FAILED", f"turn failed in {letter.consumer}: {letter.reason}")
 
     async def sweep_orphans(self) -> None:
-        """Turns whose waiting replica died before their answer: TIMEOUT with the reason, never PENDING
-        for good (a late answer still turns them ANSWERED)."""
+        """Turns whose waiting replica died: published again from the outbox when they never got past
+        ingress and still have time, else TIMEOUT with the reason once their deadline has passed, never
+        PENDING for good (a late answer still turns them ANSWERED)."""
         while True:
             try:
+                await self._republish_unsent()
                 async with self._pool.connection() as conn:
                     await conn.execute(
                         "UPDATE ingress_turns SET status = 'TIMEOUT', finished_at = now(), error = "
@@ -225,10 +254,11 @@ class IngressServicer(svc_grpc.IngressServicer):
             )
             span.set_attribute("mars.turn_id", envelope.turn_id)
             span.set_attribute("mars.service", "ingress")
+            received = ev.TurnReceived(turn=envelope, text=req.text)
             async with self._pool.connection() as conn:
                 await conn.execute(
-                    "INSERT INTO ingress_turns (turn_id, tenant, user_id, session_id, seq, status, deadline_at) "
-                    "VALUES (%s, %s, %s, %s, %s, 'PENDING', to_timestamp(%s / 1000.0))",
+                    "INSERT INTO ingress_turns (turn_id, tenant, user_id, session_id, seq, status, deadline_at, "
+                    "received) VALUES (%s, %s, %s, %s, %s, 'PENDING', to_timestamp(%s / 1000.0), %s)",
                     (
                         envelope.turn_id,
                         envelope.tenant,
@@ -236,6 +266,7 @@ class IngressServicer(svc_grpc.IngressServicer):
                         envelope.session_id,
                         seq,
                         envelope.deadline_ms,
+                        received.SerializeToString(),
                     ),
                 )
             fut: asyncio.Future[ev.Generated] = asyncio.get_running_loop().create_future()
@@ -243,9 +274,7 @@ class IngressServicer(svc_grpc.IngressServicer):
             if tokens is not None:
                 self._streams[envelope.turn_id] = tokens
             try:
-                await self._producer.publish(
-                    TOPIC_RECEIVED, ev.TurnReceived(turn=envelope, text=req.text), envelope
-                )
+                await self._producer.publish(TOPIC_RECEIVED, received, envelope)
                 try:
                     generated = await asyncio.wait_for(fut, timeout=wait_s)
                 except TimeoutError:

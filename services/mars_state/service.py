@@ -9,7 +9,7 @@ import time
 
 import grpc
 from mars.bus import EventProducer, StageConsumer, StageOutput, Subscription
-from mars.config import TOPIC_RECEIVED, TOPIC_STATE, ServiceSettings
+from mars.config import STATE_STAGE, TOPIC_RECEIVED, TOPIC_STATE, ServiceSettings
 from mars.llm_json import TokenPrices, endpoint_url
 from mars.qtm.controllers import make_controller
 from mars.qtm.guard import GuardedEstimator
@@ -21,7 +21,7 @@ from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 from pydantic import Field
 
-STAGE = "state"
+STAGE = STATE_STAGE
 
 MIGRATIONS = [
     # The active context the controller reads: the user turns of the active thread, newest last.

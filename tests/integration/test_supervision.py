@@ -12,12 +12,11 @@ import grpc
 import psycopg
 import pytest
 from aiokafka import AIOKafkaProducer
+from conftest import STACK_ENV, read_topic, wait_for
 from mars.v1 import services_pb2 as svc
 from mars.v1 import services_pb2_grpc as svc_grpc
 from mars_stack import LocalStack, StackSettings
 from mars_stack.kafka import choose_broker
-
-from conftest import STACK_ENV, read_topic, wait_for
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
@@ -87,6 +86,7 @@ def test_kafka_killed_comes_back_with_its_topics(tmp_path: Path) -> None:
         started = time.monotonic()
         stack.kill("broker")
         wait_for(lambda: _restarted(stack, "broker"), 30, "the supervisor to restart Kafka")
+
         def serves_old_records() -> bool:
             try:
                 return len(read_topic(bootstrap, "kept")) == 5
