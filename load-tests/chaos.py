@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import random
 import sys
@@ -425,13 +426,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--partitions", type=int, default=6)
     parser.add_argument("--workdir", type=Path, help="keep the stack's data and logs here")
+    parser.add_argument("--no-faults", action="store_true", help="the same load without faults (a baseline)")
+    parser.add_argument("--rate", type=float, help="override the scenario's turns per second")
+    parser.add_argument("--turns", type=int, help="override the scenario's turn count")
+    parser.add_argument("--replicas", type=int, help="override the scenario's replicas per service")
     args = parser.parse_args(argv)
 
     sys.path[:0] = [str(REPO / "infra"), str(REPO / "services")]
     from mars_stack import LocalStack, StackSettings
 
     sc = SHORT if args.short else SCENARIOS[args.scenario]
-    name = args.scenario + (" --short" if args.short else "")
+    overrides = {"rate": args.rate, "turns": args.turns, "replicas": args.replicas}
+    sc = dataclasses.replace(sc, **{k: v for k, v in overrides.items() if v is not None})
+    name = args.scenario + (" --short" if args.short else "") + (" --no-faults" if args.no_faults else "")
     started = time.monotonic()
 
     def log(msg: str) -> None:
@@ -452,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
     calls: list[Call] = []
     try:
         duration = sc.turns / sc.rate
-        faults = fault_plan(sc, duration, args.seed)
+        faults = [] if args.no_faults else fault_plan(sc, duration, args.seed)
         log(
             f"stack up; sending {sc.turns} turns at {sc.rate:g}/s over {sc.users} users with {len(faults)} faults"
         )

@@ -258,7 +258,7 @@ class StageConsumer:
                 for tp, records in batches.items():
                     with contextlib.suppress(Exception):
                         self._consumer.seek(tp, records[0].offset)
-                await asyncio.sleep(1.0)
+                await asyncio.sleep(0.5)
 
     async def _handle_partition(self, records: list[ConsumerRecord[Any, Any]]) -> None:
         # Order matters per user (the key), not across users: one user's view waiting for its previous

@@ -11,7 +11,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 import grpc
-from mars.bus import EventProducer, StageConsumer, Subscription
+from mars.bus import EventProducer, StageConsumer, Subscription, is_transient
 from mars.config import (
     SCHEMA_VERSION,
     STATE_STAGE,
@@ -59,6 +59,8 @@ MIGRATIONS = [
     "ALTER TABLE ingress_turns ADD COLUMN IF NOT EXISTS republished_at TIMESTAMPTZ",
 ]
 
+#: Tries at recording a turn when the database connection breaks (e.g. Postgres restarting).
+ACCEPT_ATTEMPTS = 4
 ANSWER_PATH_TOPICS = (TOPIC_RECEIVED, TOPIC_STATE, TOPIC_VIEW, TOPIC_ROUTED)
 #: Outcome recording: first final status wins, except that a late answer replaces a TIMEOUT. The outbox
 #: copy of the turn is dropped with it (the text lives on in memory, not twice).
@@ -123,6 +125,19 @@ class TurnFailed(Exception):
         self.code = code
 
 
+def unexpected_status(exc: Exception) -> tuple[grpc.StatusCode, str]:
+    """A status and a plain message for an error that is not the caller's: never a stack trace."""
+    if is_transient(exc):
+        log.warning("turn not taken: %r", exc)
+        return (
+            grpc.StatusCode.UNAVAILABLE,
+            "MARS is briefly unavailable (its database or broker is restarting); the turn was not answered, "
+            "retry it",
+        )
+    log.exception("turn failed unexpectedly")
+    return grpc.StatusCode.INTERNAL, "internal error in ingress (logged); the turn was not answered"
+
+
 class IngressServicer(svc_grpc.IngressServicer):
     def __init__(self, settings: IngressSettings, producer: EventProducer, pool: AsyncConnectionPool) -> None:
         self._settings = settings
@@ -173,37 +188,81 @@ class IngressServicer(svc_grpc.IngressServicer):
 
     # --- turn path -----------------------------------------------------------------------------
 
-    async def _next_seq(self, tenant: str, user_id: str) -> int:
-        async with self._pool.connection() as conn:
-            cur = await conn.execute(
-                """
-                INSERT INTO ingress_user_seq (tenant, user_id, last_seq) VALUES (%s, %s, 1)
-                ON CONFLICT (tenant, user_id) DO UPDATE SET last_seq = ingress_user_seq.last_seq + 1
-                RETURNING last_seq
-                """,
-                (tenant, user_id),
-            )
-            row = await cur.fetchone()
-            assert row is not None
-            return int(row[0])
+    async def _accept(self, envelope: ev.TurnEnvelope, text: str) -> ev.TurnReceived:
+        """Give the turn its per-user seq and record it (with its event, the outbox copy) in one
+        transaction: a seq is never taken without its turn, so no later view waits for a turn that never
+        was. Retried on a broken connection; a retry after a commit whose answer was lost finds the row."""
+        for attempt in range(1, ACCEPT_ATTEMPTS + 1):
+            try:
+                async with self._pool.connection() as conn, conn.transaction():
+                    if attempt > 1:
+                        cur = await conn.execute(
+                            "SELECT received FROM ingress_turns WHERE turn_id = %s", (envelope.turn_id,)
+                        )
+                        done = await cur.fetchone()
+                        if done is not None and done[0] is not None:
+                            return ev.TurnReceived.FromString(bytes(done[0]))
+                    cur = await conn.execute(
+                        """
+                        INSERT INTO ingress_user_seq (tenant, user_id, last_seq) VALUES (%s, %s, 1)
+                        ON CONFLICT (tenant, user_id) DO UPDATE SET last_seq = ingress_user_seq.last_seq + 1
+                        RETURNING last_seq
+                        """,
+                        (envelope.tenant, envelope.user_id),
+                    )
+                    row = await cur.fetchone()
+                    assert row is not None
+                    envelope.seq = int(row[0])
+                    received = ev.TurnReceived(turn=envelope, text=text)
+                    await conn.execute(
+                        "INSERT INTO ingress_turns (turn_id, tenant, user_id, session_id, seq, status, "
+                        "deadline_at, received) "
+                        "VALUES (%s, %s, %s, %s, %s, 'PENDING', to_timestamp(%s / 1000.0), %s)",
+                        (
+                            envelope.turn_id,
+                            envelope.tenant,
+                            envelope.user_id,
+                            envelope.session_id,
+                            envelope.seq,
+                            envelope.deadline_ms,
+                            received.SerializeToString(),
+                        ),
+                    )
+                    return received
+            except Exception as exc:
+                if not is_transient(exc) or attempt == ACCEPT_ATTEMPTS:
+                    raise
+                log.warning("accepting turn %s hit %r; retrying", envelope.turn_id, exc)
+                await asyncio.sleep(0.2 * attempt)
+        raise AssertionError("unreachable")
 
-    async def _finish(self, turn_id: str, status: str, error: str | None = None) -> None:
+    async def _record(self, turn_id: str, status: str, error: str | None = None) -> None:
         async with self._pool.connection() as conn:
             await conn.execute(FINISH_SQL, (status, error, turn_id, status))  # type: ignore[arg-type]
+
+    async def _finish(self, turn_id: str, status: str, error: str | None = None) -> None:
+        """The waiting call records its outcome; on a database hiccup it leaves that to the outcome group."""
+        try:
+            await self._record(turn_id, status, error)
+        except Exception as exc:
+            if not is_transient(exc):
+                raise
+            # The outcome group records ANSWERED / FAILED from the log and the sweep records TIMEOUT.
+            log.warning("recording turn %s as %s failed: %r", turn_id, status, exc)
 
     # --- outcomes (shared group: whichever replica reads the event records it) -------------------
 
     async def record_generated(self, event: ev.Generated) -> None:
         if event.status == ev.OK:
-            await self._finish(event.turn.turn_id, "ANSWERED")
+            await self._record(event.turn.turn_id, "ANSWERED")
         else:
-            await self._finish(event.turn.turn_id, "FAILED", event.error or "no model could answer")
+            await self._record(event.turn.turn_id, "FAILED", event.error or "no model could answer")
 
     async def record_dead_letter(self, letter: ev.DeadLetter) -> None:
         # Only the answer path's dead letters fail a turn; one from the learning path (memory writer, judge)
         # comes after the answer and must not turn an ANSWERED turn read out of order into FAILED.
         if letter.turn_id and self._settings.topics.base(letter.source_topic) in ANSWER_PATH_TOPICS:
-            await self._finish(letter.turn_id, "FAILED", f"turn failed in {letter.consumer}: {letter.reason}")
+            await self._record(letter.turn_id, "FAILED", f"turn failed in {letter.consumer}: {letter.reason}")
 
     async def sweep_orphans(self) -> None:
         """Turns whose waiting replica died: published again from the outbox when they never got past
@@ -236,7 +295,6 @@ class IngressServicer(svc_grpc.IngressServicer):
         with self._tracer.start_as_current_span(
             "ingress SendTurn", context=parent, kind=trace.SpanKind.SERVER
         ) as span:
-            seq = await self._next_seq(req.tenant, req.user_id)
             wait_s = self._settings.turn_timeout_s
             if caller_remaining_s is not None:
                 wait_s = min(wait_s, caller_remaining_s)
@@ -246,7 +304,6 @@ class IngressServicer(svc_grpc.IngressServicer):
                 tenant=req.tenant,
                 user_id=req.user_id,
                 session_id=req.session_id or "default",
-                seq=seq,
                 received_at_ms=now_ms,
                 schema_version=SCHEMA_VERSION,
                 options=options,
@@ -254,27 +311,23 @@ class IngressServicer(svc_grpc.IngressServicer):
             )
             span.set_attribute("mars.turn_id", envelope.turn_id)
             span.set_attribute("mars.service", "ingress")
-            received = ev.TurnReceived(turn=envelope, text=req.text)
-            async with self._pool.connection() as conn:
-                await conn.execute(
-                    "INSERT INTO ingress_turns (turn_id, tenant, user_id, session_id, seq, status, deadline_at, "
-                    "received) VALUES (%s, %s, %s, %s, %s, 'PENDING', to_timestamp(%s / 1000.0), %s)",
-                    (
-                        envelope.turn_id,
-                        envelope.tenant,
-                        envelope.user_id,
-                        envelope.session_id,
-                        seq,
-                        envelope.deadline_ms,
-                        received.SerializeToString(),
-                    ),
-                )
+            received = await self._accept(envelope, req.text)
+            envelope = received.turn
+            seq = envelope.seq
             fut: asyncio.Future[ev.Generated] = asyncio.get_running_loop().create_future()
             self._waiting[envelope.turn_id] = fut
             if tokens is not None:
                 self._streams[envelope.turn_id] = tokens
             try:
-                await self._producer.publish(TOPIC_RECEIVED, received, envelope)
+                try:
+                    await self._producer.publish(TOPIC_RECEIVED, received, envelope)
+                except Exception as exc:
+                    if not is_transient(exc):
+                        raise
+                    # Recorded already: the outbox sweep publishes it again; the call keeps waiting.
+                    log.warning(
+                        "publishing turn %s failed (%r); the outbox will send it", envelope.turn_id, exc
+                    )
                 try:
                     generated = await asyncio.wait_for(fut, timeout=wait_s)
                 except TimeoutError:
@@ -322,6 +375,8 @@ class IngressServicer(svc_grpc.IngressServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except TurnFailed as exc:
             await context.abort(exc.code, str(exc))
+        except Exception as exc:
+            await context.abort(*unexpected_status(exc))
         raise AssertionError("unreachable")
 
     async def Converse(
@@ -338,6 +393,8 @@ class IngressServicer(svc_grpc.IngressServicer):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             except TurnFailed as exc:
                 await context.abort(exc.code, str(exc))
+            except Exception as exc:
+                await context.abort(*unexpected_status(exc))
 
     async def _streamed_turn(
         self, request: svc.TurnRequest, metadata: object
