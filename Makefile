@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PROTO_SRC := $(wildcard proto/mars/v1/*.proto)
 PROTO_OUT := services/mars/v1/.generated
 
-.PHONY: install proto kafka run test test-unit test-integration lint clean
+.PHONY: install proto kafka litellm run test test-unit test-integration lint clean
 
 install: $(STAMP)
 
@@ -31,10 +31,20 @@ kafka: $(STAMP)
 		$(PY) -c "from mars_stack.kafka import ensure_kafka_libs; print('Apache Kafka jars in', ensure_kafka_libs())"; \
 	else echo "no Java >= 17: the local stack runs Tansu"; fi
 
+# The LiteLLM proxy, the load harness's peer, in a virtual environment of its own (load-tests/load.py).
+LITELLM_VENV := load-tests/.venv-litellm
+litellm: $(LITELLM_VENV)/.installed
+
+$(LITELLM_VENV)/.installed:
+	$(PYTHON) -m venv $(LITELLM_VENV)
+	$(LITELLM_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(LITELLM_VENV)/bin/python -m pip install --quiet 'litellm[proxy]==1.108.7'
+	touch $@
+
 run: install proto kafka
 	$(VENV)/bin/mars run
 
-test: install proto kafka
+test: install proto kafka litellm
 	$(PY) -m pytest -q
 
 test-unit: install proto

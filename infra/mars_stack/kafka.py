@@ -96,8 +96,12 @@ def ensure_kafka_libs(quiet: bool = True) -> Path:
 
 
 def cluster_id() -> str:
-    """A KRaft cluster id: 16 random bytes, base64url without padding (what kafka-storage random-uuid gives)."""
-    return base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+    """A KRaft cluster id: 16 random bytes, base64url without padding (what kafka-storage random-uuid gives),
+    never starting with "-" (a command line would read it as an option, as Kafka's own generator avoids)."""
+    while True:
+        cid = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        if not cid.startswith("-"):
+            return cid
 
 
 def server_properties(log_dir: Path, port: int, controller_port: int, partitions: int) -> str:
@@ -145,8 +149,7 @@ def prepare(workdir: Path, port: int, controller_port: int, partitions: int, jav
                 classpath,
                 "kafka.tools.StorageTool",
                 "format",
-                "-t",
-                cluster_id(),
+                f"--cluster-id={cluster_id()}",
                 "-c",
                 str(config),
             ],

@@ -56,6 +56,6 @@ def test_server_properties_is_one_kraft_node_on_loopback(tmp_path: Path) -> None
     assert props["auto.create.topics.enable"] == "false"
 
 
-def test_cluster_ids_are_kafka_uuids() -> None:
-    ids = {kafka.cluster_id() for _ in range(5)}
-    assert len(ids) == 5 and all(len(i) == 22 for i in ids)
+def test_cluster_ids_are_kafka_uuids_never_read_as_options() -> None:
+    ids = {kafka.cluster_id() for _ in range(500)}
+    assert len(ids) == 500 and all(len(i) == 22 and not i.startswith("-") for i in ids)

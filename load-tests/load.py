@@ -1,0 +1,292 @@
+"""Open-loop load: MARS beside the LiteLLM proxy, both on the same stand-in LLM upstream.
+
+    .venv/bin/python load-tests/load.py --rates 10,25,50,100 --seconds 60 --json OUT [--no-litellm]
+
+Each rate sends turns on a fixed schedule (open loop: a turn leaves on time whatever happened to the
+ones before it) for `--seconds`, over `--users` users, from this process; the systems under test run
+as their own processes. The upstream is `mars_stack.standin_llm`, answering after a fixed
+`--latency-ms` (the one test double: it stands in for the LLM so the numbers are the systems' own).
+
+Per rate and system: achieved rate, errors, end-to-end p50 / p99 / max, and overhead p50 / p99, where
+overhead = end-to-end minus the time spent in the model call (MARS: the dispatch attempts' measured
+call time from the reply; LiteLLM: the upstream's fixed latency). OUT is
+{"mars": [ROW...], "litellm": [ROW...]}.
+
+LiteLLM runs from its own virtual environment (`make litellm` creates load-tests/.venv-litellm);
+`--no-litellm` measures MARS alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+LITELLM_VENV = REPO / "load-tests" / ".venv-litellm"
+MASTER_KEY = "sk-mars-load-" + "0" * 32
+WORDS = "ferry budget hotel museum recipe garden invoice violin passport bicycle concert telescope".split()
+
+
+@dataclass
+class Sample:
+    e2e_s: float
+    model_s: float
+    ok: bool
+    error: str = ""
+
+
+@dataclass
+class Row:
+    rate: float
+    achieved: float
+    sent: int
+    errors: int
+    e2e_p50_ms: float
+    e2e_p99_ms: float
+    e2e_max_ms: float
+    overhead_p50_ms: float
+    overhead_p99_ms: float
+    error_kinds: dict[str, int] = field(default_factory=dict)
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def summarise(rate: float, seconds: float, samples: list[Sample], elapsed_s: float) -> Row:
+    ok = [s for s in samples if s.ok]
+    kinds: dict[str, int] = {}
+    for s in samples:
+        if not s.ok:
+            kinds[s.error] = kinds.get(s.error, 0) + 1
+    e2e = [1000 * s.e2e_s for s in ok]
+    over = [1000 * (s.e2e_s - s.model_s) for s in ok]
+    return Row(
+        rate=rate,
+        achieved=len(ok) / max(elapsed_s, 1e-9),
+        sent=len(samples),
+        errors=len(samples) - len(ok),
+        e2e_p50_ms=percentile(e2e, 0.5),
+        e2e_p99_ms=percentile(e2e, 0.99),
+        e2e_max_ms=max(e2e, default=float("nan")),
+        overhead_p50_ms=percentile(over, 0.5),
+        overhead_p99_ms=percentile(over, 0.99),
+        error_kinds=kinds,
+    )
+
+
+async def open_loop(
+    send: Any, rate: float, seconds: float, users: int, seed: int
+) -> tuple[list[Sample], float]:
+    """Fire `send(user, text)` at `rate` per second for `seconds`; the elapsed time runs until the last
+    answer, so `achieved` falls when the system falls behind."""
+    rng = random.Random(seed)
+    samples: list[Sample] = []
+    tasks = []
+    start = time.monotonic()
+    for i in range(max(1, int(rate * seconds))):
+        delay = start + i / rate - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        text = f"question {i}: what about the {rng.choice(WORDS)} and the {rng.choice(WORDS)}?"
+        tasks.append(asyncio.create_task(send(f"u{i % users:03d}", text)))
+    samples = list(await asyncio.gather(*tasks))
+    return samples, time.monotonic() - start
+
+
+def mars_sender(target: str, timeout_s: float) -> tuple[Any, Any]:
+    import grpc
+    from mars.v1 import services_pb2 as svc
+    from mars.v1 import services_pb2_grpc as svc_grpc
+
+    channel = grpc.aio.insecure_channel(target)
+    stub = svc_grpc.IngressStub(channel)
+
+    async def send(user: str, text: str) -> Sample:
+        started = time.monotonic()
+        try:
+            reply = await stub.SendTurn(
+                svc.TurnRequest(tenant="load", user_id=user, text=text, options={"max_tokens": "32"}),
+                timeout=timeout_s,
+            )
+        except grpc.aio.AioRpcError as exc:
+            return Sample(time.monotonic() - started, 0.0, False, exc.code().name)
+        model_s = sum(a.latency_ms for a in reply.attempts) / 1000
+        return Sample(time.monotonic() - started, model_s, True)
+
+    return send, channel
+
+
+def litellm_sender(base_url: str, upstream_s: float, timeout_s: float) -> tuple[Any, Any]:
+    import httpx
+
+    client = httpx.AsyncClient(base_url=base_url, timeout=timeout_s, limits=httpx.Limits(max_connections=512))
+
+    async def send(user: str, text: str) -> Sample:
+        started = time.monotonic()
+        try:
+            resp = await client.post(
+                "/v1/chat/completions",
+                json={"model": "standin", "messages": [{"role": "user", "content": text}], "max_tokens": 32},
+                headers={"Authorization": f"Bearer {MASTER_KEY}"},
+            )
+            ok = resp.status_code == 200
+            error = "" if ok else f"HTTP {resp.status_code}"
+        except httpx.HTTPError as exc:
+            ok, error = False, type(exc).__name__
+        return Sample(time.monotonic() - started, upstream_s, ok, error)
+
+    return send, client
+
+
+def start_litellm(upstream_url: str, workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
+    from mars_stack.stack import free_port, tcp_open, wait_until
+
+    exe = LITELLM_VENV / "bin" / "litellm"
+    if not exe.exists():
+        raise SystemExit(
+            f"LiteLLM is not installed: run `make litellm` (creates {LITELLM_VENV}) or pass --no-litellm"
+        )
+    port = free_port()
+    config = workdir / "litellm.yaml"
+    config.write_text(
+        "model_list:\n"
+        "  - model_name: standin\n"
+        "    litellm_params:\n"
+        "      model: openai/standin\n"
+        f"      api_base: {upstream_url}/v1\n"
+        "      api_key: sk-local\n"
+        "litellm_settings:\n"
+        "  telemetry: false\n"
+    )
+    log = (workdir / "litellm.log").open("ab")
+    # A master key as a deployment would have (the proxy refuses to start without one); the load sends it.
+    env = {
+        **os.environ,
+        "LITELLM_LOG": "ERROR",
+        "LITELLM_TELEMETRY": "False",
+        "LITELLM_MASTER_KEY": MASTER_KEY,
+    }
+    proc = subprocess.Popen(
+        [str(exe), "--config", str(config), "--host", "127.0.0.1", "--port", str(port), "--num_workers", "1"],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+    )
+    wait_until(lambda: tcp_open(port), 120, "LiteLLM proxy", proc, workdir / "litellm.log")
+    return proc, f"http://127.0.0.1:{port}"
+
+
+async def run_rates(
+    args: argparse.Namespace, rates: list[float], ingress: str, litellm_url: str, out: dict[str, list[Any]]
+) -> None:
+    send, channel = mars_sender(ingress, args.timeout_s)
+    systems: list[tuple[str, Any]] = [("mars", send)]
+    client = None
+    if litellm_url:
+        lsend, client = litellm_sender(litellm_url, args.latency_ms / 1000, args.timeout_s)
+        systems.append(("litellm", lsend))
+    try:
+        for system, sender in systems:
+            print(f"[load] {system}: warm-up {args.warmup_s:g}s at {rates[0]:g}/s", flush=True)
+            await open_loop(sender, rates[0], args.warmup_s, args.users, seed=0)
+            for k, rate in enumerate(rates):
+                samples, elapsed = await open_loop(sender, rate, args.seconds, args.users, seed=k + 1)
+                row = summarise(rate, args.seconds, samples, elapsed)
+                out[system].append(row.__dict__)
+                print(
+                    f"[load] {system} {rate:g}/s: p50 {row.e2e_p50_ms:.1f} ms, {row.errors} errors",
+                    flush=True,
+                )
+    finally:
+        await channel.close()
+        if client is not None:
+            await client.aclose()
+
+
+def print_table(system: str, rows: list[Row]) -> None:
+    print(f"\n{system}")
+    print(
+        f"{'rate':>6s} {'achieved':>9s} {'errors':>7s} {'e2e p50':>9s} {'e2e p99':>9s} {'e2e max':>9s} "
+        f"{'ovh p50':>9s} {'ovh p99':>9s}"
+    )
+    for r in rows:
+        print(
+            f"{r.rate:6g} {r.achieved:9.1f} {r.errors:7d} {r.e2e_p50_ms:9.1f} {r.e2e_p99_ms:9.1f} "
+            f"{r.e2e_max_ms:9.1f} {r.overhead_p50_ms:9.1f} {r.overhead_p99_ms:9.1f}"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--rates", default="10,25,50,100", help="turns per second, comma-separated")
+    parser.add_argument("--seconds", type=float, default=60.0, help="seconds per rate (default 60)")
+    parser.add_argument("--users", type=int, default=50)
+    parser.add_argument(
+        "--latency-ms", type=float, default=50.0, help="the stand-in upstream's fixed latency"
+    )
+    parser.add_argument("--timeout-s", type=float, default=30.0, help="each request's deadline")
+    parser.add_argument("--warmup-s", type=float, default=5.0, help="seconds at the first rate, not counted")
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--no-litellm", action="store_true", help="measure MARS alone")
+    parser.add_argument("--workdir", type=Path)
+    args = parser.parse_args(argv)
+    try:
+        rates = [float(r) for r in args.rates.split(",") if r.strip()]
+    except ValueError:
+        parser.error(f"--rates must be numbers separated by commas, got {args.rates!r}")
+    if not rates or any(r <= 0 for r in rates) or args.seconds <= 0:
+        parser.error("rates and --seconds must be positive")
+
+    sys.path[:0] = [str(REPO / "infra"), str(REPO / "services")]
+    from mars_stack import LocalStack, StackSettings
+
+    out: dict[str, list[dict[str, Any]]] = {"mars": [], "litellm": []}
+    stack = LocalStack(
+        StackSettings(
+            workdir=args.workdir,
+            model_pool=REPO / "config" / "models.standin.yaml",
+            llm="standin",
+            standin_latency_ms=args.latency_ms,
+            extra_env={"MARS_TURN_TIMEOUT_S": str(args.timeout_s)},
+        )
+    ).start(progress=lambda m: print(f"[load] {m}", flush=True))
+    litellm = None
+    try:
+        litellm_url = ""
+        if not args.no_litellm:
+            litellm, litellm_url = start_litellm(stack.env["MARS_LOCAL_LLM_URL"], stack.workdir)
+        asyncio.run(run_rates(args, rates, stack.addr("ingress"), litellm_url, out))
+    finally:
+        if litellm is not None:
+            litellm.terminate()
+            litellm.wait(timeout=15)
+        stack.stop()
+    for system in ("mars", "litellm"):
+        if out[system]:
+            print_table(system, [Row(**r) for r in out[system]])
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
