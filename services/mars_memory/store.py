@@ -140,13 +140,8 @@ class MemoryStore:
         return HybridMemory(self._embedder, self._config, self._settings.use_gpu, self._query_embedder)
 
     async def user_index(self, tenant: str, user_id: str) -> UserIndex:
-        """The user's index, caught up with Postgres. Hold `index.lock` while using it.
-
-        Any replica may have applied the user's writes (the view and writer consumer groups are assigned
-        independently, and a rebalance moves users between replicas), so the index follows the table, not
-        this process's own commits: every record committed past the watermark is loaded first. A view
-        that waited for applied seq n-1 therefore finds turn n-1 searchable, since the record and the
-        applied mark are committed in one transaction."""
+        """The user's cached index (empty the first time): call `catch_up` with `index.lock` held before
+        using it."""
         key = (tenant, user_id)
         index = self._indexes.get(key)
         if index is None:
@@ -154,7 +149,12 @@ class MemoryStore:
         return index
 
     async def catch_up(self, tenant: str, user_id: str, index: UserIndex) -> None:
-        """Load the records committed after the index's watermark (call with index.lock held)."""
+        """Load the records committed after the index's watermark (call with index.lock held).
+
+        Any replica may have applied the user's writes (the view and writer consumer groups are assigned
+        independently, and a rebalance moves users between replicas), so the index follows the table, not
+        this process's own commits. A view that waited for applied seq n-1 finds turn n-1 searchable,
+        since the record and the applied mark are committed in one transaction."""
         async with self._pool.connection() as conn:
             cur = await conn.execute(
                 f"SELECT {RECORD_COLUMNS} FROM memory_records "

@@ -5,6 +5,8 @@ and tables back."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -14,9 +16,12 @@ import psycopg
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from mars.replay.presets import check as check_settings
+from mars.v1 import events_pb2 as ev
 from mars_stack import LocalStack, StackSettings
+from mars_stack.kafka import choose_broker
 
 HERE = Path(__file__).parent
+REPO = HERE.parents[1]
 #: Settings every test stack gets. Answers take seconds here; ingress's turn bound (turn_timeout_s) only
 #: matters when something hangs. Checked against the services' settings models, so a misspelt name fails
 #: here instead of being ignored.
@@ -119,3 +124,43 @@ def wait_for(check: Callable[[], bool], timeout_s: float = 60.0, what: str = "co
             return
         time.sleep(0.2)
     raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+def require_kafka() -> None:
+    """Skip where Apache Kafka cannot run: it needs Java >= 17, and without it the stack falls back to
+    Tansu, which these replica and restart tests are not about."""
+    if choose_broker() != "kafka":
+        pytest.skip(
+            "Java >= 17 is not installed here, so Apache Kafka cannot run (the stack would use Tansu)"
+        )
+
+
+def run_harness(script: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """Run one of the load-tests/ harnesses as its own process, as a user would."""
+    return subprocess.run(
+        [sys.executable, str(REPO / "load-tests" / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def session_state(**kw: object) -> ev.SessionState:
+    """A QTM state that asks memory for retrieval (MATCH, global scope, top-k 5); `kw` overrides fields,
+    `need_memory` the taxonomy flag."""
+    s = ev.SessionState(
+        action=ev.MATCH,
+        query_type=ev.DYNAMIC,
+        phase=ev.EXPLORE,
+        retrieval_scope=ev.GLOBAL,
+        top_k_hint=5,
+        prefer_recent=0,
+        lens_recommendation=3,
+    )
+    s.taxonomy.need_memory = 1
+    for key, value in kw.items():
+        if key == "need_memory":
+            s.taxonomy.need_memory = value  # type: ignore[assignment]
+        else:
+            setattr(s, key, value)
+    return s

@@ -5,36 +5,26 @@ for 5 s and Postgres restarts. Nothing accepted is lost, nothing is applied twic
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from mars_stack.kafka import choose_broker
+from conftest import require_kafka, run_harness
 
 pytestmark = pytest.mark.integration
-REPO = Path(__file__).resolve().parents[2]
 
 
 def test_chaos_short_loses_nothing_and_applies_nothing_twice(tmp_path: Path) -> None:
-    if choose_broker() != "kafka":
-        pytest.skip("needs Java >= 17 for Apache Kafka (this machine would run Tansu)")
+    require_kafka()
     out = tmp_path / "chaos.json"
-    done = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "load-tests" / "chaos.py"),
-            "--scenario",
-            "chaos-basic",
-            "--short",
-            "--json",
-            str(out),
-            "--workdir",
-            str(tmp_path / "stack"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
+    done = run_harness(
+        "chaos.py",
+        "--scenario",
+        "chaos-basic",
+        "--short",
+        "--json",
+        str(out),
+        "--workdir",
+        str(tmp_path / "stack"),
     )
     assert out.exists(), done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads(out.read_text())

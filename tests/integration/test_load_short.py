@@ -5,39 +5,21 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_harness
 
 pytestmark = pytest.mark.integration
-REPO = Path(__file__).resolve().parents[2]
 KEYS = ("rate", "achieved", "errors", "e2e_p50_ms", "e2e_p99_ms", "overhead_p50_ms", "overhead_p99_ms")
 
 
 def test_load_short_run_measures_mars_and_litellm(tmp_path: Path) -> None:
     out = tmp_path / "load.json"
-    done = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "load-tests" / "load.py"),
-            "--rates",
-            "4,8",
-            "--seconds",
-            "3",
-            "--warmup-s",
-            "1",
-            "--latency-ms",
-            "50",
-            "--json",
-            str(out),
-            "--workdir",
-            str(tmp_path / "stack"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
+    done = run_harness(
+        "load.py",
+        *("--rates", "4,8", "--seconds", "3", "--warmup-s", "1", "--latency-ms", "50"),
+        *("--json", str(out), "--workdir", str(tmp_path / "stack")),
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads(out.read_text())

@@ -7,6 +7,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from conftest import session_state
 from mars import db
 from mars.retrieval.embedder import SentenceTransformerEmbedder
 from mars.v1 import events_pb2 as ev
@@ -33,25 +34,6 @@ def embedder() -> SentenceTransformerEmbedder:
     return SentenceTransformerEmbedder()
 
 
-def state(**kw: object) -> ev.SessionState:
-    s = ev.SessionState(
-        action=ev.MATCH,
-        query_type=ev.DYNAMIC,
-        phase=ev.EXPLORE,
-        retrieval_scope=ev.GLOBAL,
-        top_k_hint=5,
-        prefer_recent=0,
-        lens_recommendation=3,
-    )
-    s.taxonomy.need_memory = 1
-    for key, value in kw.items():
-        if key == "need_memory":
-            s.taxonomy.need_memory = value  # type: ignore[assignment]
-        else:
-            setattr(s, key, value)
-    return s
-
-
 def generated(user: str, seq: int, query: str, answer: str, action: int = ev.MATCH) -> ev.Generated:
     return ev.Generated(
         turn=ev.TurnEnvelope(
@@ -61,7 +43,7 @@ def generated(user: str, seq: int, query: str, answer: str, action: int = ev.MAT
         model="m",
         text=answer,
         query=query,
-        state=state(action=action),
+        state=session_state(action=action),
     )
 
 
@@ -93,7 +75,7 @@ def test_views_isolate_users_and_survive_a_rebuild(
             await store.commit(generated("alice", i, q, a, ev.NEW_TOPIC if i in (1, 3) else ev.MATCH))
         for i, (q, a) in enumerate(BOB, start=1):
             await store.commit(generated("bob", i, q, a, ev.NEW_TOPIC))
-        probe = state(action=ev.NEW_TOPIC, query_type=ev.TEMPORAL, top_k_hint=8)
+        probe = session_state(action=ev.NEW_TOPIC, query_type=ev.TEMPORAL, top_k_hint=8)
         before = await store.view("t", "alice", "when should I harvest honey from the beehive?", probe)
         texts = [b.text for b in before.blocks]
         assert texts and all("chess" not in t and "honey cake" not in t for t in texts)
@@ -125,11 +107,13 @@ def test_table6_rows_produce_their_blocks(postgres: str, embedder: SentenceTrans
             return [b.kind for b in view.blocks]
 
         # need_memory=0 / lens 0: no active state, at most a short window, no retrieval.
-        minimal = await store.view("t", "carol", "what is 2+2?", state(need_memory=0, lens_recommendation=0))
+        minimal = await store.view(
+            "t", "carol", "what is 2+2?", session_state(need_memory=0, lens_recommendation=0)
+        )
         assert ev.ACTIVE_STATE not in kinds(minimal) and ev.RETRIEVED_HISTORY not in kinds(minimal)
         assert len(minimal.blocks) <= 1
         # MATCH + LOCAL: active state and recent turns, no historical retrieval.
-        local = await store.view("t", "carol", "use a bigger pot?", state(retrieval_scope=ev.LOCAL))
+        local = await store.view("t", "carol", "use a bigger pot?", session_state(retrieval_scope=ev.LOCAL))
         assert kinds(local)[0] == ev.ACTIVE_STATE and ev.RECENT_TURN in kinds(local)
         active_text = local.blocks[0].text
         assert active_text.startswith("Active thread: Now a new question: how do I repot a fern?")
@@ -137,14 +121,14 @@ def test_table6_rows_produce_their_blocks(postgres: str, embedder: SentenceTrans
         assert ev.RETRIEVED_HISTORY not in kinds(local)
         # GLOBAL: ranked candidates from earlier threads, never the recent window again.
         glob = await store.view(
-            "t", "carol", "the beehive again", state(retrieval_scope=ev.GLOBAL, top_k_hint=3)
+            "t", "carol", "the beehive again", session_state(retrieval_scope=ev.GLOBAL, top_k_hint=3)
         )
         hist = [b for b in glob.blocks if b.kind == ev.RETRIEVED_HISTORY]
         recent = {b.source_turn_id for b in glob.blocks if b.kind == ev.RECENT_TURN}
         assert hist and len(hist) <= 3 and not recent & {b.source_turn_id for b in hist}
         # top_k_hint=8 (richest lens): more history than the hint-3 view.
         rich = await store.view(
-            "t", "carol", "the beehive again", state(retrieval_scope=ev.GLOBAL, top_k_hint=8)
+            "t", "carol", "the beehive again", session_state(retrieval_scope=ev.GLOBAL, top_k_hint=8)
         )
         assert len([b for b in rich.blocks if b.kind == ev.RETRIEVED_HISTORY]) >= len(hist)
         await pool.close()  # type: ignore[attr-defined]
@@ -172,7 +156,7 @@ def test_read_your_writes_under_out_of_order_arrival(
         assert await waiter is True
         assert time.monotonic() - t0 >= 0.5
         view = await store.view(
-            "t", "dave", "what did you say about the acetone smell?", state(retrieval_scope=ev.GLOBAL)
+            "t", "dave", "what did you say about the acetone smell?", session_state(retrieval_scope=ev.GLOBAL)
         )
         assert "dave-2" in {b.source_turn_id for b in view.blocks}
 
@@ -194,13 +178,15 @@ def test_store_without_embedder_serves_lexical_views(
             await store.commit(generated("erin", i, q, a, ev.NEW_TOPIC if i in (1, 3) else ev.MATCH))
         degraded, pool2 = await make_store(postgres, None)  # type: ignore[arg-type]
         assert not degraded.dense_available
-        view = await degraded.view("t", "erin", "harvest honey from the bees", state(action=ev.NEW_TOPIC))
+        view = await degraded.view(
+            "t", "erin", "harvest honey from the bees", session_state(action=ev.NEW_TOPIC)
+        )
         hist = [b for b in view.blocks if b.kind == ev.RETRIEVED_HISTORY]
         assert hist and "bees" in hist[0].text
         # A record written while degraded has no vector; a healthy store re-embeds it on rebuild.
         await degraded.commit(generated("erin", 4, "Should I feed the bees sugar syrup?", "Yes, in autumn."))
         healthy, pool3 = await make_store(postgres, embedder)
-        view = await healthy.view("t", "erin", "sugar syrup for bees", state(action=ev.NEW_TOPIC))
+        view = await healthy.view("t", "erin", "sugar syrup for bees", session_state(action=ev.NEW_TOPIC))
         assert "erin-4" in {b.source_turn_id for b in view.blocks}
         for p in (pool, pool2, pool3):
             await p.close()  # type: ignore[attr-defined]
@@ -239,10 +225,10 @@ def test_a_replica_serves_views_for_writes_another_replica_applied(
             for seq, (query, answer) in enumerate(facts, start=1):
                 # The reader builds a view before each write too, so its index is loaded and cached: the
                 # writes after that must still reach it.
-                await reader.view("t", user, query, state())
+                await reader.view("t", user, query, session_state())
                 await writer.commit(generated(user, seq, query, answer))
                 assert await reader.wait_applied("t", user, seq)
-                view = await reader.view("t", user, "when does the ferry leave?", state())
+                view = await reader.view("t", user, "when does the ferry leave?", session_state())
                 shown = {b.source_turn_id for b in view.blocks}
                 assert f"{user}-{seq}" in shown, (seq, shown)
                 described = await reader.describe("t", user)

@@ -10,13 +10,12 @@ from pathlib import Path
 
 import grpc
 import pytest
-from conftest import STACK_ENV, query, read_topic
+from conftest import STACK_ENV, query, read_topic, require_kafka, session_state
 from mars.config import TOPIC_VIEW, topic_name
 from mars.v1 import events_pb2 as ev
 from mars.v1 import services_pb2 as svc
 from mars.v1 import services_pb2_grpc as svc_grpc
 from mars_stack import LocalStack, StackSettings
-from mars_stack.kafka import choose_broker
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
@@ -31,8 +30,7 @@ TURNS = [
 
 @pytest.fixture(scope="module")
 def replicated(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
-    if choose_broker() != "kafka":
-        pytest.skip("needs Java >= 17 for Apache Kafka (this machine would run Tansu)")
+    require_kafka()
     tmp = tmp_path_factory.mktemp("replicas")
     settings = StackSettings(
         workdir=tmp / "stack",
@@ -89,7 +87,7 @@ def test_views_from_a_replica_that_applied_none_of_the_writes(replicated: LocalS
             # A view built there now finds the ferry turn, which memory-1 applied.
             view = memory.BuildView(
                 svc.BuildViewRequest(
-                    tenant="rep", user_id=user, text="ferry pier time", state=_recall_state()
+                    tenant="rep", user_id=user, text="ferry pier time", state=session_state()
                 ),
                 timeout=30,
             )
@@ -105,60 +103,3 @@ def test_every_turn_recorded_answered_once(replicated: LocalStack) -> None:
         replicated, "SELECT count(*) - count(DISTINCT turn_id) FROM memory_records WHERE tenant = 'rep'"
     )
     assert dup[0][0] == 0
-
-
-def _recall_state() -> ev.SessionState:
-    state = ev.SessionState(
-        action=ev.MATCH,
-        query_type=ev.DYNAMIC,
-        phase=ev.EXPLORE,
-        retrieval_scope=ev.GLOBAL,
-        top_k_hint=5,
-        prefer_recent=0,
-        lens_recommendation=3,
-    )
-    state.taxonomy.need_memory = 1
-    return state
-
-
-def test_a_turn_whose_replica_died_before_publishing_is_sent_from_the_outbox(replicated: LocalStack) -> None:
-    """Accepted (recorded PENDING with its event) but never published, as when an ingress replica dies
-    between the two: a sweep publishes it again and the pipeline answers it."""
-    import time as _time
-    import uuid
-
-    from conftest import wait_for
-
-    turn_id = uuid.uuid4().hex
-    now_ms = int(_time.time() * 1000)
-    envelope = ev.TurnEnvelope(
-        turn_id=turn_id,
-        tenant="rep",
-        user_id="orphan",
-        session_id="default",
-        seq=1,
-        received_at_ms=now_ms,
-        schema_version=1,
-        deadline_ms=now_ms + 90_000,
-    )
-    received = ev.TurnReceived(turn=envelope, text="a question nobody published")
-    query(
-        replicated,
-        "INSERT INTO ingress_turns (turn_id, tenant, user_id, session_id, seq, status, created_at, deadline_at, "
-        "received) VALUES (%s, 'rep', 'orphan', 'default', 1, 'PENDING', now() - interval '20 seconds', "
-        "now() + interval '80 seconds', %s) RETURNING turn_id",
-        (turn_id, received.SerializeToString()),
-    )
-    query(replicated, "INSERT INTO ingress_user_seq VALUES ('rep', 'orphan', 1) RETURNING last_seq")
-
-    def status() -> str:
-        return str(query(replicated, "SELECT status FROM ingress_turns WHERE turn_id = %s", (turn_id,))[0][0])
-
-    wait_for(lambda: status() != "PENDING", 60, "the orphaned turn to be answered")
-    assert status() == "ANSWERED"
-    row = query(
-        replicated,
-        "SELECT republished_at IS NOT NULL, received IS NULL FROM ingress_turns WHERE turn_id = %s",
-        (turn_id,),
-    )
-    assert row == [(True, True)]

@@ -12,11 +12,10 @@ import grpc
 import psycopg
 import pytest
 from aiokafka import AIOKafkaProducer
-from conftest import STACK_ENV, read_topic, wait_for
+from conftest import STACK_ENV, read_topic, require_kafka, wait_for
 from mars.v1 import services_pb2 as svc
 from mars.v1 import services_pb2_grpc as svc_grpc
 from mars_stack import LocalStack, StackSettings
-from mars_stack.kafka import choose_broker
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
@@ -52,8 +51,7 @@ def test_postgres_killed_comes_back_with_its_data(tmp_path: Path) -> None:
 
 
 def test_kafka_killed_comes_back_with_its_topics(tmp_path: Path) -> None:
-    if choose_broker() != "kafka":
-        pytest.skip("needs Java >= 17 for Apache Kafka (this machine would run Tansu)")
+    require_kafka()
     stack = LocalStack(
         StackSettings(
             workdir=tmp_path / "stack", start_llm=False, start_postgres=False, services=(), broker="kafka"
