@@ -103,3 +103,46 @@ def test_every_turn_recorded_answered_once(replicated: LocalStack) -> None:
         replicated, "SELECT count(*) - count(DISTINCT turn_id) FROM memory_records WHERE tenant = 'rep'"
     )
     assert dup[0][0] == 0
+
+
+def test_a_turn_whose_replica_died_before_publishing_is_sent_from_the_outbox(replicated: LocalStack) -> None:
+    """Accepted (recorded PENDING with its event) but never published, as when an ingress replica dies
+    between the two: a sweep publishes it again and the pipeline answers it."""
+    import time as _time
+    import uuid
+
+    from conftest import wait_for
+
+    turn_id = uuid.uuid4().hex
+    now_ms = int(_time.time() * 1000)
+    envelope = ev.TurnEnvelope(
+        turn_id=turn_id,
+        tenant="rep",
+        user_id="orphan",
+        session_id="default",
+        seq=1,
+        received_at_ms=now_ms,
+        schema_version=1,
+        deadline_ms=now_ms + 90_000,
+    )
+    received = ev.TurnReceived(turn=envelope, text="a question nobody published")
+    query(
+        replicated,
+        "INSERT INTO ingress_turns (turn_id, tenant, user_id, session_id, seq, status, created_at, deadline_at, "
+        "received) VALUES (%s, 'rep', 'orphan', 'default', 1, 'PENDING', now() - interval '20 seconds', "
+        "now() + interval '80 seconds', %s) RETURNING turn_id",
+        (turn_id, received.SerializeToString()),
+    )
+    query(replicated, "INSERT INTO ingress_user_seq VALUES ('rep', 'orphan', 1) RETURNING last_seq")
+
+    def status() -> str:
+        return str(query(replicated, "SELECT status FROM ingress_turns WHERE turn_id = %s", (turn_id,))[0][0])
+
+    wait_for(lambda: status() != "PENDING", 60, "the orphaned turn to be answered")
+    assert status() == "ANSWERED"
+    row = query(
+        replicated,
+        "SELECT republished_at IS NOT NULL, received IS NULL FROM ingress_turns WHERE turn_id = %s",
+        (turn_id,),
+    )
+    assert row == [(True, True)]
