@@ -42,6 +42,7 @@ class Sample:
     model_s: float
     ok: bool
     error: str = ""
+    turn_id: str = ""
 
 
 @dataclass
@@ -124,7 +125,7 @@ def mars_sender(target: str, timeout_s: float) -> tuple[Any, Any]:
         except grpc.aio.AioRpcError as exc:
             return Sample(time.monotonic() - started, 0.0, False, exc.code().name)
         model_s = sum(a.latency_ms for a in reply.attempts) / 1000
-        return Sample(time.monotonic() - started, model_s, True)
+        return Sample(time.monotonic() - started, model_s, True, turn_id=reply.turn_id)
 
     return send, channel
 
@@ -191,8 +192,15 @@ def start_litellm(upstream_url: str, workdir: Path) -> tuple[subprocess.Popen[by
 
 
 async def run_rates(
-    args: argparse.Namespace, rates: list[float], ingress: str, litellm_url: str, out: dict[str, list[Any]]
+    args: argparse.Namespace,
+    rates: list[float],
+    ingress: str,
+    litellm_url: str,
+    out: dict[str, list[Any]],
+    windows: list[tuple[float, float, float]],
 ) -> None:
+    """Every rate for each system in turn; `windows` gets MARS's (rate, first send, last send) in epoch
+    seconds, to cut the spans by rate."""
     send, channel = mars_sender(ingress, args.timeout_s)
     systems: list[tuple[str, Any]] = [("mars", send)]
     client = None
@@ -204,7 +212,10 @@ async def run_rates(
             print(f"[load] {system}: warm-up {args.warmup_s:g}s at {rates[0]:g}/s", flush=True)
             await open_loop(sender, rates[0], args.warmup_s, args.users, seed=0)
             for k, rate in enumerate(rates):
+                since = time.time()
                 samples, elapsed = await open_loop(sender, rate, args.seconds, args.users, seed=k + 1)
+                if system == "mars":
+                    windows.append((rate, since, since + args.seconds))
                 row = summarise(rate, args.seconds, samples, elapsed)
                 out[system].append(row.__dict__)
                 print(
@@ -230,6 +241,33 @@ def print_table(system: str, rows: list[Row]) -> None:
         )
 
 
+def plot(out: dict[str, Any], path: Path) -> None:
+    """Overhead p50 and p99 against offered load, both systems, log scale."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for system, color in (("mars", "tab:red"), ("litellm", "tab:blue")):
+        rows = out.get(system) or []
+        if not rows:
+            continue
+        rates = [r["rate"] for r in rows]
+        ax.plot(rates, [r["overhead_p50_ms"] for r in rows], "o-", color=color, label=f"{system} p50")
+        ax.plot(rates, [r["overhead_p99_ms"] for r in rows], "s--", color=color, label=f"{system} p99")
+    ax.set_xlabel("offered load (turns/s)")
+    ax.set_ylabel("overhead (ms, end-to-end minus model call)")
+    ax.set_yscale("log")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    ax.set_title("MARS vs LiteLLM proxy: overhead against offered load")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
@@ -247,6 +285,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--no-litellm", action="store_true", help="measure MARS alone")
     parser.add_argument("--workdir", type=Path)
+    parser.add_argument(
+        "--no-trace",
+        action="store_true",
+        help="run MARS without spans (no per-hop decomposition; measures what tracing itself costs)",
+    )
+    parser.add_argument("--no-floor", action="store_true", help="skip measuring the floor parts")
+    parser.add_argument("--plot", type=Path, help="write a PNG of overhead against offered load")
     args = parser.parse_args(argv)
     try:
         rates = [float(r) for r in args.rates.split(",") if r.strip()]
@@ -256,24 +301,44 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("rates and --seconds must be positive")
 
     sys.path[:0] = [str(REPO / "infra"), str(REPO / "services")]
+    import tempfile
+
+    import decompose
     from mars_stack import LocalStack, StackSettings
 
-    out: dict[str, list[dict[str, Any]]] = {"mars": [], "litellm": []}
+    out: dict[str, Any] = {"mars": [], "litellm": []}
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="mars-load-"))
+    trace_dir = None if args.no_trace else workdir / "traces"
     stack = LocalStack(
         StackSettings(
-            workdir=args.workdir,
+            workdir=workdir,
             model_pool=REPO / "config" / "models.standin.yaml",
             llm="standin",
             standin_latency_ms=args.latency_ms,
-            extra_env={"MARS_TURN_TIMEOUT_S": str(args.timeout_s)},
+            trace_dir=trace_dir,
+            extra_env={"MARS_TURN_TIMEOUT_S": str(args.timeout_s), "MARS_TRACE_BATCH": "true"},
         )
     ).start(progress=lambda m: print(f"[load] {m}", flush=True))
     litellm = None
+    windows: list[tuple[float, float, float]] = []
     try:
         litellm_url = ""
         if not args.no_litellm:
             litellm, litellm_url = start_litellm(stack.env["MARS_LOCAL_LLM_URL"], stack.workdir)
-        asyncio.run(run_rates(args, rates, stack.addr("ingress"), litellm_url, out))
+        asyncio.run(run_rates(args, rates, stack.addr("ingress"), litellm_url, out, windows))
+        if not args.no_floor:
+            print(
+                "[load] measuring the floor (bare hop, embedding, search, Postgres transaction)", flush=True
+            )
+            out["floor"] = decompose.measure_floor(
+                stack.env["MARS_KAFKA_BOOTSTRAP"], stack.env, stack.env["MARS_POSTGRES_DSN"]
+            )
+        if trace_dir is not None:
+            time.sleep(1.5)  # the services write spans in batches every 0.5 s
+            spans = decompose.read_spans(trace_dir)
+            out["decomposition"] = [
+                {"rate": rate, **decompose.decompose(spans, since, until)} for rate, since, until in windows
+            ]
     finally:
         if litellm is not None:
             litellm.terminate()
@@ -282,6 +347,9 @@ def main(argv: list[str] | None = None) -> int:
     for system in ("mars", "litellm"):
         if out[system]:
             print_table(system, [Row(**r) for r in out[system]])
+    decompose.print_decomposition(out.get("decomposition", []), out.get("floor"))
+    if args.plot:
+        plot(out, args.plot)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(out, indent=2))

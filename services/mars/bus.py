@@ -21,7 +21,7 @@ from google.protobuf.message import DecodeError, Message
 from opentelemetry import trace
 
 from mars.config import ALL_TOPICS, SCHEMA_VERSION, ServiceSettings
-from mars.telemetry import context_from_headers, inject_headers
+from mars.telemetry import context_from_headers, inject_headers, step
 from mars.v1 import events_pb2 as ev
 
 log = logging.getLogger(__name__)
@@ -100,9 +100,13 @@ class EventProducer:
 
     async def publish(self, topic: str, event: Message, turn: ev.TurnEnvelope) -> None:
         """Publish to the base topic `topic` (one of mars.config.ALL_TOPICS) of this run."""
-        await self._producer.send_and_wait(
-            self.topics.name(topic), event.SerializeToString(), key=event_key(turn), headers=inject_headers()
-        )
+        with step(f"publish {topic}"):
+            await self._producer.send_and_wait(
+                self.topics.name(topic),
+                event.SerializeToString(),
+                key=event_key(turn),
+                headers=inject_headers(),
+            )
 
     async def send_raw(self, topic: str, payload: bytes, key: bytes | None) -> None:
         await self._producer.send_and_wait(
@@ -358,12 +362,14 @@ class StageOutput:
     async def done(self, turn_id: str) -> bool:
         from mars import db
 
-        async with self._pool.connection() as conn:
-            return await db.already_emitted(conn, self._stage, turn_id)
+        with step("done-check"):
+            async with self._pool.connection() as conn:
+                return await db.already_emitted(conn, self._stage, turn_id)
 
     async def emit(self, event: Message, turn: ev.TurnEnvelope) -> None:
         from mars import db
 
         await self._producer.publish(self._topic, event, turn)
-        async with self._pool.connection() as conn:
-            await db.mark_emitted(conn, self._stage, turn.turn_id)
+        with step("mark-emitted"):
+            async with self._pool.connection() as conn:
+                await db.mark_emitted(conn, self._stage, turn.turn_id)

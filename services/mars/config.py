@@ -145,6 +145,9 @@ class ServiceSettings(BaseSettings):
     #: Directory where each service appends its finished spans as JSON lines, and metric snapshots under
     #: metrics/ (tests, local debugging).
     trace_dir: str | None = None
+    #: Write trace_dir spans in batches from a background thread (load runs: off the answer path) rather
+    #: than each span as it ends (the default: tests read the file right after a call).
+    trace_batch: bool = False
     #: Seconds between metric exports (to the OTLP endpoint and the trace_dir file).
     metrics_interval_s: float = Field(default=30.0, gt=0)
     log_level: str = "INFO"

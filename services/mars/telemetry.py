@@ -14,6 +14,7 @@ import json
 import logging
 import threading
 from collections.abc import Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -140,9 +141,13 @@ def setup_tracing(
     """Install a tracer provider for `service` with the exporters the settings ask for."""
     provider = TracerProvider(resource=resource or Resource.create({"service.name": f"mars-{service}"}))
     if settings.trace_dir:
-        # Simple (synchronous) processor: spans must be on disk before a test reads them.
+        exporter = JsonLinesSpanExporter(Path(settings.trace_dir) / f"{service}.jsonl", service)
+        # Simple (synchronous) by default: spans must be on disk before a test reads them. Batched for load
+        # runs, where writing each span on the event loop would be part of what is measured.
         provider.add_span_processor(
-            SimpleSpanProcessor(JsonLinesSpanExporter(Path(settings.trace_dir) / f"{service}.jsonl", service))
+            BatchSpanProcessor(exporter, schedule_delay_millis=500, max_queue_size=65536)
+            if settings.trace_batch
+            else SimpleSpanProcessor(exporter)
         )
     if settings.otlp_endpoint:
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
@@ -150,6 +155,15 @@ def setup_tracing(
         provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=settings.otlp_endpoint)))
     trace.set_tracer_provider(provider)
     return provider
+
+
+def step(name: str) -> AbstractContextManager[trace.Span]:
+    """A child span for one step of a stage (e.g. "memory embed-query"): the load harness's per-hop
+    decomposition reads them; without a tracer provider they cost next to nothing."""
+    return _steps.start_as_current_span(name)
+
+
+_steps = trace.get_tracer("mars.steps")
 
 
 def inject_headers() -> list[tuple[str, bytes]]:

@@ -12,6 +12,7 @@ from typing import Protocol
 from mars.domain.circuit import CircuitBreaker
 from mars.domain.packing import PackedPrompt, input_budget, pack_view
 from mars.pool import ModelPool, ModelSpec
+from mars.telemetry import step
 from mars.tokens import load_counter
 from mars.v1 import events_pb2 as ev
 
@@ -88,18 +89,21 @@ class Dispatcher:
         started = time.perf_counter()
         relay = _StreamRelay(on_delta) if on_delta is not None and cascade_min_logprob >= 0 else None
         for arm in arms:
-            t0 = time.perf_counter()
             spec = self._pool.get(arm)
-            packed = self._pack(spec, text, state, view)
+            with step("dispatch pack"):
+                packed = self._pack(spec, text, state, view)
+            # The attempt's latency is the model call alone (load harnesses subtract it as model time).
+            t0 = time.perf_counter()
             attempt = ev.GenerationAttempt(
                 arm=arm,
                 packed_prompt_tokens=packed.prompt_tokens,
                 packed_blocks=len(packed.blocks),
                 clipped_blocks=len(packed.clipped_block_ids),
             )
-            completion = await self._try_arm(
-                spec, packed, max_tokens, cascade_min_logprob < 0, relay, deadline_ms, attempt
-            )
+            with step("dispatch model-call"):
+                completion = await self._try_arm(
+                    spec, packed, max_tokens, cascade_min_logprob < 0, relay, deadline_ms, attempt
+                )
             if completion is not None:
                 self._record_answer(out, attempt, spec, packed, completion)
                 attempt.escalated = arm != arms[-1] and _below_cascade(completion, cascade_min_logprob)

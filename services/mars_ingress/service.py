@@ -27,7 +27,7 @@ from mars.config import (
 )
 from mars.domain.feedback import rating_from
 from mars.runtime import GrpcBinding, ServiceContext, ServiceParts, run
-from mars.telemetry import context_from_metadata, current_trace_id
+from mars.telemetry import context_from_metadata, current_trace_id, step
 from mars.v1 import events_pb2 as ev
 from mars.v1 import services_pb2 as svc
 from mars.v1 import services_pb2_grpc as svc_grpc
@@ -311,7 +311,8 @@ class IngressServicer(svc_grpc.IngressServicer):
             )
             span.set_attribute("mars.turn_id", envelope.turn_id)
             span.set_attribute("mars.service", "ingress")
-            received = await self._accept(envelope, req.text)
+            with step("ingress accept"):
+                received = await self._accept(envelope, req.text)
             envelope = received.turn
             seq = envelope.seq
             fut: asyncio.Future[ev.Generated] = asyncio.get_running_loop().create_future()

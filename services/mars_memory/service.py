@@ -15,6 +15,7 @@ from mars.bus import EventProducer, StageConsumer, StageOutput, Subscription
 from mars.config import TOPIC_GENERATED, TOPIC_MEMORY_COMMITTED, TOPIC_STATE, TOPIC_VIEW, ServiceSettings
 from mars.retrieval.embedder import Embedder, load_embedder
 from mars.runtime import GrpcBinding, ServiceContext, ServiceParts, run
+from mars.telemetry import step
 from mars.v1 import events_pb2 as ev
 from mars.v1 import services_pb2 as svc
 from mars.v1 import services_pb2_grpc as svc_grpc
@@ -82,7 +83,8 @@ class MemoryStage:
         started = time.perf_counter()
         if await self._views.done(turn.turn_id):
             return
-        fresh = await self._store.wait_applied(turn.tenant, turn.user_id, turn.seq - 1)
+        with step("memory wait-applied"):
+            fresh = await self._store.wait_applied(turn.tenant, turn.user_id, turn.seq - 1)
         view = await self._store.view(turn.tenant, turn.user_id, event.text, event.state)
         view.possibly_stale = not fresh
         out = ev.ViewBuilt(

@@ -26,6 +26,7 @@ from mars.domain.thread_state import (
 )
 from mars.retrieval.embedder import Embedder, LruEmbedder
 from mars.retrieval.hybrid import POLICY_CONFIGS, HybridMemory, embed_chunks, state_conditioned
+from mars.telemetry import step
 from mars.v1 import events_pb2 as ev
 from mars.v1 import services_pb2 as svc
 from psycopg import AsyncConnection
@@ -235,19 +236,21 @@ class MemoryStore:
     async def view(self, tenant: str, user_id: str, text: str, state: ev.SessionState) -> ev.CandidateView:
         index = await self.user_index(tenant, user_id)
         async with index.lock:
-            await self.catch_up(tenant, user_id, index)
+            with step("memory catch-up"):
+                await self.catch_up(tenant, user_id, index)
             return await self._view(index, tenant, user_id, text, state)
 
     async def _view(
         self, index: UserIndex, tenant: str, user_id: str, text: str, state: ev.SessionState
     ) -> ev.CandidateView:
-        async with self._pool.connection() as conn:
-            cur = await conn.execute(
-                "SELECT thread_id, title, state FROM memory_threads "
-                "WHERE tenant = %s AND user_id = %s AND status = 'ACTIVE'",
-                (tenant, user_id),
-            )
-            active = await cur.fetchone()
+        with step("memory active-thread"):
+            async with self._pool.connection() as conn:
+                cur = await conn.execute(
+                    "SELECT thread_id, title, state FROM memory_threads "
+                    "WHERE tenant = %s AND user_id = %s AND status = 'ACTIVE'",
+                    (tenant, user_id),
+                )
+                active = await cur.fetchone()
         controls = self._controls(state)
         # A NEW_TOPIC turn starts a fresh thread: the old active thread becomes history.
         continuing = active is not None and state.action != ev.NEW_TOPIC
@@ -259,7 +262,11 @@ class MemoryStore:
         if continuing and active:
             thread_state = thread_from_json(active[2]) if active[2] else new_thread(str(active[1]))
             active_state = render_active_state(thread_state)
-        retrieved, bounds = await asyncio.to_thread(self._retrieve, index, text, thread, window, controls)
+        if self._query_embedder is not None and controls.retrieve_k > 0 and index.records:
+            with step("memory embed-query"):  # cached: the search below reuses it
+                await asyncio.to_thread(self._query_embedder.encode, [text])
+        with step("memory search"):
+            retrieved, bounds = await asyncio.to_thread(self._retrieve, index, text, thread, window, controls)
         return build_view(
             controls,
             active_state,

@@ -17,6 +17,7 @@ from mars.config import TOPIC_JUDGED, TOPIC_ROUTED, TOPIC_VIEW, ServiceSettings
 from mars.domain.bandits import draw_key
 from mars.pool import ModelPool, load_pool
 from mars.runtime import GrpcBinding, ServiceContext, ServiceParts, run
+from mars.telemetry import step
 from mars.v1 import events_pb2 as ev
 from mars.v1 import services_pb2 as svc
 from mars.v1 import services_pb2_grpc as svc_grpc
@@ -87,15 +88,18 @@ class RouterStage:
         if await self._out.done(turn.turn_id):
             return
         session_key = f"{turn.tenant}/{turn.user_id}/{turn.session_id}"
-        phases = await self._store.recent_phases(session_key, turn.turn_id)
+        with step("router phases"):
+            phases = await self._store.recent_phases(session_key, turn.turn_id)
         x = self._store.features(
             event.state, event.view.load, event.state.thread_depth, event.query_embedding, phases
         )
-        route = await self._store.decide(
-            turn.tenant, turn.user_id, x, session_key, draw_key(turn.user_id, turn.seq)
-        )
+        with step("router decide"):
+            route = await self._store.decide(
+                turn.tenant, turn.user_id, x, session_key, draw_key(turn.user_id, turn.seq)
+            )
         arm = route.arm
-        await self._store.record_decision(turn.turn_id, route.policy_id, arm, x, session_key)
+        with step("router record"):
+            await self._store.record_decision(turn.turn_id, route.policy_id, arm, x, session_key)
         out = ev.Routed(
             turn=turn,
             text=event.text,
