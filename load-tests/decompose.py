@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import statistics
 import time
 import uuid
@@ -191,6 +192,24 @@ def decompose(spans: list[Span], since: float, until: float) -> dict[str, Any]:
         # Mean per turn (a step a turn did not take counts 0): what the segments are made of.
         "steps": {name: statistics.fmean(r[1].get(name, 0.0) for r in rows) for name in STEPS},
     }
+
+
+def cpu_seconds(sessions: dict[str, int]) -> dict[str, float]:
+    """CPU seconds (user + system) used so far by each named process and everything in its session (its
+    threads, and Postgres's forked backends), from /proc. `sessions`: name -> session leader pid (the
+    stack starts every process in a session of its own)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    leader_name = {pid: name for name, pid in sessions.items()}
+    used = dict.fromkeys(sessions, 0.0)
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # exited while we looked
+        name = leader_name.get(int(fields[3]))  # field 6 of stat: the session id
+        if name is not None:
+            used[name] += (int(fields[11]) + int(fields[12])) / tick
+    return used
 
 
 def _p50(values: list[float]) -> float:

@@ -33,6 +33,9 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 LITELLM_VENV = REPO / "load-tests" / ".venv-litellm"
 MASTER_KEY = "sk-mars-load-" + "0" * 32
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # decompose.py beside this file
+import decompose  # noqa: E402
+
 WORDS = "ferry budget hotel museum recipe garden invoice violin passport bicycle concert telescope".split()
 
 
@@ -57,6 +60,9 @@ class Row:
     overhead_p50_ms: float
     overhead_p99_ms: float
     error_kinds: dict[str, int] = field(default_factory=dict)
+    #: CPU ms per turn sent, per process of the system (and the load generator), and cores busy in all.
+    cpu_ms_per_turn: dict[str, float] = field(default_factory=dict)
+    cores_busy: float = 0.0
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -198,9 +204,11 @@ async def run_rates(
     litellm_url: str,
     out: dict[str, list[Any]],
     windows: list[tuple[float, float, float]],
+    sessions: dict[str, dict[str, int]],
 ) -> None:
     """Every rate for each system in turn; `windows` gets MARS's (rate, first send, last send) in epoch
-    seconds, to cut the spans by rate."""
+    seconds, to cut the spans by rate. Each row also gets the CPU milliseconds per turn of every process
+    of the system (`sessions[system]`: name -> session leader pid) and of this load generator."""
     send, channel = mars_sender(ingress, args.timeout_s)
     systems: list[tuple[str, Any]] = [("mars", send)]
     client = None
@@ -213,10 +221,16 @@ async def run_rates(
             await open_loop(sender, rates[0], args.warmup_s, args.users, seed=0)
             for k, rate in enumerate(rates):
                 since = time.time()
+                cpu0, own0 = decompose.cpu_seconds(sessions[system]), time.process_time()
                 samples, elapsed = await open_loop(sender, rate, args.seconds, args.users, seed=k + 1)
+                cpu1, own1 = decompose.cpu_seconds(sessions[system]), time.process_time()
                 if system == "mars":
                     windows.append((rate, since, since + args.seconds))
                 row = summarise(rate, args.seconds, samples, elapsed)
+                turns = max(1, len(samples))
+                row.cpu_ms_per_turn = {n: 1000 * (cpu1[n] - cpu0[n]) / turns for n in cpu0}
+                row.cpu_ms_per_turn["load generator"] = 1000 * (own1 - own0) / turns
+                row.cores_busy = (sum(cpu1.values()) - sum(cpu0.values()) + own1 - own0) / elapsed
                 out[system].append(row.__dict__)
                 print(
                     f"[load] {system} {rate:g}/s: p50 {row.e2e_p50_ms:.1f} ms, {row.errors} errors",
@@ -239,6 +253,10 @@ def print_table(system: str, rows: list[Row]) -> None:
             f"{r.rate:6g} {r.achieved:9.1f} {r.errors:7d} {r.e2e_p50_ms:9.1f} {r.e2e_p99_ms:9.1f} "
             f"{r.e2e_max_ms:9.1f} {r.overhead_p50_ms:9.1f} {r.overhead_p99_ms:9.1f}"
         )
+    print("CPU ms per turn (cores busy in all)")
+    for r in rows:
+        parts = ", ".join(f"{n} {v:.1f}" for n, v in sorted(r.cpu_ms_per_turn.items(), key=lambda kv: -kv[1]))
+        print(f"{r.rate:6g}/s ({r.cores_busy:.2f} cores): {parts}")
 
 
 def plot(out: dict[str, Any], path: Path) -> None:
@@ -303,7 +321,6 @@ def main(argv: list[str] | None = None) -> int:
     sys.path[:0] = [str(REPO / "infra"), str(REPO / "services")]
     import tempfile
 
-    import decompose
     from mars_stack import LocalStack, StackSettings
 
     out: dict[str, Any] = {"mars": [], "litellm": []}
@@ -325,7 +342,11 @@ def main(argv: list[str] | None = None) -> int:
         litellm_url = ""
         if not args.no_litellm:
             litellm, litellm_url = start_litellm(stack.env["MARS_LOCAL_LLM_URL"], stack.workdir)
-        asyncio.run(run_rates(args, rates, stack.addr("ingress"), litellm_url, out, windows))
+        sessions = {
+            "mars": {p.name: p.popen.pid for p in stack.procs if p.name != "llm"},
+            "litellm": {"litellm": litellm.pid} if litellm is not None else {},
+        }
+        asyncio.run(run_rates(args, rates, stack.addr("ingress"), litellm_url, out, windows, sessions))
         if not args.no_floor:
             print(
                 "[load] measuring the floor (bare hop, embedding, search, Postgres transaction)", flush=True

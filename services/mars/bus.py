@@ -9,12 +9,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
+from aiokafka import (
+    AIOKafkaConsumer,
+    AIOKafkaProducer,
+    ConsumerRebalanceListener,
+    ConsumerRecord,
+    TopicPartition,
+)
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaError, TopicAlreadyExistsError
 from google.protobuf.message import DecodeError, Message
@@ -25,6 +34,14 @@ from mars.telemetry import context_from_headers, inject_headers, step
 from mars.v1 import events_pb2 as ev
 
 log = logging.getLogger(__name__)
+
+
+#: Set for the record a stage handler is working on: True when no consumer of its group can have handled
+#: it before (its offset was at or past the partition's end when this consumer got the partition), so a
+#: stage need not ask Postgres whether it already emitted for the turn (see StageOutput.done).
+first_delivery: ContextVar[bool] = ContextVar("mars_first_delivery", default=False)
+#: Header on a record that repeats a turn published before (EventProducer.publish(resent=True)).
+RESENT_HEADER = "mars-resent"
 
 
 class PoisonEvent(Exception):
@@ -98,14 +115,15 @@ class EventProducer:
     async def stop(self) -> None:
         await self._producer.stop()
 
-    async def publish(self, topic: str, event: Message, turn: ev.TurnEnvelope) -> None:
-        """Publish to the base topic `topic` (one of mars.config.ALL_TOPICS) of this run."""
+    async def publish(self, topic: str, event: Message, turn: ev.TurnEnvelope, resent: bool = False) -> None:
+        """Publish to the base topic `topic` (one of mars.config.ALL_TOPICS) of this run. `resent`: a turn
+        published before (an outbox re-send); its consumers check their ledger rather than trust offsets."""
+        headers = inject_headers()
+        if resent:
+            headers.append((RESENT_HEADER, b"1"))
         with step(f"publish {topic}"):
             await self._producer.send_and_wait(
-                self.topics.name(topic),
-                event.SerializeToString(),
-                key=event_key(turn),
-                headers=inject_headers(),
+                self.topics.name(topic), event.SerializeToString(), key=event_key(turn), headers=headers
             )
 
     async def send_raw(self, topic: str, payload: bytes, key: bytes | None) -> None:
@@ -173,8 +191,9 @@ class StageConsumer:
         # Groups are per run too: two runs on one broker must not share (and rebalance) a group.
         self._group_id = self._topics.prefix + group_id
         self._subs = {self._topics.name(s.topic): s for s in subscriptions}
+        #: Per assigned partition: the first offset no consumer of the group can have handled before.
+        self._fresh_from: dict[TopicPartition, int] = {}
         self._consumer = AIOKafkaConsumer(
-            *([] if broadcast else self._subs),
             bootstrap_servers=settings.kafka_bootstrap,
             group_id=None if broadcast else self._group_id,
             enable_auto_commit=False,
@@ -186,8 +205,21 @@ class StageConsumer:
             session_timeout_ms=settings.kafka_session_timeout_ms,
             heartbeat_interval_ms=settings.kafka_heartbeat_interval_ms,
         )
+        if not broadcast:
+            self._consumer.subscribe(list(self._subs), listener=_FreshOffsets(self))
         self._tracer = trace.get_tracer(f"mars.{service}")
         self._task: asyncio.Task[None] | None = None
+
+    async def _partitions_assigned(self, assigned: set[TopicPartition]) -> None:
+        self._fresh_from = {tp: o for tp, o in self._fresh_from.items() if tp in assigned}
+        if not assigned or not self._settings.kafka_trust_end_offsets:
+            return  # Tansu: end offsets not trusted, every record is checked
+        try:
+            ends = await self._consumer.end_offsets(list(assigned))
+        except Exception as exc:  # no shortcut this time: every record of these partitions is checked
+            log.warning("end offsets of %s unavailable (%r): checking every record", self._group_id, exc)
+            return
+        self._fresh_from.update(ends)
 
     async def start(self) -> None:
         await self._consumer.start()
@@ -293,6 +325,11 @@ class StageConsumer:
             await self._dead_letter(record, str(exc), turn_id)
             return
 
+        tp = TopicPartition(record.topic, record.partition)
+        first_delivery.set(
+            record.offset >= self._fresh_from.get(tp, math.inf)
+            and not any(k == RESENT_HEADER for k, _ in record.headers or ())
+        )
         parent = context_from_headers(record.headers)
         attempts = max(1, self._settings.handler_attempts)
         for attempt in range(1, attempts + 1):
@@ -349,27 +386,59 @@ __all__ = [
 ]
 
 
+class _FreshOffsets(ConsumerRebalanceListener):  # type: ignore[misc]
+    def __init__(self, consumer: StageConsumer) -> None:
+        self._consumer = consumer
+
+    async def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
+        return None
+
+    async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
+        await self._consumer._partitions_assigned(set(assigned))
+
+
 class StageOutput:
     """A stage's one output event per turn: `done` says a redelivered input was already answered;
     `emit` publishes, then records the turn in `stage_emitted` (at-least-once, duplicates suppressed)."""
+
+    #: Turns this process emitted lately (a redelivery after a retried batch, an outbox re-send).
+    REMEMBERED = 50_000
 
     def __init__(self, pool: Any, producer: EventProducer, stage: str, topic: str) -> None:
         self._pool = pool
         self._producer = producer
         self._stage = stage
         self._topic = topic
+        self._emitted: OrderedDict[str, None] = OrderedDict()
 
     async def done(self, turn_id: str) -> bool:
+        """Whether this stage already emitted for the turn. Answered from memory for what this process
+        emitted and for a first delivery (see `first_delivery`: the only earlier copy of such a turn on
+        the partition came through this same consumer, so this process emitted for it if anyone did);
+        from the `stage_emitted` ledger otherwise (a partition taken over from another replica)."""
         from mars import db
 
+        if turn_id in self._emitted:
+            return True
+        if first_delivery.get():
+            return False
         with step("done-check"):
             async with self._pool.connection() as conn:
-                return await db.already_emitted(conn, self._stage, turn_id)
+                done = await db.already_emitted(conn, self._stage, turn_id)
+        if done:  # a later copy of the turn (an outbox re-send) is then answered from memory too
+            self._remember(turn_id)
+        return done
+
+    def _remember(self, turn_id: str) -> None:
+        self._emitted[turn_id] = None
+        if len(self._emitted) > self.REMEMBERED:
+            self._emitted.popitem(last=False)
 
     async def emit(self, event: Message, turn: ev.TurnEnvelope) -> None:
         from mars import db
 
         await self._producer.publish(self._topic, event, turn)
+        self._remember(turn.turn_id)
         with step("mark-emitted"):
             async with self._pool.connection() as conn:
                 await db.mark_emitted(conn, self._stage, turn.turn_id)

@@ -151,6 +151,8 @@ class ServiceSettings(BaseSettings):
     #: Seconds between metric exports (to the OTLP endpoint and the trace_dir file).
     metrics_interval_s: float = Field(default=30.0, gt=0)
     log_level: str = "INFO"
+    #: Run the service's event loop on uvloop (libuv) rather than asyncio's own selector loop.
+    uvloop: bool = True
     #: Put in front of every topic name (e.g. "run7." gives "run7.mars.turn.received"), so runs with
     #: different configurations share one broker without mixing events; "" keeps the plain names.
     topic_prefix: str = ""

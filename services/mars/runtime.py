@@ -155,4 +155,9 @@ async def _poll_health(
 
 
 def run(name: str, settings: ServiceSettings, build: Builder, migrations: Sequence[str] = ()) -> None:
-    asyncio.run(serve(name, settings, build, migrations))
+    if settings.uvloop:
+        import uvloop
+
+        uvloop.run(serve(name, settings, build, migrations))
+    else:
+        asyncio.run(serve(name, settings, build, migrations))

@@ -179,7 +179,7 @@ class IngressServicer(svc_grpc.IngressServicer):
             rows = await cur.fetchall()
         for turn_id, raw in rows:
             event = ev.TurnReceived.FromString(bytes(raw))
-            await self._producer.publish(TOPIC_RECEIVED, event, event.turn)
+            await self._producer.publish(TOPIC_RECEIVED, event, event.turn, resent=True)
             async with self._pool.connection() as conn:
                 await conn.execute(
                     "UPDATE ingress_turns SET republished_at = now() WHERE turn_id = %s", (turn_id,)

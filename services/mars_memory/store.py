@@ -24,7 +24,7 @@ from mars.domain.thread_state import (
     thread_from_json,
     thread_to_json,
 )
-from mars.retrieval.embedder import Embedder, LruEmbedder
+from mars.retrieval.embedder import Embedder, LruEmbedder, query_twin
 from mars.retrieval.hybrid import POLICY_CONFIGS, HybridMemory, embed_chunks, state_conditioned
 from mars.telemetry import step
 from mars.v1 import events_pb2 as ev
@@ -130,7 +130,8 @@ class MemoryStore:
         self._settings = settings
         # None: the embedder could not load; views are served from Postgres-backed BM25 alone.
         self._embedder = embedder
-        self._query_embedder = LruEmbedder(embedder) if embedder is not None else None
+        # Queries get a session of their own: a view never waits behind a stored turn's embedding.
+        self._query_embedder = LruEmbedder(query_twin(embedder)) if embedder is not None else None
         self._model_name = settings.embedding_model or "all-MiniLM-L6-v2"
         self._applied = asyncio.Condition()
         self._indexes: dict[tuple[str, str], UserIndex] = {}

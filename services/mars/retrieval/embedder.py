@@ -124,7 +124,7 @@ class OnnxEmbedder:
         import hashlib
         from pathlib import Path
 
-        import onnxruntime as ort
+        import onnxruntime  # noqa: F401  (missing: fail now, load_embedder falls back to torch)
 
         source = SentenceTransformerEmbedder(model, device="cpu")
         st = source._model
@@ -147,14 +147,32 @@ class OnnxEmbedder:
         onnx_path = base / f"{key}.onnx"
         if not onnx_path.exists():
             self._export(st, onnx_path)
+        self._onnx_path = onnx_path
+        self._open_session(threads)
+
+    def _open_session(self, threads: int) -> None:
+        import onnxruntime as ort
+
         options = ort.SessionOptions()
         options.intra_op_num_threads = threads
         # No busy-waiting after a run: spinning ORT threads starve the FAISS and BM25 work that follows
         # on the same cores (measured: FAISS scans ~10x slower behind a spinning session on 2 cores).
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        self._session = ort.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
+        self._session = ort.InferenceSession(
+            str(self._onnx_path), options, providers=["CPUExecutionProvider"]
+        )
         self._inputs = {i.name for i in self._session.get_inputs()}
         self._lock = threading.Lock()
+
+    def sibling(self, threads: int) -> OnnxEmbedder:
+        """The same model in a session (and tokenizer) of its own, for work that must not queue behind
+        this one's: the memory service embeds queries (answer path) apart from stored turns."""
+        import copy
+
+        twin = copy.copy(self)
+        twin._tokenizer = copy.deepcopy(self._tokenizer)  # fast tokenizers refuse concurrent use
+        twin._open_session(threads)
+        return twin
 
     def _export(self, st: object, target: object) -> None:
         import torch
@@ -207,6 +225,17 @@ class OnnxEmbedder:
         pooled = (hidden * mask).sum(axis=1) / np.maximum(mask.sum(axis=1), 1e-9)
         pooled /= np.maximum(np.linalg.norm(pooled, axis=1, keepdims=True), 1e-12)
         return np.ascontiguousarray(pooled, dtype=np.float32)
+
+
+def query_twin(embedder: Embedder) -> Embedder:
+    """An embedder for queries that never waits behind `embedder`'s batch work: a second ONNX session
+    (one of two threads: the stored turns' session gets one, so a query always finds a core), or
+    `embedder` itself for backends that batch on a GPU."""
+    if isinstance(embedder, OnnxEmbedder):
+        query = embedder.sibling(threads=2)
+        embedder._open_session(threads=1)
+        return query
+    return embedder
 
 
 def load_embedder(
