@@ -195,8 +195,9 @@ def decompose(spans: list[Span], since: float, until: float) -> dict[str, Any]:
 
 
 def cpu_seconds(sessions: dict[str, int]) -> dict[str, float]:
-    """CPU seconds (user + system) used so far by each named process and everything in its session (its
-    threads, and Postgres's forked backends), from /proc. `sessions`: name -> session leader pid (the
+    """CPU seconds (user + system) used so far by each named process and everything in its session or
+    forked from it (its threads, Postgres's backends), from /proc; processes that exited are not counted.
+    `sessions`: name -> session leader pid (the
     stack starts every process in a session of its own)."""
     tick = os.sysconf("SC_CLK_TCK")
     leader_name = {pid: name for name, pid in sessions.items()}
@@ -206,7 +207,8 @@ def cpu_seconds(sessions: dict[str, int]) -> dict[str, float]:
             fields = stat.read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue  # exited while we looked
-        name = leader_name.get(int(fields[3]))  # field 6 of stat: the session id
+        # The session id (Postgres's backends start sessions of their own: then their parent, the postmaster).
+        name = leader_name.get(int(fields[3])) or leader_name.get(int(fields[1]))
         if name is not None:
             used[name] += (int(fields[11]) + int(fields[12])) / tick
     return used

@@ -11,7 +11,7 @@ import contextlib
 import logging
 import math
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -163,16 +163,48 @@ class Subscription:
     requires_envelope: bool = True
 
 
+class _PartitionTrack:
+    """The offsets of one partition fetched and not finished yet (fetched in order, finished in any)."""
+
+    def __init__(self) -> None:
+        self.open: deque[int] = deque()
+        self.finished_set: set[int] = set()
+        self.next_fetch: int | None = None
+        self.committed = -1
+
+    def fetched(self, offset: int) -> None:
+        self.open.append(offset)
+        self.next_fetch = offset + 1
+
+    def finished(self, offset: int) -> None:
+        self.finished_set.add(offset)
+        while self.open and self.open[0] in self.finished_set:
+            self.finished_set.discard(self.open.popleft())
+
+    def committable(self) -> int | None:
+        """The offset to commit: the first unfinished record, or past the last fetched one."""
+        if self.open:
+            return self.open[0]
+        return self.next_fetch
+
+
 class StageConsumer:
     """A consumer group over one or more topics.
 
-    Records of one key (one user) are handled in order; keys and partitions are handled concurrently.
-    Offsets are committed only after every handler of the batch has finished.
+    Records of one key (one user) are handled in order; keys and partitions are handled concurrently, and
+    fetching goes on while handlers run. A partition's offset is committed (every COMMIT_EVERY_S) up to its
+    first unfinished record, so nothing is skipped after a crash or a rebalance.
 
     `broadcast=True` makes a reader outside any group instead: it gets every partition (every ingress
     replica must see every reply), starts at the end (or the beginning where end offsets are not
     trusted), and commits nothing.
     """
+
+    #: Records fetched and not finished, at most (fetching pauses above it).
+    MAX_IN_FLIGHT = 1000
+    COMMIT_EVERY_S = 0.1
+    #: How long a rebalance waits for the revoked partitions' records before cancelling them.
+    REVOKE_WAIT_S = 5.0
 
     def __init__(
         self,
@@ -193,6 +225,12 @@ class StageConsumer:
         self._subs = {self._topics.name(s.topic): s for s in subscriptions}
         #: Per assigned partition: the first offset no consumer of the group can have handled before.
         self._fresh_from: dict[TopicPartition, int] = {}
+        #: Per partition: the offsets fetched and not yet finished, and the last committed offset.
+        self._tracks: dict[TopicPartition, _PartitionTrack] = {}
+        #: The last task of each (partition, key): the next record of that key starts after it.
+        self._chains: dict[tuple[TopicPartition, bytes | None], asyncio.Task[None]] = {}
+        self._in_flight = 0
+        self._room = asyncio.Event()
         self._consumer = AIOKafkaConsumer(
             bootstrap_servers=settings.kafka_bootstrap,
             group_id=None if broadcast else self._group_id,
@@ -262,12 +300,21 @@ class StageConsumer:
         return subscription is not None and subscription.assignment is not None
 
     async def stop(self) -> None:
+        """Stop fetching, let the records in hand finish (bounded), commit them, leave the group."""
         if self._task is not None:
             self._task.cancel()
             try:
                 await self._task
             except asyncio.CancelledError:
                 pass
+        tasks = list(self._chains.values())
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=self.REVOKE_WAIT_S)
+            for task in pending:
+                task.cancel()
+        if not self._broadcast:
+            with contextlib.suppress(Exception):
+                await self._commit_finished()
         await self._consumer.stop()
 
     @property
@@ -275,38 +322,96 @@ class StageConsumer:
         return self._task
 
     async def _run(self) -> None:
-        while True:
-            batches = await self._consumer.getmany(timeout_ms=200)
-            if not batches:
-                continue
-            try:
-                await asyncio.gather(*(self._handle_partition(records) for records in batches.values()))
-                if not self._broadcast:
-                    offsets = {tp: records[-1].offset + 1 for tp, records in batches.items()}
-                    await self._consumer.commit(offsets)
-            except Exception as exc:
-                # E.g. Postgres is restarting, the broker refused the output or a rebalance broke the commit:
-                # rewind to the batch start so nothing is skipped (handlers are idempotent by turn_id).
-                if is_transient(exc):
-                    log.warning("batch on %s hit %r; rewinding and retrying", self._group_id, exc)
-                else:
-                    log.exception("batch on %s failed; rewinding and retrying", self._group_id)
+        """Fetch without waiting for the handlers: each record starts as soon as the one before it with the
+        same key is done, so a slow record (a model call, a view waiting for read-your-writes) holds up only
+        its own user. Offsets are committed in the background up to the first unfinished record."""
+        committer = asyncio.create_task(self._commit_loop(), name=f"commit-{self._group_id}")
+        try:
+            while True:
+                while self._in_flight >= self.MAX_IN_FLIGHT:
+                    self._room.clear()
+                    await self._room.wait()
+                batches = await self._consumer.getmany(timeout_ms=200)
                 for tp, records in batches.items():
-                    with contextlib.suppress(Exception):
-                        self._consumer.seek(tp, records[0].offset)
-                await asyncio.sleep(0.5)
+                    track = self._tracks.setdefault(tp, _PartitionTrack())
+                    for record in records:
+                        track.fetched(record.offset)
+                        chain = (tp, record.key)
+                        before = self._chains.get(chain)
+                        task = asyncio.create_task(self._handle_after(before, record, tp, track))
+                        self._chains[chain] = task
+                        self._in_flight += 1
+        finally:
+            committer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await committer
 
-    async def _handle_partition(self, records: list[ConsumerRecord[Any, Any]]) -> None:
-        # Order matters per user (the key), not across users: one user's view waiting for its previous
-        # turn must not hold up the other users on the partition (head-of-line blocking under faults).
-        by_key: dict[bytes | None, list[ConsumerRecord[Any, Any]]] = {}
-        for record in records:
-            by_key.setdefault(record.key, []).append(record)
-        await asyncio.gather(*(self._handle_in_order(same_key) for same_key in by_key.values()))
+    async def _handle_after(
+        self,
+        before: asyncio.Task[None] | None,
+        record: ConsumerRecord[Any, Any],
+        tp: TopicPartition,
+        track: _PartitionTrack,
+    ) -> None:
+        chain = (tp, record.key)
+        try:
+            if before is not None:
+                await asyncio.shield(before)  # never raises: failures are retried inside
+            while True:
+                try:
+                    await self._handle(record)
+                    break
+                except Exception as exc:
+                    # Not the event's fault (Postgres restarting, the broker stalled): the same record again,
+                    # the ones behind it on its key wait (handlers are idempotent by turn_id).
+                    if is_transient(exc):
+                        log.warning("record on %s hit %r; retrying", self._group_id, exc)
+                    else:
+                        log.exception("record on %s failed; retrying", self._group_id)
+                    await asyncio.sleep(0.5)
+            track.finished(record.offset)
+        finally:
+            self._in_flight -= 1
+            self._room.set()
+            if self._chains.get(chain) is asyncio.current_task():
+                del self._chains[chain]
 
-    async def _handle_in_order(self, records: list[ConsumerRecord[Any, Any]]) -> None:
-        for record in records:
-            await self._handle(record)
+    async def _commit_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.COMMIT_EVERY_S)
+            if self._broadcast:
+                continue
+            await self._commit_finished()
+
+    async def _commit_finished(self) -> None:
+        offsets = {}
+        for tp, track in self._tracks.items():
+            next_offset = track.committable()
+            if next_offset is not None and next_offset > track.committed:
+                offsets[tp] = next_offset
+        if not offsets:
+            return
+        try:
+            await self._consumer.commit(offsets)
+        except Exception as exc:  # a rebalance or the broker away: the next round commits again
+            log.warning("committing offsets of %s failed: %r", self._group_id, exc)
+            return
+        for tp, offset in offsets.items():
+            if tp in self._tracks:
+                self._tracks[tp].committed = offset
+
+    async def _partitions_revoked(self, revoked: set[TopicPartition]) -> None:
+        """Let the revoked partitions' records finish (bounded), commit them, and forget the partitions:
+        their next owner starts after what was done here."""
+        tasks = [t for (tp, _), t in self._chains.items() if tp in revoked]
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=self.REVOKE_WAIT_S)
+            for task in pending:
+                task.cancel()  # redelivered to the next owner: handlers are idempotent by turn_id
+        if not self._broadcast:
+            await self._commit_finished()
+        for tp in revoked:
+            self._tracks.pop(tp, None)
 
     async def _handle(self, record: ConsumerRecord[Any, Any]) -> None:
         sub = self._subs[record.topic]
@@ -391,7 +496,7 @@ class _FreshOffsets(ConsumerRebalanceListener):  # type: ignore[misc]
         self._consumer = consumer
 
     async def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
-        return None
+        await self._consumer._partitions_revoked(set(revoked))
 
     async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
         await self._consumer._partitions_assigned(set(assigned))
