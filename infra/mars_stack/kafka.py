@@ -104,6 +104,12 @@ def cluster_id() -> str:
             return cid
 
 
+#: The local broker's JVM: the client compiler only and a serial collector. With C2 the broker's CPU in its
+#: first minutes was mostly the JIT compiling (jstack: C2 ~55% of a core under load), taken from the
+#: services on a 2-core machine; a production broker is a JVM of its own, tuned there.
+LOCAL_JVM_OPTS = ("-XX:TieredStopAtLevel=1", "-XX:+UseSerialGC")
+
+
 def server_properties(log_dir: Path, port: int, controller_port: int, partitions: int) -> str:
     """One node that is both broker and controller, sized for one machine: single replicas, a handful of
     internal partitions (fast start), no initial rebalance delay (services join groups as they start)."""
@@ -165,7 +171,7 @@ def prepare(workdir: Path, port: int, controller_port: int, partitions: int, jav
         java,
         f"-Xmx{heap}",
         f"-Xms{heap}",
-        "-XX:+UseG1GC",
+        *os.environ.get("MARS_KAFKA_JVM_OPTS", " ".join(LOCAL_JVM_OPTS)).split(),
         "-Djava.awt.headless=true",
         f"-Dlog4j2.configurationFile={LOG4J_CONFIG}",
         "-cp",

@@ -202,7 +202,7 @@ class StageConsumer:
 
     #: Records fetched and not finished, at most (fetching pauses above it).
     MAX_IN_FLIGHT = 1000
-    COMMIT_EVERY_S = 0.1
+    COMMIT_EVERY_S = 0.5
     #: How long a rebalance waits for the revoked partitions' records before cancelling them.
     REVOKE_WAIT_S = 5.0
 

@@ -133,6 +133,8 @@ class MemoryStore:
         # Queries get a session of their own: a view never waits behind a stored turn's embedding.
         self._query_embedder = LruEmbedder(query_twin(embedder)) if embedder is not None else None
         self._model_name = settings.embedding_model or "all-MiniLM-L6-v2"
+        if settings.embedding_precision != "fp32":
+            self._model_name += f":{settings.embedding_precision}"
         self._applied = asyncio.Condition()
         self._indexes: dict[tuple[str, str], UserIndex] = {}
         base = POLICY_CONFIGS.get(settings.view_policy, POLICY_CONFIGS["mars"])

@@ -156,6 +156,12 @@ def add_locomo_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     p = sub.add_parser("locomo", help="LoCoMo evidence recall at turn and session level, by category")
     p.add_argument("--data", required=True, help="a LoCoMo JSON file (list of conversations)")
     p.add_argument("--out", help="write results as JSON here")
+    p.add_argument(
+        "--embedding-precision",
+        choices=("fp32", "int8"),
+        default="fp32",
+        help="fp32 (default) or int8 ONNX weights (MARS_EMBEDDING_PRECISION of the memory service)",
+    )
     p.set_defaults(func=cmd_locomo)
 
 
@@ -168,7 +174,7 @@ def cmd_locomo(args: argparse.Namespace) -> int:
     conversations = load_locomo(path)
     from mars.retrieval.embedder import load_embedder
 
-    results = run(conversations, load_embedder(), console)
+    results = run(conversations, load_embedder(precision=args.embedding_precision), console)
     table, report = category_report(
         results, f"LoCoMo evidence recall ({len(conversations)} conversations, policy mars)"
     )

@@ -120,6 +120,7 @@ class OnnxEmbedder:
         cache_dir: str | None = None,
         threads: int = 2,
         max_seq_length: int | None = None,
+        precision: str = "fp32",
     ) -> None:
         import hashlib
         from pathlib import Path
@@ -147,6 +148,19 @@ class OnnxEmbedder:
         onnx_path = base / f"{key}.onnx"
         if not onnx_path.exists():
             self._export(st, onnx_path)
+        if precision == "int8":
+            # Dynamic int8 quantization of the weights: ~2.2x less CPU per text on this machine's kind, and
+            # vectors a little off the fp32 ones (cosine ~0.96): what that costs retrieval is in the README.
+            quantized = base / f"{key}.int8.onnx"
+            if not quantized.exists():
+                from onnxruntime.quantization import QuantType, quantize_dynamic
+
+                tmp = base / f"{key}.int8.tmp.onnx"
+                quantize_dynamic(str(onnx_path), str(tmp), weight_type=QuantType.QInt8)
+                os.replace(tmp, quantized)
+            onnx_path = quantized
+        elif precision != "fp32":
+            raise ValueError(f"unknown embedding precision {precision!r} (fp32 or int8)")
         self._onnx_path = onnx_path
         self._open_session(threads)
 
@@ -243,12 +257,20 @@ def load_embedder(
     backend: str = "auto",
     cache_dir: str | None = None,
     max_seq_length: int | None = None,
+    precision: str = "fp32",
 ) -> Embedder:
     """`onnx` (fast CPU inference), `torch` (sentence-transformers; CUDA when present), or `auto`:
     torch on a CUDA machine, ONNX Runtime otherwise, torch if ONNX is unavailable. `max_seq_length`
-    shortens the model's window (queries: attention cost grows with the square of the length)."""
+    shortens the model's window (queries: attention cost grows with the square of the length).
+    `precision="int8"`: ONNX Runtime with int8 weights (CPU only)."""
     if backend not in ("auto", "onnx", "torch"):
         raise ValueError(f"unknown embedding backend {backend!r}")
+    if precision == "int8":
+        if backend == "torch":
+            raise ValueError("int8 embeddings run on ONNX Runtime: use backend onnx or auto")
+        return OnnxEmbedder(model, cache_dir, max_seq_length=max_seq_length, precision="int8")
+    if precision != "fp32":
+        raise ValueError(f"unknown embedding precision {precision!r} (fp32 or int8)")
     if backend == "torch":
         return SentenceTransformerEmbedder(model, max_seq_length=max_seq_length)
     if backend == "auto":
