@@ -225,7 +225,7 @@ async def run_rates(
                 samples, elapsed = await open_loop(sender, rate, args.seconds, args.users, seed=k + 1)
                 cpu1, own1 = decompose.cpu_seconds(sessions[system]), time.process_time()
                 if system == "mars":
-                    windows.append((rate, since, since + args.seconds))
+                    windows.append((rate, since, time.time()))  # the next rate starts after this
                 row = summarise(rate, args.seconds, samples, elapsed)
                 turns = max(1, len(samples))
                 row.cpu_ms_per_turn = {n: 1000 * (cpu1[n] - cpu0[n]) / turns for n in cpu0}
@@ -310,6 +310,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--no-floor", action="store_true", help="skip measuring the floor parts")
     parser.add_argument("--plot", type=Path, help="write a PNG of overhead against offered load")
+    parser.add_argument(
+        "--service-env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra environment of every MARS service, e.g. MARS_EMBEDDING_PRECISION=int8 (repeatable)",
+    )
     args = parser.parse_args(argv)
     try:
         rates = [float(r) for r in args.rates.split(",") if r.strip()]
@@ -317,6 +324,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--rates must be numbers separated by commas, got {args.rates!r}")
     if not rates or any(r <= 0 for r in rates) or args.seconds <= 0:
         parser.error("rates and --seconds must be positive")
+    service_env = {}
+    for item in args.service_env:
+        key, sep, value = item.partition("=")
+        if not sep or not key.startswith("MARS_"):
+            parser.error(f"--service-env takes MARS_KEY=VALUE, got {item!r}")
+        service_env[key] = value
 
     sys.path[:0] = [str(REPO / "infra"), str(REPO / "services")]
     import tempfile
@@ -333,7 +346,11 @@ def main(argv: list[str] | None = None) -> int:
             llm="standin",
             standin_latency_ms=args.latency_ms,
             trace_dir=trace_dir,
-            extra_env={"MARS_TURN_TIMEOUT_S": str(args.timeout_s), "MARS_TRACE_BATCH": "true"},
+            extra_env={
+                "MARS_TURN_TIMEOUT_S": str(args.timeout_s),
+                "MARS_TRACE_BATCH": "true",
+                **service_env,
+            },
         )
     ).start(progress=lambda m: print(f"[load] {m}", flush=True))
     litellm = None

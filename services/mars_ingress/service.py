@@ -351,7 +351,8 @@ class IngressServicer(svc_grpc.IngressServicer):
                 raise TurnFailed(
                     grpc.StatusCode.UNAVAILABLE, f"no model could answer ({chain or generated.error})"
                 )
-            await self._finish(envelope.turn_id, "ANSWERED")
+            # ANSWERED is recorded by the outcome group from the same event (record_generated), off the
+            # answer path: writing it here too cost a Postgres transaction per turn before the reply.
             return svc.TurnReply(
                 turn_id=envelope.turn_id,
                 seq=seq,

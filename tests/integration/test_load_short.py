@@ -19,7 +19,7 @@ def test_load_short_run_measures_mars_and_litellm(tmp_path: Path) -> None:
     done = run_harness(
         "load.py",
         *("--rates", "4,8", "--seconds", "3", "--warmup-s", "1", "--latency-ms", "50"),
-        *("--json", str(out), "--workdir", str(tmp_path / "stack")),
+        *("--json", str(out), "--workdir", str(tmp_path / "stack"), "--plot", str(tmp_path / "load.png")),
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -32,3 +32,26 @@ def test_load_short_run_measures_mars_and_litellm(tmp_path: Path) -> None:
             # Every answer waited for the 50 ms upstream, and the overhead is what came on top of it.
             assert row["e2e_p50_ms"] >= 50
             assert 0 < row["overhead_p50_ms"] <= row["overhead_p99_ms"] < row["e2e_p99_ms"]
+            # Some process of the system used CPU for the turns.
+            assert sum(row["cpu_ms_per_turn"].values()) > 0 and row["cores_busy"] > 0
+    assert (
+        "memory" in report["mars"][0]["cpu_ms_per_turn"]
+        and "postgres" in report["mars"][0]["cpu_ms_per_turn"]
+    )
+
+    # The decomposition: every answered turn of each rate cut into segments that add up to the server's
+    # share of the overhead, and the steps inside the stages.
+    for rate, row, cut in zip((4.0, 8.0), report["mars"], report["decomposition"], strict=True):
+        assert cut["rate"] == rate
+        assert cut["turns"] == round(rate * 3)  # every turn sent in the window was traced end to end
+        segments = {name: s["mean_ms"] for name, s in cut["segments"].items()}
+        assert all(v >= 0 for v in segments.values()), segments
+        assert sum(segments.values()) == pytest.approx(cut["server_overhead"]["mean_ms"], rel=1e-6)
+        # The server's overhead is part of what the client measured (the rest: the gRPC call itself).
+        assert cut["server_overhead"]["p50_ms"] <= row["overhead_p99_ms"]
+        assert cut["steps"]["memory memory embed-query"] > 0 and cut["steps"]["router router decide"] > 0
+        assert cut["steps"]["dispatch dispatch model-call"] >= 50  # the stand-in's fixed latency
+    floor = report["floor"]
+    assert all(floor[k] > 0 for k in ("hop_ms", "embedding_ms", "search_ms", "transaction_ms"))
+    assert floor["sum_ms"] > 5 * floor["hop_ms"]
+    assert (tmp_path / "load.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -95,10 +95,17 @@ def test_views_from_a_replica_that_applied_none_of_the_writes(replicated: LocalS
 
 
 def test_every_turn_recorded_answered_once(replicated: LocalStack) -> None:
-    rows = query(
-        replicated, "SELECT status, count(*) FROM ingress_turns WHERE tenant = 'rep' GROUP BY status"
-    )
-    assert dict(rows) == {"ANSWERED": len(USERS) * len(TURNS)}
+    from conftest import wait_for
+
+    def statuses() -> dict[str, int]:
+        rows = query(
+            replicated, "SELECT status, count(*) FROM ingress_turns WHERE tenant = 'rep' GROUP BY status"
+        )
+        return {str(k): int(v) for k, v in rows}
+
+    # The outcome group records ANSWERED from the generated event, shortly after the reply.
+    wait_for(lambda: statuses().get("PENDING", 0) == 0, 30, "every answered turn to be recorded")
+    assert statuses() == {"ANSWERED": len(USERS) * len(TURNS)}
     dup = query(
         replicated, "SELECT count(*) - count(DISTINCT turn_id) FROM memory_records WHERE tenant = 'rep'"
     )
