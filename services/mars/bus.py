@@ -25,6 +25,7 @@ from aiokafka import (
     TopicPartition,
 )
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.coordinator.assignors.range import RangePartitionAssignor
 from aiokafka.errors import KafkaError, TopicAlreadyExistsError
 from google.protobuf.message import DecodeError, Message
 from opentelemetry import trace
@@ -243,6 +244,9 @@ class StageConsumer:
             group_instance_id=(settings.kafka_group_instance_id or None) if not broadcast else None,
             session_timeout_ms=settings.kafka_session_timeout_ms,
             heartbeat_interval_ms=settings.kafka_heartbeat_interval_ms,
+            # Range: a member gets the same partition indexes of every topic it reads, so a user's events
+            # on two topics (memory: received and state) reach the same replica.
+            partition_assignment_strategy=(RangePartitionAssignor,),
         )
         if not broadcast:
             self._consumer.subscribe(list(self._subs), listener=_FreshOffsets(self))

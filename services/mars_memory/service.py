@@ -12,10 +12,16 @@ from typing import Literal
 
 import grpc
 from mars.bus import EventProducer, StageConsumer, StageOutput, Subscription
-from mars.config import TOPIC_GENERATED, TOPIC_MEMORY_COMMITTED, TOPIC_STATE, TOPIC_VIEW, ServiceSettings
+from mars.config import (
+    TOPIC_GENERATED,
+    TOPIC_MEMORY_COMMITTED,
+    TOPIC_RECEIVED,
+    TOPIC_STATE,
+    TOPIC_VIEW,
+    ServiceSettings,
+)
 from mars.retrieval.embedder import Embedder, load_embedder
 from mars.runtime import GrpcBinding, ServiceContext, ServiceParts, run
-from mars.telemetry import step
 from mars.v1 import events_pb2 as ev
 from mars.v1 import services_pb2 as svc
 from mars.v1 import services_pb2_grpc as svc_grpc
@@ -81,14 +87,18 @@ class MemoryStage:
         self._views = StageOutput(pool, producer, VIEW_STAGE, TOPIC_VIEW)
         self._commits = StageOutput(pool, producer, COMMIT_STAGE, TOPIC_MEMORY_COMMITTED)
 
+    async def on_received(self, event: ev.TurnReceived) -> None:
+        turn = event.turn
+        await self._store.prefetch_query(turn.tenant, turn.user_id, event.text)
+
     async def on_state(self, event: ev.StateEstimated) -> None:
         turn = event.turn
         started = time.perf_counter()
         if await self._views.done(turn.turn_id):
             return
-        with step("memory wait-applied"):
-            fresh = await self._store.wait_applied(turn.tenant, turn.user_id, turn.seq - 1)
-        view = await self._store.view(turn.tenant, turn.user_id, event.text, event.state)
+        view, fresh = await self._store.view_after(
+            turn.tenant, turn.user_id, event.text, event.state, after_seq=turn.seq - 1
+        )
         view.possibly_stale = not fresh
         out = ev.ViewBuilt(
             turn=turn,
@@ -149,7 +159,12 @@ async def build(ctx: ServiceContext) -> ServiceParts:
         ctx.producer,
         "memory",
         "mars-memory-view",
-        [Subscription(TOPIC_STATE, ev.StateEstimated, stage.on_state)],
+        [
+            Subscription(TOPIC_STATE, ev.StateEstimated, stage.on_state),
+            # The query's embedding starts while the state stage works (the same partition index of both
+            # topics comes to this replica: stage consumers use the range assignor).
+            Subscription(TOPIC_RECEIVED, ev.TurnReceived, stage.on_received),
+        ],
     )
     writer = StageConsumer(
         settings,

@@ -7,7 +7,7 @@ import asyncio
 import dataclasses
 import time
 import uuid
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from mars.domain.memory_policy import (
@@ -77,6 +77,17 @@ RECORD_COLUMNS = (
 )
 
 
+CATCH_UP_SQL = (
+    f"SELECT {RECORD_COLUMNS} FROM memory_records "
+    "WHERE tenant = %s AND user_id = %s AND commit_no > %s ORDER BY commit_no"
+)
+APPLIED_SQL = "SELECT applied_seq FROM memory_progress WHERE tenant = %s AND user_id = %s"
+ACTIVE_THREAD_SQL = (
+    "SELECT thread_id, title, state FROM memory_threads "
+    "WHERE tenant = %s AND user_id = %s AND status = 'ACTIVE'"
+)
+
+
 def _blob(vectors: np.ndarray | None) -> bytes | None:
     return vectors.astype(np.float32).tobytes() if vectors is not None else None
 
@@ -137,6 +148,8 @@ class MemoryStore:
             self._model_name += f":{settings.embedding_precision}"
         self._applied = asyncio.Condition()
         self._indexes: dict[tuple[str, str], UserIndex] = {}
+        #: Query embeddings being computed, by text: a view awaits the one its prefetch started.
+        self._embedding: dict[str, asyncio.Future[np.ndarray]] = {}
         base = POLICY_CONFIGS.get(settings.view_policy, POLICY_CONFIGS["mars"])
         self._config = dataclasses.replace(base, **settings.fusion)  # type: ignore[arg-type]
 
@@ -160,12 +173,11 @@ class MemoryStore:
         this process's own commits. A view that waited for applied seq n-1 finds turn n-1 searchable,
         since the record and the applied mark are committed in one transaction."""
         async with self._pool.connection() as conn:
-            cur = await conn.execute(
-                f"SELECT {RECORD_COLUMNS} FROM memory_records "
-                "WHERE tenant = %s AND user_id = %s AND commit_no > %s ORDER BY commit_no",
-                (tenant, user_id, index.record_no),
-            )
+            cur = await conn.execute(CATCH_UP_SQL, (tenant, user_id, index.record_no))
             rows = await cur.fetchall()
+        await self._add_rows(index, rows)
+
+    async def _add_rows(self, index: UserIndex, rows: list[tuple[Any, ...]]) -> None:
         if not rows:
             return
         loaded = []
@@ -207,9 +219,7 @@ class MemoryStore:
             )
 
     async def applied_seq(self, conn: AsyncConnection, tenant: str, user_id: str) -> int:
-        cur = await conn.execute(
-            "SELECT applied_seq FROM memory_progress WHERE tenant = %s AND user_id = %s", (tenant, user_id)
-        )
+        cur = await conn.execute(APPLIED_SQL, (tenant, user_id))
         row = await cur.fetchone()
         return int(row[0]) if row else 0
 
@@ -237,23 +247,53 @@ class MemoryStore:
         return MemoryControls(False, 0, self._settings.ablation_top_k, ev.GLOBAL, False)
 
     async def view(self, tenant: str, user_id: str, text: str, state: ev.SessionState) -> ev.CandidateView:
+        return (await self.view_after(tenant, user_id, text, state, after_seq=0))[0]
+
+    async def view_after(
+        self, tenant: str, user_id: str, text: str, state: ev.SessionState, after_seq: int
+    ) -> tuple[ev.CandidateView, bool]:
+        """The view, and whether it holds every turn up to `after_seq` (read-your-writes: False when the
+        bounded wait for them ran out). One round trip when they are applied already (the usual case):
+        the applied seq, the records past the index's watermark and the active thread, pipelined."""
         index = await self.user_index(tenant, user_id)
         async with index.lock:
-            with step("memory catch-up"):
-                await self.catch_up(tenant, user_id, index)
-            return await self._view(index, tenant, user_id, text, state)
+            with step("memory snapshot"):
+                applied, active = await self._snapshot(tenant, user_id, index)
+            if applied >= after_seq:
+                return await self._view(index, tenant, user_id, text, state, active), True
+        # Not applied yet: wait without holding the index, then read again.
+        with step("memory wait-applied"):
+            fresh = await self.wait_applied(tenant, user_id, after_seq)
+        async with index.lock:
+            with step("memory snapshot"):
+                _, active = await self._snapshot(tenant, user_id, index)
+            return await self._view(index, tenant, user_id, text, state, active), fresh
+
+    async def _snapshot(
+        self, tenant: str, user_id: str, index: UserIndex
+    ) -> tuple[int, tuple[Any, ...] | None]:
+        """Catch the index up and read the applied seq and the active thread, in one round trip (call with
+        index.lock held)."""
+        async with self._pool.connection() as conn, conn.pipeline() as pipeline:
+            applied_cur = await conn.execute(APPLIED_SQL, (tenant, user_id))
+            records_cur = await conn.execute(CATCH_UP_SQL, (tenant, user_id, index.record_no))
+            active_cur = await conn.execute(ACTIVE_THREAD_SQL, (tenant, user_id))
+            await pipeline.sync()
+            applied_row = await applied_cur.fetchone()
+            rows = await records_cur.fetchall()
+            active = await active_cur.fetchone()
+        await self._add_rows(index, rows)
+        return (int(applied_row[0]) if applied_row else 0), active  # type: ignore[call-overload]
 
     async def _view(
-        self, index: UserIndex, tenant: str, user_id: str, text: str, state: ev.SessionState
+        self,
+        index: UserIndex,
+        tenant: str,
+        user_id: str,
+        text: str,
+        state: ev.SessionState,
+        active: tuple[Any, ...] | None,
     ) -> ev.CandidateView:
-        with step("memory active-thread"):
-            async with self._pool.connection() as conn:
-                cur = await conn.execute(
-                    "SELECT thread_id, title, state FROM memory_threads "
-                    "WHERE tenant = %s AND user_id = %s AND status = 'ACTIVE'",
-                    (tenant, user_id),
-                )
-                active = await cur.fetchone()
         controls = self._controls(state)
         # A NEW_TOPIC turn starts a fresh thread: the old active thread becomes history.
         continuing = active is not None and state.action != ev.NEW_TOPIC
@@ -265,9 +305,9 @@ class MemoryStore:
         if continuing and active:
             thread_state = thread_from_json(active[2]) if active[2] else new_thread(str(active[1]))
             active_state = render_active_state(thread_state)
-        if self._query_embedder is not None and controls.retrieve_k > 0 and index.records:
+        if controls.retrieve_k > 0 and index.records:
             with step("memory embed-query"):  # cached: the search below reuses it
-                await asyncio.to_thread(self._query_embedder.encode, [text])
+                await self._query_vector(text)
         with step("memory search"):
             retrieved, bounds = await asyncio.to_thread(self._retrieve, index, text, thread, window, controls)
         return build_view(
@@ -387,6 +427,28 @@ class MemoryStore:
         async with self._applied:
             self._applied.notify_all()
         return out
+
+    async def _query_vector(self, text: str) -> None:
+        """Put the query's vector in the query cache, or wait for the computation already under way."""
+        if self._query_embedder is None:
+            return
+        pending = self._embedding.get(text)
+        if pending is None:
+            task: asyncio.Future[np.ndarray] = asyncio.ensure_future(
+                asyncio.to_thread(self._query_embedder.encode, [text])
+            )
+            task.add_done_callback(lambda _: self._embedding.pop(text, None))
+            self._embedding[text] = task
+            pending = task
+        await asyncio.shield(pending)
+
+    async def prefetch_query(self, tenant: str, user_id: str, text: str) -> None:
+        """Embed a turn's query as soon as it is received, while the state stage works on it: its view
+        then finds the vector ready. Only for users this replica holds history of (a first turn retrieves
+        nothing, and another replica's users would be embedded twice)."""
+        index = self._indexes.get((tenant, user_id))
+        if index is not None and index.records:
+            await self._query_vector(text)
 
     def query_embedding(self, text: str) -> list[float]:
         """The query's vector (cached: a view that retrieved already embedded it), [] without an embedder."""

@@ -134,6 +134,8 @@ class StaleArm(Exception):
 class PolicyStore:
     def __init__(self, pool: AsyncConnectionPool, settings: StoreSettings, arms: list[str]) -> None:
         self._pool = pool
+        #: Policies this process has created or found (with every arm's row): not written again per turn.
+        self._ensured: set[str] = set()
         self._settings = settings
         self.arms = arms
         #: Which features this router's policies use: the state map (Table 7) or the query embedding.
@@ -220,15 +222,28 @@ class PolicyStore:
         """The policy's arm models and its version: resets plus arm updates, so it grows with every
         applied reward without a policy-wide row that every update would have to lock."""
         async with self._pool.connection() as conn:
-            await self._ensure(conn, policy_id)
-            cur = await conn.execute("SELECT version FROM router_policies WHERE policy_id = %s", (policy_id,))
-            row = await cur.fetchone()
-            version = int(row[0]) if row else 0
-            cur = await conn.execute(
-                "SELECT arm, model, pulls, reward_sum, version FROM router_arms WHERE policy_id = %s",
-                (policy_id,),
-            )
-            rows = await cur.fetchall()
+            if policy_id not in self._ensured:
+                await self._ensure(conn, policy_id)
+            # The version and the arms in one round trip.
+            async with conn.pipeline() as pipeline:
+                version_cur = await conn.execute(
+                    "SELECT version FROM router_policies WHERE policy_id = %s", (policy_id,)
+                )
+                arms_cur = await conn.execute(
+                    "SELECT arm, model, pulls, reward_sum, version FROM router_arms WHERE policy_id = %s",
+                    (policy_id,),
+                )
+                await pipeline.sync()
+                row = await version_cur.fetchone()
+                rows = await arms_cur.fetchall()
+        if row is None and policy_id in self._ensured:
+            # Removed since this process created it: create it again.
+            self._ensured.discard(policy_id)
+            return await self.load(policy_id)
+        if len(self._ensured) > 100_000:
+            self._ensured.clear()
+        self._ensured.add(policy_id)
+        version = int(row[0]) if row else 0
         models = {
             arm: ArmModel.from_bytes(bytes(blob), self.dim, int(pulls), float(reward_sum))
             for arm, blob, pulls, reward_sum, _ in rows

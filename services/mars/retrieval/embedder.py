@@ -79,28 +79,32 @@ class LruEmbedder:
     """Keeps the most recent texts' vectors: a conversation's earlier turns are embedded once, not at
     every later query that uses them as context."""
 
-    def __init__(self, inner: Embedder, size: int = 1024) -> None:
+    def __init__(self, inner: Embedder, size: int = 4096) -> None:
         from collections import OrderedDict
 
         self.inner = inner
         self._size = size
         self._cache: OrderedDict[str, np.ndarray] = OrderedDict()
+        # Worker threads share the cache (views of different users run at once); the model runs outside it.
+        self._lock = threading.Lock()
 
     @property
     def dim(self) -> int:
         return self.inner.dim
 
     def encode(self, texts: Sequence[str]) -> np.ndarray:
-        missing = [t for t in dict.fromkeys(texts) if t not in self._cache]
+        with self._lock:
+            found = {t: self._cache[t] for t in dict.fromkeys(texts) if t in self._cache}
+        missing = [t for t in dict.fromkeys(texts) if t not in found]
         if missing:
-            for t, v in zip(missing, self.inner.encode(missing), strict=True):
-                self._cache[t] = v
-        out = []
-        for t in texts:
-            self._cache.move_to_end(t)
-            out.append(self._cache[t])
-        while len(self._cache) > self._size:
-            self._cache.popitem(last=False)
+            found.update(zip(missing, self.inner.encode(missing), strict=True))
+        out = [found[t] for t in texts]
+        with self._lock:
+            for t in texts:
+                self._cache[t] = found[t]
+                self._cache.move_to_end(t)
+            while len(self._cache) > self._size:
+                self._cache.popitem(last=False)
         if not out:
             return np.zeros((0, self.dim), dtype=np.float32)
         return np.stack(out).astype(np.float32)
