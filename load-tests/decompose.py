@@ -213,6 +213,28 @@ def cpu_seconds(sessions: dict[str, int]) -> dict[str, float]:
     return used
 
 
+def wait_idle(
+    sessions: dict[str, int], below_cores: float = 0.3, quiet_s: float = 3.0, max_s: float = 180.0
+) -> float:
+    """Wait until the processes use less than `below_cores` in all for `quiet_s` (a backlog left by an
+    overloaded rate drained), at most `max_s`; the seconds waited."""
+    started = time.monotonic()
+    quiet_since = None
+    before = cpu_seconds(sessions)
+    while time.monotonic() - started < max_s:
+        time.sleep(1.0)
+        now = cpu_seconds(sessions)
+        busy = sum(now.values()) - sum(before.values())
+        before = now
+        if busy < below_cores:
+            quiet_since = quiet_since or time.monotonic()
+            if time.monotonic() - quiet_since >= quiet_s:
+                break
+        else:
+            quiet_since = None
+    return time.monotonic() - started
+
+
 def _p50(values: list[float]) -> float:
     return sorted(values)[len(values) // 2]
 

@@ -210,16 +210,24 @@ async def run_rates(
     seconds, to cut the spans by rate. Each row also gets the CPU milliseconds per turn of every process
     of the system (`sessions[system]`: name -> session leader pid) and of this load generator."""
     send, channel = mars_sender(ingress, args.timeout_s)
-    systems: list[tuple[str, Any]] = [("mars", send)]
+    systems: list[tuple[str, Any]] = []
     client = None
     if litellm_url:
         lsend, client = litellm_sender(litellm_url, args.latency_ms / 1000, args.timeout_s)
         systems.append(("litellm", lsend))
+    # MARS last: a rate it cannot keep up with leaves a backlog that would run beside the peer's rates.
+    systems.append(("mars", send))
     try:
         for system, sender in systems:
             print(f"[load] {system}: warm-up {args.warmup_s:g}s at {rates[0]:g}/s", flush=True)
             await open_loop(sender, rates[0], args.warmup_s, args.users, seed=0)
             for k, rate in enumerate(rates):
+                if k:  # each rate starts on an idle system, not on the backlog of an overloaded one
+                    waited = await asyncio.to_thread(decompose.wait_idle, sessions[system])
+                    if waited > 5:
+                        print(
+                            f"[load] {system}: waited {waited:.0f}s for the last rate's backlog", flush=True
+                        )
                 since = time.time()
                 cpu0, own0 = decompose.cpu_seconds(sessions[system]), time.process_time()
                 samples, elapsed = await open_loop(sender, rate, args.seconds, args.users, seed=k + 1)
@@ -332,7 +340,11 @@ def main(argv: list[str] | None = None) -> int:
         service_env[key] = value
 
     sys.path[:0] = [str(REPO / "infra"), str(REPO / "services")]
+    import signal
     import tempfile
+
+    # Stopped with SIGTERM (a CI timeout, kill): unwind, so the stack and the proxy are stopped too.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     from mars_stack import LocalStack, StackSettings
 
@@ -365,6 +377,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         asyncio.run(run_rates(args, rates, stack.addr("ingress"), litellm_url, out, windows, sessions))
         if not args.no_floor:
+            decompose.wait_idle(sessions["mars"])
             print(
                 "[load] measuring the floor (bare hop, embedding, search, Postgres transaction)", flush=True
             )
