@@ -139,10 +139,25 @@ def mars_sender(target: str, timeout_s: float) -> tuple[Any, Any]:
 def litellm_sender(base_url: str, upstream_s: float, timeout_s: float) -> tuple[Any, Any]:
     import httpx
 
-    client = httpx.AsyncClient(base_url=base_url, timeout=timeout_s, limits=httpx.Limits(max_connections=512))
+    connections = 512
+    client = httpx.AsyncClient(
+        base_url=base_url, timeout=timeout_s, limits=httpx.Limits(max_connections=connections)
+    )
+    # Requests beyond the connection limit wait here, not in httpcore's pool: its queue is scanned per
+    # request, and with thousands queued (an overloaded peer) the generator itself used a whole core.
+    # The time waited here counts in the request's latency, as it would for a client.
+    slots = asyncio.Semaphore(connections)
 
     async def send(user: str, text: str) -> Sample:
         started = time.monotonic()
+        try:
+            # The whole request within the deadline, as MARS's gRPC calls are.
+            async with asyncio.timeout(timeout_s), slots:
+                return await _post(started, user, text)
+        except TimeoutError:
+            return Sample(time.monotonic() - started, upstream_s, False, "timeout")
+
+    async def _post(started: float, user: str, text: str) -> Sample:
         try:
             resp = await client.post(
                 "/v1/chat/completions",

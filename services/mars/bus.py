@@ -319,7 +319,7 @@ class StageConsumer:
                 task.cancel()
         if not self._broadcast:
             with contextlib.suppress(Exception):
-                await self._commit_finished()
+                await asyncio.wait_for(self._commit_finished(), timeout=self.REVOKE_WAIT_S)
         await self._consumer.stop()
 
     @property
@@ -414,7 +414,8 @@ class StageConsumer:
             for task in pending:
                 task.cancel()  # redelivered to the next owner: handlers are idempotent by turn_id
         if not self._broadcast:
-            await self._commit_finished()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._commit_finished(), timeout=self.REVOKE_WAIT_S)
         for tp in revoked:
             self._tracks.pop(tp, None)
 

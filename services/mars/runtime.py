@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
+import threading
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -116,6 +118,11 @@ async def serve(name: str, settings: ServiceSettings, build: Builder, migrations
         log.error("%s: a consumer stopped unexpectedly: %r", name, crashed[0].exception())
 
     log.info("%s stopping", name)
+    # A stop that hangs (a broker gone while leaving the group, a backlog of spans) must not keep the
+    # process alive: after this long it exits hard, and what it did not commit is redelivered.
+    watchdog = threading.Timer(STOP_DEADLINE_S, _exit_now, args=(name,))
+    watchdog.daemon = True
+    watchdog.start()
     probes_task.cancel()
     for task in background:
         task.cancel()
@@ -131,6 +138,15 @@ async def serve(name: str, settings: ServiceSettings, build: Builder, migrations
     telemetry.shutdown()
     if crashed:
         raise SystemExit(1)
+
+
+STOP_DEADLINE_S = 20.0
+
+
+def _exit_now(name: str) -> None:
+    log.error("%s: stopping took over %.0fs; exiting now", name, STOP_DEADLINE_S)
+    logging.shutdown()
+    os._exit(1)
 
 
 async def _poll_health(
