@@ -141,8 +141,8 @@ def turn_segments(spans: list[Span]) -> tuple[dict[str, float], dict[str, float]
             model_ms = sum(s.ms for s in spans if s.service == "dispatch" and s.name == "dispatch model-call")
         previous = out
     reply = _first([s for s in spans if s.start >= previous.start], "ingress", "ingress mars.turn.generated")
-    if reply is None:
-        return None
+    if reply is None or reply.start > call.end:
+        return None  # the call ended (its deadline) before the answer came: not an answered call
     marks.append(("hop -> ingress", reply.start))
     marks.append(("ingress reply", call.end))
     segments: dict[str, float] = {}
@@ -161,7 +161,7 @@ def turn_segments(spans: list[Span]) -> tuple[dict[str, float], dict[str, float]
 
 
 def decompose(spans: list[Span], since: float, until: float) -> dict[str, Any]:
-    """Summary of the turns whose ingress call started in [since, until) (epoch seconds)."""
+    """Summary of the answered turns whose ingress call started in [since, until) (epoch seconds)."""
     by_trace: dict[str, list[Span]] = defaultdict(list)
     for s in spans:
         by_trace[s.trace_id].append(s)

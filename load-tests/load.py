@@ -403,7 +403,8 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(1.5)  # the services write spans in batches every 0.5 s
             spans = decompose.read_spans(trace_dir)
             out["decomposition"] = [
-                {"rate": rate, **decompose.decompose(spans, since, until)} for rate, since, until in windows
+                {"rate": rate, "since": since, "until": until, **decompose.decompose(spans, since, until)}
+                for rate, since, until in windows
             ]
     finally:
         if litellm is not None:

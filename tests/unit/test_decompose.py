@@ -74,3 +74,10 @@ def test_decompose_keeps_the_turns_started_in_the_window() -> None:
     assert summary["turns"] == 1
     assert summary["server_overhead"]["p50_ms"] == pytest.approx(50)
     assert decompose.decompose(one_turn(), since=1, until=2)["turns"] == 0
+
+
+def test_a_call_that_ended_before_its_answer_is_left_out() -> None:
+    # The caller's deadline ran out (the answer came later): no segments for a call that got no answer.
+    spans = [s for s in one_turn() if s.name != "ingress SendTurn"]
+    spans.append(span("ingress", "ingress SendTurn", 0, 90, "turn-1"))
+    assert decompose.turn_segments(spans) is None
