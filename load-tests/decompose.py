@@ -235,6 +235,25 @@ def wait_idle(
     return time.monotonic() - started
 
 
+def by_window(spans: list[Span], since: float, until: float, window_s: float) -> list[dict[str, float]]:
+    """Server overhead p50 / p99 of the answered turns started in each `window_s` of [since, until): a
+    soak's drift (a leak or a growing queue shows as windows getting slower)."""
+    rows = []
+    start = since
+    while start < until:
+        cut = decompose(spans, start, min(start + window_s, until))
+        rows.append(
+            {
+                "from_s": start - since,
+                "turns": cut["turns"],
+                "p50_ms": cut.get("server_overhead", {}).get("p50_ms", float("nan")),
+                "p99_ms": cut.get("server_overhead", {}).get("p99_ms", float("nan")),
+            }
+        )
+        start += window_s
+    return rows
+
+
 def _p50(values: list[float]) -> float:
     return sorted(values)[len(values) // 2]
 

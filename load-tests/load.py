@@ -332,6 +332,12 @@ def main(argv: list[str] | None = None) -> int:
         help="run MARS without spans (no per-hop decomposition; measures what tracing itself costs)",
     )
     parser.add_argument("--no-floor", action="store_true", help="skip measuring the floor parts")
+    parser.add_argument(
+        "--window-s",
+        type=float,
+        default=0.0,
+        help="also report MARS's server overhead p50 / p99 per window of this many seconds (a soak's drift)",
+    )
     parser.add_argument("--plot", type=Path, help="write a PNG of overhead against offered load")
     parser.add_argument(
         "--service-env",
@@ -406,6 +412,16 @@ def main(argv: list[str] | None = None) -> int:
                 {"rate": rate, "since": since, "until": until, **decompose.decompose(spans, since, until)}
                 for rate, since, until in windows
             ]
+            if args.window_s > 0:
+                for cut in out["decomposition"]:
+                    cut["windows"] = decompose.by_window(spans, cut["since"], cut["until"], args.window_s)
+                    print(
+                        f"[load] {cut['rate']:g}/s server overhead per {args.window_s:g}s window (p50 / p99 ms):"
+                    )
+                    for w in cut["windows"]:
+                        print(
+                            f"  +{w['from_s']:5.0f}s  {w['turns']:5d} turns  {w['p50_ms']:7.1f} / {w['p99_ms']:7.1f}"
+                        )
     finally:
         if litellm is not None:
             litellm.terminate()

@@ -81,3 +81,9 @@ def test_a_call_that_ended_before_its_answer_is_left_out() -> None:
     spans = [s for s in one_turn() if s.name != "ingress SendTurn"]
     spans.append(span("ingress", "ingress SendTurn", 0, 90, "turn-1"))
     assert decompose.turn_segments(spans) is None
+
+
+def test_by_window_splits_the_run() -> None:
+    rows = decompose.by_window(one_turn(), since=-10.0, until=10.0, window_s=10.0)
+    assert [(r["from_s"], r["turns"]) for r in rows] == [(0.0, 0), (10.0, 1)]
+    assert rows[1]["p50_ms"] == pytest.approx(50)
