@@ -20,6 +20,7 @@ from mars.config import (
     TOPIC_VIEW,
     ServiceSettings,
 )
+from mars.retrieval.dense import set_cpu_threads
 from mars.retrieval.embedder import Embedder, load_embedder
 from mars.runtime import GrpcBinding, ServiceContext, ServiceParts, run
 from mars.v1 import events_pb2 as ev
@@ -59,6 +60,8 @@ class MemorySettings(ServiceSettings):
     #: FAISS indexes on the GPU. Off by default: per-user exact scans over a few thousand vectors measured
     #: about 2x slower on the GPU than on the CPU (transfer dominates); turn on for large users.
     use_gpu: bool = False
+    #: OpenMP threads per CPU FAISS search (see mars.retrieval.dense.set_cpu_threads).
+    faiss_threads: int = 1
     #: The conversation's recent user turns used as secondary queries by the mars policy.
     context_turns: int = 3
     #: Overrides of the policy's fusion settings (HybridConfig field names), e.g.
@@ -139,6 +142,7 @@ class MemoryServicer(svc_grpc.MemoryServicer):
 async def build(ctx: ServiceContext) -> ServiceParts:
     settings = ctx.settings
     assert isinstance(settings, MemorySettings)
+    set_cpu_threads(settings.faiss_threads)
     embedder: Embedder | None
     try:
         embedder = await asyncio.to_thread(

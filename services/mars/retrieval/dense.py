@@ -22,6 +22,13 @@ import faiss
 import numpy as np
 
 
+def set_cpu_threads(threads: int) -> None:
+    """OpenMP threads of one CPU search. A per-user scan is too small to split: with two threads on a busy
+    2-core machine a 4-query search over 1,000 vectors took 13 ms against 6 ms with one (the threads wait
+    for each other); parallelism comes from searching several users at once."""
+    faiss.omp_set_num_threads(max(1, threads))
+
+
 def gpu_count() -> int:
     get = getattr(faiss, "get_num_gpus", None)
     return int(get()) if get is not None else 0
