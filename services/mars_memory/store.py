@@ -24,7 +24,7 @@ from mars.domain.thread_state import (
     thread_from_json,
     thread_to_json,
 )
-from mars.retrieval.embedder import Embedder, LruEmbedder, query_twin
+from mars.retrieval.embedder import Embedder, LruEmbedder, split_sessions
 from mars.retrieval.hybrid import POLICY_CONFIGS, HybridMemory, embed_chunks, state_conditioned
 from mars.telemetry import step
 from mars.v1 import events_pb2 as ev
@@ -142,7 +142,10 @@ class MemoryStore:
         # None: the embedder could not load; views are served from Postgres-backed BM25 alone.
         self._embedder = embedder
         # Queries get a session of their own: a view never waits behind a stored turn's embedding.
-        self._query_embedder = LruEmbedder(query_twin(embedder)) if embedder is not None else None
+        self._query_embedder: LruEmbedder | None = None
+        if embedder is not None:
+            self._embedder, queries = split_sessions(embedder)
+            self._query_embedder = LruEmbedder(queries)
         self._model_name = settings.embedding_model or "all-MiniLM-L6-v2"
         if settings.embedding_precision != "fp32":
             self._model_name += f":{settings.embedding_precision}"

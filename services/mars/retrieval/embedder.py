@@ -110,6 +110,14 @@ class LruEmbedder:
         return np.stack(out).astype(np.float32)
 
 
+PRECISIONS = ("fp32", "int8")
+
+
+def check_precision(precision: str) -> None:
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown embedding precision {precision!r} ({' or '.join(PRECISIONS)})")
+
+
 class OnnxEmbedder:
     """The same sentence-transformers model run by ONNX Runtime: about twice as fast as eager torch on CPU
     for single queries (the answer-path case), identical vectors (fp32, cosine 1.0 to the torch output).
@@ -163,8 +171,8 @@ class OnnxEmbedder:
                 quantize_dynamic(str(onnx_path), str(tmp), weight_type=QuantType.QInt8)
                 os.replace(tmp, quantized)
             onnx_path = quantized
-        elif precision != "fp32":
-            raise ValueError(f"unknown embedding precision {precision!r} (fp32 or int8)")
+        else:
+            check_precision(precision)
         self._onnx_path = onnx_path
         self._open_session(threads)
 
@@ -245,15 +253,13 @@ class OnnxEmbedder:
         return np.ascontiguousarray(pooled, dtype=np.float32)
 
 
-def query_twin(embedder: Embedder) -> Embedder:
-    """An embedder for queries that never waits behind `embedder`'s batch work: a second ONNX session
-    (one of two threads: the stored turns' session gets one, so a query always finds a core), or
-    `embedder` itself for backends that batch on a GPU."""
+def split_sessions(embedder: Embedder) -> tuple[Embedder, Embedder]:
+    """(stored turns, queries): on ONNX two sessions of the model, one thread for stored turns and two for
+    queries, so a query never waits behind a stored turn's embedding and always finds a core; other
+    backends (torch on a GPU) serve both from the one embedder."""
     if isinstance(embedder, OnnxEmbedder):
-        query = embedder.sibling(threads=2)
-        embedder._open_session(threads=1)
-        return query
-    return embedder
+        return embedder.sibling(threads=1), embedder.sibling(threads=2)
+    return embedder, embedder
 
 
 def load_embedder(
@@ -273,8 +279,7 @@ def load_embedder(
         if backend == "torch":
             raise ValueError("int8 embeddings run on ONNX Runtime: use backend onnx or auto")
         return OnnxEmbedder(model, cache_dir, max_seq_length=max_seq_length, precision="int8")
-    if precision != "fp32":
-        raise ValueError(f"unknown embedding precision {precision!r} (fp32 or int8)")
+    check_precision(precision)
     if backend == "torch":
         return SentenceTransformerEmbedder(model, max_seq_length=max_seq_length)
     if backend == "auto":
