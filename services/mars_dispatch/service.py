@@ -8,6 +8,7 @@ import functools
 import time
 
 import grpc
+from mars import consumer_groups
 from mars.bus import EventProducer, StageConsumer, StageOutput, Subscription
 from mars.config import TOPIC_GENERATED, TOPIC_ROUTED, TOPIC_TOKENS, ServiceSettings
 from mars.domain.circuit import CircuitBreaker
@@ -141,7 +142,7 @@ async def build(ctx: ServiceContext) -> ServiceParts:
         settings,
         ctx.producer,
         "dispatch",
-        "mars-dispatch",
+        consumer_groups.DISPATCH.name,
         [Subscription(TOPIC_ROUTED, ev.Routed, stage.on_routed)],
     )
     return ServiceParts(

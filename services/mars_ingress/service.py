@@ -11,6 +11,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 import grpc
+from mars import consumer_groups
 from mars.bus import EventProducer, StageConsumer, Subscription, is_transient
 from mars.config import (
     SCHEMA_VERSION,
@@ -494,7 +495,7 @@ async def build(ctx: ServiceContext) -> ServiceParts:
         settings,
         ctx.producer,
         "ingress",
-        "mars-ingress-outcomes",
+        consumer_groups.INGRESS_OUTCOMES.name,
         [
             Subscription(TOPIC_GENERATED, ev.Generated, servicer.record_generated),
             Subscription(

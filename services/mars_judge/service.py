@@ -8,6 +8,7 @@ import os
 from typing import Literal
 
 import grpc
+from mars import consumer_groups
 from mars.bus import EventProducer, StageConsumer, StageOutput, Subscription
 from mars.config import TOPIC_FEEDBACK, TOPIC_GENERATED, TOPIC_JUDGED, ServiceSettings
 from mars.domain.feedback import FeedbackMode, feedback_utility
@@ -264,7 +265,7 @@ async def build(ctx: ServiceContext) -> ServiceParts:
         settings,
         ctx.producer,
         "judge",
-        "mars-judge",
+        consumer_groups.JUDGE.name,
         [
             Subscription(TOPIC_GENERATED, ev.Generated, stage.on_generated),
             Subscription(TOPIC_FEEDBACK, ev.Feedback, stage.on_feedback),

@@ -11,6 +11,7 @@ import time
 from typing import Literal
 
 import grpc
+from mars import consumer_groups
 from mars.bus import EventProducer, StageConsumer, StageOutput, Subscription
 from mars.config import (
     TOPIC_GENERATED,
@@ -162,7 +163,7 @@ async def build(ctx: ServiceContext) -> ServiceParts:
         settings,
         ctx.producer,
         "memory",
-        "mars-memory-view",
+        consumer_groups.MEMORY_VIEW.name,
         [
             Subscription(TOPIC_STATE, ev.StateEstimated, stage.on_state),
             # The query's embedding starts while the state stage works (the same partition index of both
@@ -174,7 +175,7 @@ async def build(ctx: ServiceContext) -> ServiceParts:
         settings,
         ctx.producer,
         "memory",
-        "mars-memory-writer",
+        consumer_groups.MEMORY_WRITER.name,
         [Subscription(TOPIC_GENERATED, ev.Generated, stage.on_generated)],
     )
     consumers = [c for role, c in (("views", views), ("writer", writer)) if role in settings.roles]

@@ -12,6 +12,7 @@ import logging
 from typing import Literal
 
 import grpc
+from mars import consumer_groups
 from mars.bus import EventProducer, StageConsumer, StageOutput, Subscription
 from mars.config import TOPIC_JUDGED, TOPIC_ROUTED, TOPIC_VIEW, ServiceSettings
 from mars.domain.bandits import draw_key
@@ -206,14 +207,14 @@ async def build(ctx: ServiceContext) -> ServiceParts:
         settings,
         ctx.producer,
         "router",
-        "mars-router",
+        consumer_groups.ROUTER.name,
         [Subscription(TOPIC_VIEW, ev.ViewBuilt, stage.on_view)],
     )
     updates = StageConsumer(
         settings,
         ctx.producer,
         "router",
-        "mars-router-updates",
+        consumer_groups.ROUTER_UPDATES.name,
         [Subscription(TOPIC_JUDGED, ev.Judged, stage.on_judged)],
     )
     return ServiceParts(

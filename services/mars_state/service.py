@@ -8,6 +8,7 @@ import os
 import time
 
 import grpc
+from mars import consumer_groups
 from mars.bus import EventProducer, StageConsumer, StageOutput, Subscription
 from mars.config import STATE_STAGE, TOPIC_RECEIVED, TOPIC_STATE, ServiceSettings
 from mars.llm_json import TokenPrices, endpoint_url
@@ -152,7 +153,7 @@ async def build(ctx: ServiceContext) -> ServiceParts:
         settings,
         ctx.producer,
         "state",
-        "mars-state",
+        consumer_groups.STATE.name,
         [Subscription(TOPIC_RECEIVED, ev.TurnReceived, stage.on_received)],
     )
     return ServiceParts(
