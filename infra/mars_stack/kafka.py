@@ -10,6 +10,7 @@ import re
 import shutil
 import subprocess
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -110,18 +111,51 @@ def cluster_id() -> str:
 LOCAL_JVM_OPTS = ("-XX:TieredStopAtLevel=1", "-XX:+UseSerialGC")
 
 
-def server_properties(log_dir: Path, port: int, controller_port: int, partitions: int) -> str:
+_SASL_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+
+
+def sasl_listener_properties(sasl_port: int, users: Mapping[str, str]) -> dict[str, str]:
+    """A second listener, SASL_PLAINTEXT with PLAIN logins for `users` (name -> password), beside the
+    PLAINTEXT one everything else uses: for testing clients with MARS_KAFKA_SECURITY_PROTOCOL=SASL_*."""
+    bad = [u for u in users if not _SASL_NAME.fullmatch(u)] + [
+        u for u, pw in users.items() if not pw or '"' in pw or "\\" in pw or "\n" in pw
+    ]
+    if not users or bad:
+        raise ValueError(
+            f"SASL users need plain names and non-empty passwords without quotes: {bad or users}"
+        )
+    logins = " ".join(f'user_{u}="{pw}"' for u, pw in users.items())
+    return {
+        "sasl.enabled.mechanisms": "PLAIN",
+        "listener.name.sasl_plaintext.plain.sasl.jaas.config": (
+            f"org.apache.kafka.common.security.plain.PlainLoginModule required {logins};"
+        ),
+    }
+
+
+def server_properties(
+    log_dir: Path,
+    port: int,
+    controller_port: int,
+    partitions: int,
+    sasl_port: int | None = None,
+    sasl_users: Mapping[str, str] | None = None,
+) -> str:
     """One node that is both broker and controller, sized for one machine: single replicas, a handful of
-    internal partitions (fast start), no initial rebalance delay (services join groups as they start)."""
+    internal partitions (fast start), no initial rebalance delay (services join groups as they start).
+    `sasl_port`: also a SASL_PLAINTEXT listener there, for `sasl_users` (see sasl_listener_properties)."""
+    listeners = f"PLAINTEXT://127.0.0.1:{port}"
+    if sasl_port is not None:
+        listeners += f",SASL_PLAINTEXT://127.0.0.1:{sasl_port}"
     props = {
         "process.roles": "broker,controller",
         "node.id": "1",
         "controller.quorum.voters": f"1@127.0.0.1:{controller_port}",
-        "listeners": f"PLAINTEXT://127.0.0.1:{port},CONTROLLER://127.0.0.1:{controller_port}",
-        "advertised.listeners": f"PLAINTEXT://127.0.0.1:{port}",
+        "listeners": f"{listeners},CONTROLLER://127.0.0.1:{controller_port}",
+        "advertised.listeners": listeners,
         "controller.listener.names": "CONTROLLER",
         "inter.broker.listener.name": "PLAINTEXT",
-        "listener.security.protocol.map": "CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT",
+        "listener.security.protocol.map": "CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT,SASL_PLAINTEXT:SASL_PLAINTEXT",
         "log.dirs": str(log_dir),
         "num.partitions": str(partitions),
         "offsets.topic.replication.factor": "1",
@@ -135,10 +169,20 @@ def server_properties(log_dir: Path, port: int, controller_port: int, partitions
         # Our topics are created by the services (mars.bus.ensure_topics) with the shared partition count.
         "auto.create.topics.enable": "false",
     }
+    if sasl_port is not None:
+        props.update(sasl_listener_properties(sasl_port, sasl_users or {}))
     return "".join(f"{k}={v}\n" for k, v in props.items())
 
 
-def prepare(workdir: Path, port: int, controller_port: int, partitions: int, java: str = "java") -> list[str]:
+def prepare(
+    workdir: Path,
+    port: int,
+    controller_port: int,
+    partitions: int,
+    java: str = "java",
+    sasl_port: int | None = None,
+    sasl_users: Mapping[str, str] | None = None,
+) -> list[str]:
     """Write the config, format the log dir once (a restart reuses it, data included), and return the
     command that runs the broker in the foreground."""
     libs = ensure_kafka_libs()
@@ -146,7 +190,7 @@ def prepare(workdir: Path, port: int, controller_port: int, partitions: int, jav
     config = workdir / "kafka" / "server.properties"
     log_dir = workdir / "kafka" / "data"
     config.parent.mkdir(parents=True, exist_ok=True)
-    config.write_text(server_properties(log_dir, port, controller_port, partitions))
+    config.write_text(server_properties(log_dir, port, controller_port, partitions, sasl_port, sasl_users))
     if not (log_dir / "meta.properties").exists():
         done = subprocess.run(
             [

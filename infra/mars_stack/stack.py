@@ -116,6 +116,10 @@ class StackSettings:
     #: stand-in of the load and chaos harnesses, see mars_stack.standin_llm).
     llm: str = "llama"
     standin_latency_ms: float = 50.0
+    #: Apache Kafka only: PLAIN logins (name -> password) on a second, SASL_PLAINTEXT listener at
+    #: ports["broker-sasl"], for testing clients with MARS_KAFKA_SECURITY_PROTOCOL=SASL_PLAINTEXT. The
+    #: services keep using the PLAINTEXT listener.
+    kafka_sasl_users: dict[str, str] = field(default_factory=dict)
 
     def replica_count(self, service: str) -> int:
         return max(1, self.replicas_of.get(service, self.replicas))
@@ -454,12 +458,18 @@ class LocalStack:
     def _start_kafka(self) -> None:
         java = os.environ.get("MARS_JAVA") or shutil.which("java") or "java"
         port, controller_port = free_port(), free_port()
+        sasl_users = self.settings.kafka_sasl_users
+        sasl_port = free_port() if sasl_users else None
         try:
-            cmd = kafka.prepare(self.workdir, port, controller_port, self.settings.partitions, java)
+            cmd = kafka.prepare(
+                self.workdir, port, controller_port, self.settings.partitions, java, sasl_port, sasl_users
+            )
         except kafka.KafkaUnavailable as exc:
             raise StackError(str(exc)) from exc
         proc = self._spawn("broker", cmd)
         wait_until(lambda: _kafka_ready(port), 60, "Apache Kafka", proc.popen, proc.log)
+        if sasl_port is not None:
+            self.ports["broker-sasl"] = sasl_port
         # A replica that died for good hands its partitions on after 6 s (the broker's minimum); a restarted
         # one takes them back at once under its static member id (MARS_KAFKA_GROUP_INSTANCE_ID).
         self._use_broker(

@@ -26,11 +26,12 @@ from aiokafka import (
 )
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.coordinator.assignors.range import RangePartitionAssignor
-from aiokafka.errors import KafkaError, TopicAlreadyExistsError
+from aiokafka.errors import KafkaError, TopicAlreadyExistsError, for_code
 from google.protobuf.message import DecodeError, Message
 from opentelemetry import trace
 
 from mars.config import ALL_TOPICS, SCHEMA_VERSION, ServiceSettings
+from mars.kafka_options import kafka_client_options
 from mars.telemetry import context_from_headers, inject_headers, step
 from mars.v1 import events_pb2 as ev
 
@@ -78,21 +79,55 @@ def validate_envelope(turn: ev.TurnEnvelope) -> None:
         raise PoisonEvent(f"unknown schema_version {turn.schema_version} (this build reads {SCHEMA_VERSION})")
 
 
-async def ensure_topics(bootstrap: str, partitions: int, topics: tuple[str, ...] = ALL_TOPICS) -> None:
+@dataclass(frozen=True)
+class TopicsEnsured:
+    """What `ensure_topics` did: topics created, topics already there, and topics the broker refused
+    (name and the broker's reason, e.g. a replication factor above its broker count)."""
+
+    created: tuple[str, ...]
+    existing: tuple[str, ...]
+    failed: tuple[tuple[str, str], ...] = ()
+
+
+async def ensure_topics(
+    kafka: dict[str, Any],
+    partitions: int,
+    topics: tuple[str, ...] = ALL_TOPICS,
+    replication_factor: int = 1,
+) -> TopicsEnsured:
     """Create the stage topics (full names: `ServiceSettings.topics.all` for a prefixed run) with one
-    shared partition count; existing topics are left alone."""
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    shared partition count and replication factor; existing topics are left alone (their partition count
+    is not changed). `kafka`: the client options (`mars.kafka_options.kafka_client_options`)."""
+    admin = AIOKafkaAdminClient(**kafka)
     await admin.start()
     try:
         existing = set(await admin.list_topics())
         wanted = [
-            NewTopic(t, num_partitions=partitions, replication_factor=1) for t in topics if t not in existing
+            NewTopic(t, num_partitions=partitions, replication_factor=replication_factor)
+            for t in topics
+            if t not in existing
         ]
+        failed: list[tuple[str, str]] = []
+        raced: set[str] = set()
         if wanted:
             try:
-                await admin.create_topics(wanted)
+                response = await admin.create_topics(wanted)
             except TopicAlreadyExistsError:
-                pass  # another service created it first
+                raced = {t.name for t in wanted}  # another service created them first
+            else:
+                # The broker answers per topic; an error there is not raised by the client.
+                for topic, code, *message in response.topic_errors:
+                    if code == TopicAlreadyExistsError.errno:
+                        raced.add(topic)
+                    elif code:
+                        reason = (message[0] if message else None) or for_code(code).__name__
+                        failed.append((topic, str(reason)))
+        failed_names = {t for t, _ in failed}
+        return TopicsEnsured(
+            created=tuple(t.name for t in wanted if t.name not in raced and t.name not in failed_names),
+            existing=tuple(t for t in topics if t in existing or t in raced),
+            failed=tuple(failed),
+        )
     finally:
         await admin.close()
 
@@ -104,7 +139,7 @@ class EventProducer:
         # The idempotent producer (Kafka) removes duplicates from the producer's own retries; Tansu refuses it.
         # Either way exactly-once effects come from idempotency keys (turn_id) on the consumer side.
         self._producer = AIOKafkaProducer(
-            bootstrap_servers=settings.kafka_bootstrap,
+            **kafka_client_options(settings),
             acks="all",
             # No linger: one event per turn and stage, latency first (a 1 ms linger was ~1 ms on every hop).
             linger_ms=0,
@@ -234,7 +269,7 @@ class StageConsumer:
         self._in_flight = 0
         self._room = asyncio.Event()
         self._consumer = AIOKafkaConsumer(
-            bootstrap_servers=settings.kafka_bootstrap,
+            **kafka_client_options(settings),
             group_id=None if broadcast else self._group_id,
             enable_auto_commit=False,
             # A new group starts at the beginning: nothing published before its first commit is skipped.
@@ -490,6 +525,7 @@ __all__ = [
     "StageConsumer",
     "Subscription",
     "TopicPartition",
+    "TopicsEnsured",
     "ensure_topics",
     "event_key",
     "is_transient",

@@ -259,6 +259,13 @@ def build_parser() -> argparse.ArgumentParser:
     from mars.probe.qtm import add_probe_parser
 
     add_probe_parser(sub)
+    from mars.admin_cli import add_migrate_parser, add_topics_parser
+
+    add_migrate_parser(sub)
+    add_topics_parser(sub)
+    from mars.deploy.cli import add_deploy_parser
+
+    add_deploy_parser(sub)
     return parser
 
 

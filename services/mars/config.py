@@ -9,8 +9,9 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
+from typing import Literal, Self
 
-from pydantic import Field, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 #: Base topic names, one per turn stage plus the dead-letter topic (ARCHITECTURE.md, "Events over Kafka").
@@ -104,6 +105,38 @@ def topic_name(base: str, prefix: str = "") -> str:
     return Topics(prefix).name(base)
 
 
+def kafka_security_problems(
+    protocol: str, username: str, password: str, cafile: str, certfile: str, keyfile: str
+) -> list[str]:
+    """What is inconsistent in a set of Kafka security settings (empty when nothing is), each problem
+    naming the MARS_* variable to change."""
+    problems: list[str] = []
+    if protocol.startswith("SASL_"):
+        if not username:
+            problems.append(f"MARS_KAFKA_SECURITY_PROTOCOL={protocol} needs MARS_KAFKA_SASL_USERNAME")
+        if not password:
+            problems.append(f"MARS_KAFKA_SECURITY_PROTOCOL={protocol} needs MARS_KAFKA_SASL_PASSWORD")
+    if not protocol.endswith("SSL"):
+        tls_files = [
+            name
+            for name, value in (
+                ("MARS_KAFKA_SSL_CAFILE", cafile),
+                ("MARS_KAFKA_SSL_CERTFILE", certfile),
+                ("MARS_KAFKA_SSL_KEYFILE", keyfile),
+            )
+            if value
+        ]
+        if tls_files:
+            # Silently ignoring a CA bundle would leave the user believing the traffic is encrypted.
+            problems.append(
+                f"{', '.join(tls_files)} set but MARS_KAFKA_SECURITY_PROTOCOL={protocol} uses no TLS "
+                "(use SSL or SASL_SSL)"
+            )
+    if keyfile and not certfile:
+        problems.append("MARS_KAFKA_SSL_KEYFILE needs MARS_KAFKA_SSL_CERTFILE (the client certificate)")
+    return problems
+
+
 class ServiceSettings(BaseSettings):
     """Connection and runtime settings every MARS service needs."""
 
@@ -114,8 +147,23 @@ class ServiceSettings(BaseSettings):
     )
 
     kafka_bootstrap: str = "127.0.0.1:9092"
+    #: How clients reach the brokers (Kafka's own names): TLS with SSL/SASL_SSL, SASL logins with SASL_*.
+    #: Every Kafka client of every service and tool takes these (mars.kafka_options).
+    kafka_security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
+    kafka_sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] = "PLAIN"
+    kafka_sasl_username: str = ""
+    #: A secret: never printed (SecretStr), in Kubernetes it comes from the release's Secret.
+    kafka_sasl_password: SecretStr = SecretStr("")
+    #: PEM CA bundle that signed the brokers' certificates; "" trusts the system CAs.
+    kafka_ssl_cafile: str = ""
+    #: Client certificate and key (PEM) for mutual TLS; "" presents none. The key may sit in the certfile.
+    kafka_ssl_certfile: str = ""
+    kafka_ssl_keyfile: str = ""
     #: One partition count shared by all topics, so a user's events share a partition index everywhere.
     kafka_partitions: int = 3
+    #: Copies of each topic's partitions, for the topics a service or `mars topics ensure` creates (a
+    #: production cluster: 3). Existing topics keep theirs.
+    kafka_replication_factor: int = Field(default=1, ge=1)
     #: Longest a fetch waits for data. Kafka answers as soon as a record arrives, so the client default is both
     #: fast (hop p50 3.3 ms measured here) and idle-cheap; Tansu waits the whole time, so the local stack sets
     #: 5 ms there (at 5 ms on Kafka, a 14-consumer idle stack burns two cores on empty fetches).
@@ -142,6 +190,8 @@ class ServiceSettings(BaseSettings):
     handler_attempts: int = 3
     #: OTLP/gRPC endpoint for traces; nothing is exported when unset.
     otlp_endpoint: str | None = None
+    #: Port of the Prometheus endpoint (GET /metrics on grpc_host) for the metrics; 0 serves none.
+    metrics_port: int = Field(default=0, ge=0, le=65535)
     #: Directory where each service appends its finished spans as JSON lines, and metric snapshots under
     #: metrics/ (tests, local debugging).
     trace_dir: str | None = None
@@ -161,6 +211,21 @@ class ServiceSettings(BaseSettings):
     @classmethod
     def _check_topic_prefix(cls, value: str) -> str:
         return validate_topic_prefix(value)
+
+    @model_validator(mode="after")
+    def _check_kafka_security(self) -> Self:
+        # Found at start, with the variable to fix, rather than as a broker refusing the login later.
+        problems = kafka_security_problems(
+            self.kafka_security_protocol,
+            self.kafka_sasl_username,
+            self.kafka_sasl_password.get_secret_value(),
+            self.kafka_ssl_cafile,
+            self.kafka_ssl_certfile,
+            self.kafka_ssl_keyfile,
+        )
+        if problems:
+            raise ValueError("Kafka security settings: " + "; ".join(problems))
+        return self
 
     @property
     def topics(self) -> Topics:

@@ -20,6 +20,7 @@ from psycopg_pool import AsyncConnectionPool
 from mars import db
 from mars.bus import EventProducer, StageConsumer, ensure_topics
 from mars.config import ServiceSettings
+from mars.kafka_options import kafka_client_options
 from mars.telemetry import setup_telemetry
 
 log = logging.getLogger(__name__)
@@ -71,7 +72,14 @@ def configure_logging(level: str, name: str) -> None:
 async def serve(name: str, settings: ServiceSettings, build: Builder, migrations: Sequence[str] = ()) -> None:
     configure_logging(settings.log_level, name)
     telemetry = setup_telemetry(name, settings)
-    await ensure_topics(settings.kafka_bootstrap, settings.kafka_partitions, settings.topics.all)
+    ensured = await ensure_topics(
+        kafka_client_options(settings),
+        settings.kafka_partitions,
+        settings.topics.all,
+        settings.kafka_replication_factor,
+    )
+    for topic, reason in ensured.failed:  # the consumer or producer on it fails next, with the broker's word
+        log.error("%s: topic %s could not be created: %s", name, topic, reason)
     producer = EventProducer(settings, name)
     await producer.start()
     pool = await db.open_pool(settings.postgres_dsn)

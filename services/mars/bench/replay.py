@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import time
+from typing import Any
 
 from aiokafka import AIOKafkaProducer
 from google.protobuf.message import Message
@@ -51,8 +52,13 @@ def synthetic_turn(i: int) -> list[tuple[str, bytes, bytes]]:
     return [(topic, event_key(turn), events[name].SerializeToString()) for name, topic, _ in STAGES]
 
 
+def _local(bootstrap: str) -> dict[str, Any]:
+    """Client options for the bench's own embedded broker: plaintext, whatever MARS_KAFKA_* says."""
+    return {"bootstrap_servers": bootstrap}
+
+
 async def _write(bootstrap: str, turns: int) -> None:
-    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, enable_idempotence=False, linger_ms=20)
+    producer = AIOKafkaProducer(**_local(bootstrap), enable_idempotence=False, linger_ms=20)
     await producer.start()
     try:
         pending = []
@@ -70,7 +76,7 @@ async def _write(bootstrap: str, turns: int) -> None:
 async def _read(bootstrap: str) -> tuple[TraceBuilder, float]:
     builder = TraceBuilder()
     first = last = 0.0
-    async for record in read_topics(bootstrap, idle_s=2.0):
+    async for record in read_topics(bootstrap, idle_s=2.0, kafka=_local(bootstrap)):
         now = time.perf_counter()
         first = first or now
         builder.add(record)
@@ -88,7 +94,7 @@ def cmd_replay_bench(args: argparse.Namespace) -> int:
     ).start()
     try:
         bootstrap = stack.env["MARS_KAFKA_BOOTSTRAP"]
-        asyncio.run(ensure_topics(bootstrap, 3))
+        asyncio.run(ensure_topics(_local(bootstrap), 3))
         t0 = time.perf_counter()
         asyncio.run(_write(bootstrap, args.turns))
         console.print(

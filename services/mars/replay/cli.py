@@ -5,16 +5,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from rich.console import Console
 from rich.progress import Progress
 
 from mars.config import Topics, validate_topic_prefix
+from mars.kafka_options import env_kafka_options
 from mars.replay.traces import TOPICS, RawRecord, TraceBuilder, records_from_lines, summarize
 
 
@@ -25,14 +28,16 @@ async def read_topics(
     idle_s: float = 2.0,
     on_record: Callable[[], None] = lambda: None,
     prefix: str = "",
+    kafka: dict[str, Any] | None = None,
 ) -> AsyncIterator[RawRecord]:
     """Every record of `topics` (base names) of the run with topic prefix `prefix`, from the beginning (or
     from `since_ms`), until the log has been quiet for `idle_s`. Records carry the base topic name, so
     traces and exported files read the same whatever the prefix. End offsets are not trusted (seen wrong
-    on the embedded broker); quiet time is."""
+    on the embedded broker); quiet time is. `kafka`: client options; default `bootstrap` with the security
+    settings of the MARS_* environment (SASL, TLS)."""
     names = Topics(prefix)
     consumer = AIOKafkaConsumer(
-        bootstrap_servers=bootstrap,
+        **(kafka if kafka is not None else env_kafka_options(bootstrap)),
         enable_auto_commit=False,
         fetch_max_wait_ms=50,
         max_partition_fetch_bytes=8 << 20,
@@ -172,14 +177,19 @@ def add_replay_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     replay_sub = replay.add_subparsers(dest="replay_cmd", required=True)
 
     def common(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--bootstrap", default="127.0.0.1:9092", help="Kafka bootstrap servers")
+        p.add_argument(
+            "--bootstrap",
+            default=os.environ.get("MARS_KAFKA_BOOTSTRAP", "127.0.0.1:9092"),
+            help="Kafka bootstrap servers (default: MARS_KAFKA_BOOTSTRAP, else 127.0.0.1:9092); SASL and TLS "
+            "come from the MARS_KAFKA_SECURITY_PROTOCOL/SASL_*/SSL_* variables",
+        )
         p.add_argument("--since-ms", type=int, help="start at this Unix time in ms (default: the beginning)")
         p.add_argument("--idle-s", type=float, default=2.0, help="stop after the log is quiet this long")
         p.add_argument(
             "--topic-prefix",
             type=topic_prefix_arg,
-            default="",
-            help="read the run whose topics carry this prefix (MARS_TOPIC_PREFIX, e.g. run7.)",
+            default=os.environ.get("MARS_TOPIC_PREFIX", ""),
+            help="read the run whose topics carry this prefix (default: MARS_TOPIC_PREFIX, e.g. run7.)",
         )
 
     r = replay_sub.add_parser(
