@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from opentelemetry import context as otel_context
 from opentelemetry import metrics, propagate, trace
@@ -96,12 +96,17 @@ class Telemetry:
     tracer_provider: TracerProvider
     meter_provider: MeterProvider
     _files: list[IO[str]]
+    #: The Prometheus endpoint's HTTP server, when MARS_METRICS_PORT asks for one.
+    _metrics_server: Any = None
 
     def shutdown(self) -> None:
         self.tracer_provider.shutdown()
         self.meter_provider.shutdown()
         for fh in self._files:
             fh.close()
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+            self._metrics_server.server_close()
 
 
 def _one_line(data: MetricsData) -> str:
@@ -130,9 +135,17 @@ def setup_telemetry(service: str, settings: ServiceSettings) -> Telemetry:
                 OTLPMetricExporter(endpoint=settings.otlp_endpoint), export_interval_millis=interval_ms
             )
         )
+    metrics_server = None
+    if settings.metrics_port:
+        # Pull, not push: Prometheus (the chart's ServiceMonitor) scrapes GET /metrics on this port.
+        from opentelemetry.exporter.prometheus import PrometheusMetricReader
+        from prometheus_client import start_http_server
+
+        metrics_server, _ = start_http_server(settings.metrics_port, addr=settings.grpc_host)
+        readers.append(PrometheusMetricReader())
     meter_provider = MeterProvider(resource=resource, metric_readers=readers)
     metrics.set_meter_provider(meter_provider)
-    return Telemetry(tracer_provider, meter_provider, files)
+    return Telemetry(tracer_provider, meter_provider, files, metrics_server)
 
 
 def setup_tracing(
