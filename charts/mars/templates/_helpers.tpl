@@ -1,0 +1,197 @@
+{{/* Names: <fullname>-<service>; fullname is the release name when it contains "mars", else <release>-mars. */}}
+{{- define "mars.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" -}}
+{{- else if contains "mars" .Release.Name -}}
+{{- .Release.Name | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-mars" .Release.Name | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "mars.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+app.kubernetes.io/name: mars
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: mars
+{{- end -}}
+
+{{/* Selector labels of one component: call with (dict "root" $ "component" "ingress"). */}}
+{{- define "mars.selectorLabels" -}}
+app.kubernetes.io/name: mars
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{- define "mars.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "mars.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "mars.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+
+{{/* The six services and the gRPC service each serves (readiness asks for it by name). */}}
+{{- define "mars.grpcServices" -}}
+ingress: mars.v1.Ingress
+state: mars.v1.StateEstimator
+memory: mars.v1.Memory
+router: mars.v1.Router
+dispatch: mars.v1.Dispatch
+judge: mars.v1.Judge
+{{- end -}}
+
+{{/* The stage consumer groups (mars.consumer_groups in the code; tests/chart checks the two agree):
+     service -> group -> topics. KEDA scales each stage on these groups' lag. */}}
+{{- define "mars.consumerGroups" -}}
+state:
+  mars-state: [mars.turn.received]
+memory:
+  mars-memory-view: [mars.turn.state, mars.turn.received]
+  mars-memory-writer: [mars.turn.generated]
+router:
+  mars-router: [mars.turn.view]
+  mars-router-updates: [mars.turn.judged]
+dispatch:
+  mars-dispatch: [mars.turn.routed]
+judge:
+  mars-judge: [mars.turn.generated, mars.turn.feedback]
+{{- end -}}
+
+{{- define "mars.topics" -}}
+- mars.turn.received
+- mars.turn.state
+- mars.turn.view
+- mars.turn.routed
+- mars.turn.generated
+- mars.turn.tokens
+- mars.turn.judged
+- mars.turn.feedback
+- mars.memory.committed
+- mars.deadletter
+{{- end -}}
+
+{{- define "mars.secretName" -}}
+{{- printf "%s-secrets" (include "mars.fullname" .) -}}
+{{- end -}}
+
+{{- define "mars.kafkaPasswordSecret" -}}
+{{- default (include "mars.secretName" .) .Values.kafka.sasl.existingSecret -}}
+{{- end -}}
+
+{{- define "mars.postgresPasswordSecret" -}}
+{{- default (include "mars.secretName" .) .Values.postgres.existingSecret -}}
+{{- end -}}
+
+{{- define "mars.kafkaUsesSasl" -}}
+{{- if hasPrefix "SASL_" .Values.kafka.securityProtocol -}}true{{- end -}}
+{{- end -}}
+
+{{- define "mars.kafkaUsesTls" -}}
+{{- if and (has .Values.kafka.securityProtocol (list "SSL" "SASL_SSL")) .Values.kafka.tls.caSecret -}}true{{- end -}}
+{{- end -}}
+
+{{- define "mars.vllmUrl" -}}
+{{- printf "http://%s-vllm:%d/v1" (include "mars.fullname" .) (int .Values.vllm.port) -}}
+{{- end -}}
+
+{{/* Settings every service reads (the <fullname>-env ConfigMap; hook Jobs inline the same map). */}}
+{{- define "mars.commonEnv" -}}
+MARS_KAFKA_BOOTSTRAP: {{ required "kafka.bootstrapServers is required: the external Kafka's host:port list" .Values.kafka.bootstrapServers | quote }}
+MARS_KAFKA_PARTITIONS: {{ .Values.kafka.partitions | quote }}
+MARS_KAFKA_REPLICATION_FACTOR: {{ .Values.kafka.replicationFactor | quote }}
+MARS_TOPIC_PREFIX: {{ .Values.kafka.topicPrefix | quote }}
+MARS_KAFKA_SECURITY_PROTOCOL: {{ .Values.kafka.securityProtocol | quote }}
+{{- if include "mars.kafkaUsesSasl" . }}
+MARS_KAFKA_SASL_MECHANISM: {{ .Values.kafka.sasl.mechanism | quote }}
+MARS_KAFKA_SASL_USERNAME: {{ required "kafka.sasl.username is required with a SASL_* securityProtocol" .Values.kafka.sasl.username | quote }}
+{{- end }}
+{{- if include "mars.kafkaUsesTls" . }}
+MARS_KAFKA_SSL_CAFILE: /etc/mars/kafka-tls/{{ .Values.kafka.tls.caKey }}
+{{- end }}
+MARS_POSTGRES_DSN: {{ printf "postgresql://%s@%s:%d/%s?sslmode=%s" .Values.postgres.user (required "postgres.host is required: the external Postgres server's host name" .Values.postgres.host) (int .Values.postgres.port) .Values.postgres.database .Values.postgres.sslMode | quote }}
+MARS_GRPC_HOST: "0.0.0.0"
+MARS_METRICS_PORT: {{ .Values.metrics.port | quote }}
+{{- range $k, $v := .Values.env }}
+{{ $k }}: {{ $v | quote }}
+{{- end }}
+{{- end -}}
+
+{{/* Secret-backed environment (passwords) of every MARS container. */}}
+{{- define "mars.secretEnv" -}}
+{{- if include "mars.kafkaUsesSasl" . }}
+- name: MARS_KAFKA_SASL_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "mars.kafkaPasswordSecret" . }}
+      key: {{ .Values.kafka.sasl.passwordKey }}
+{{- end }}
+{{- if or .Values.postgres.password .Values.postgres.existingSecret }}
+# libpq reads the password from PGPASSWORD: it never appears in the DSN or the ConfigMap.
+- name: PGPASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "mars.postgresPasswordSecret" . }}
+      key: {{ .Values.postgres.passwordKey }}
+{{- end }}
+{{- end -}}
+
+{{- define "mars.envFrom" -}}
+- configMapRef:
+    name: {{ include "mars.fullname" . }}-env
+{{- if .Values.apiKeys }}
+- secretRef:
+    name: {{ include "mars.secretName" . }}-api-keys
+{{- end }}
+{{- with .Values.apiKeysExistingSecret }}
+- secretRef:
+    name: {{ . }}
+{{- end }}
+{{- end -}}
+
+{{/* Volumes every MARS pod mounts: a writable /tmp on a read-only root, the model pool, the Kafka CA. */}}
+{{- define "mars.volumes" -}}
+- name: tmp
+  emptyDir:
+    sizeLimit: 1Gi
+- name: pool
+  configMap:
+    name: {{ include "mars.fullname" . }}-model-pool
+{{- if include "mars.kafkaUsesTls" . }}
+- name: kafka-tls
+  secret:
+    secretName: {{ .Values.kafka.tls.caSecret }}
+{{- end }}
+{{- end -}}
+
+{{- define "mars.volumeMounts" -}}
+- name: tmp
+  mountPath: /tmp
+- name: pool
+  mountPath: /etc/mars/pool
+  readOnly: true
+{{- if include "mars.kafkaUsesTls" . }}
+- name: kafka-tls
+  mountPath: /etc/mars/kafka-tls
+  readOnly: true
+{{- end }}
+{{- end -}}
+
+{{/* The default model pool: one arm on the chart's vLLM server. */}}
+{{- define "mars.defaultPool" -}}
+- name: {{ .Values.vllm.servedModelName }}
+  base_url: {{ include "mars.vllmUrl" . }}
+  model: {{ .Values.vllm.servedModelName }}
+  context_window: {{ .Values.vllm.maxModelLen }}
+  output_reserve: 512
+  safety_margin: 128
+  input_price_per_m: 0.04
+  output_price_per_m: 0.10
+  timeout_s: 60
+{{- end -}}

@@ -1,0 +1,550 @@
+"""The Helm chart, rendered by real Helm (v4 as a library) and checked against Kubernetes' own schemas.
+
+Each profile goes through `helm install --dry-run=client` (values schema, kubeVersion, YAML) and `helm lint
+--strict`, then renders at the oldest and newest Kubernetes versions the chart supports; every object is
+validated by kubernetes-validate --strict, and a kind without a schema fails unless it is an allow-listed
+CRD checked by a schema of our own (crd_schemas.py). What no schema can say is asserted below: GPU
+scheduling, probes, security contexts, who may reach whom, KEDA triggers per consumer group, and that the
+environment the chart sets is the services' real settings.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+from typing import Any
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+from crd_schemas import CRD_SCHEMAS
+from mars import cli, consumer_groups
+from mars.config import ServiceSettings
+from mars.pool import load_pool
+from mars_stack import helm
+
+SERVICES = ("ingress", "state", "memory", "router", "dispatch", "judge")
+STAGES = ("state", "memory", "router", "dispatch", "judge")
+BASE: dict[str, Any] = {"kafka": {"bootstrapServers": "kafka-0.kafka:9092"}, "postgres": {"host": "pg.db"}}
+
+
+def merged(*parts: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for part in parts:
+        _merge(out, copy.deepcopy(part))
+    return out
+
+
+def _merge(into: dict[str, Any], part: dict[str, Any]) -> None:
+    for key, value in part.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            _merge(into[key], value)
+        else:
+            into[key] = value
+
+
+SASL_TLS = {
+    "kafka": {
+        "securityProtocol": "SASL_SSL",
+        "sasl": {"mechanism": "SCRAM-SHA-512", "username": "mars", "existingSecret": "kafka-user"},
+        "tls": {"caSecret": "kafka-ca"},
+    },
+    "postgres": {"existingSecret": "pg-credentials", "sslMode": "verify-full"},
+}
+PROFILES: dict[str, dict[str, Any]] = {
+    "default": BASE,
+    "gpu": merged(BASE, {"services": {"memory": {"gpu": {"enabled": True}}}, "vllm": {"gpus": 2}}),
+    "kafka-sasl-tls": merged(BASE, SASL_TLS),
+    "keda": merged(
+        BASE, SASL_TLS, {"autoscaling": {"mode": "keda", "maxReplicas": 40}, "kafka": {"partitions": 6}}
+    ),
+    "networkpolicy": merged(
+        BASE,
+        {
+            "networkPolicy": {
+                "restrictEgress": True,
+                "ingressFrom": [{"podSelector": {"matchLabels": {"mars.io/client": "true"}}}],
+                "egressTo": [{"ipBlock": {"cidr": "10.20.0.0/16"}}],
+            },
+            "metrics": {"serviceMonitor": {"enabled": True}},
+        },
+    ),
+    "hpa-no-vllm": merged(
+        BASE,
+        {
+            "autoscaling": {"mode": "hpa"},
+            "vllm": {"enabled": False},
+            "state": {"qtmBackend": "rules"},
+            "modelPool": [
+                {
+                    "name": "gpt-4o-mini",
+                    "base_url": "https://api.openai.com/v1",
+                    "model": "gpt-4o-mini",
+                    "api_key_env": "OPENAI_API_KEY",
+                    "context_window": 128000,
+                    "output_reserve": 1024,
+                    "safety_margin": 256,
+                    "input_price_per_m": 0.15,
+                    "output_price_per_m": 0.60,
+                },
+            ],
+            "apiKeys": {"OPENAI_API_KEY": "sk-test"},
+            "postgres": {"password": "s3cret"},
+        },
+    ),
+}
+KUBE_VERSIONS = (helm.OLDEST_KUBE, helm.NEWEST_KUBE)
+
+
+def render(
+    values: dict[str, Any], kube: str = helm.NEWEST_KUBE, strimzi: bool = False
+) -> list[dict[str, Any]]:
+    return helm.render(values, kube_version=kube, api_versions=[helm.STRIMZI_API] if strimzi else [])
+
+
+def by_component(objects: list[dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:
+    return {o["metadata"]["labels"]["app.kubernetes.io/component"]: o for o in helm.find(objects, kind)}
+
+
+def pod_specs(objects: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
+    return [
+        (f"{o['kind']}/{o['metadata']['name']}", o["spec"]["template"]["spec"])
+        for o in objects
+        if o["kind"] in ("Deployment", "Job")
+    ]
+
+
+# --- Helm's own checks and Kubernetes' schemas ---------------------------------------------------------
+
+
+def test_chart_kube_version_range_matches_the_tested_versions() -> None:
+    chart = yaml.safe_load((helm.CHART_DIR / "Chart.yaml").read_text())
+    assert chart["kubeVersion"] == f">={helm.OLDEST_KUBE}-0"
+    assert helm.NEWEST_KUBE in {
+        v.removesuffix("-local") for v in kubernetes_validate.utils.all_versions()
+    } or (helm.NEWEST_KUBE.rsplit(".", 1)[0] in kubernetes_validate.utils.all_versions())
+
+
+@pytest.mark.parametrize("profile", sorted(PROFILES))
+def test_profile_lints_strict_and_installs(profile: str) -> None:
+    assert helm.lint(PROFILES[profile]) == []
+    objects = helm.install_dry_run(PROFILES[profile])
+    assert helm.find(objects, "Deployment"), "a dry-run install renders the Deployments"
+
+
+@pytest.mark.parametrize("kube", KUBE_VERSIONS)
+@pytest.mark.parametrize("profile", sorted(PROFILES))
+def test_every_object_is_valid_kubernetes(profile: str, kube: str) -> None:
+    for strimzi in (False, True):
+        objects = render(PROFILES[profile], kube, strimzi)
+        for obj in objects:
+            name = f"{obj['kind']}/{obj['metadata']['name']}"
+            crd = CRD_SCHEMAS.get((obj["apiVersion"], obj["kind"]))
+            if crd is not None:
+                jsonschema.validate(obj, crd)
+                continue
+            try:
+                kubernetes_validate.validate(obj, kube, strict=True)
+            except kubernetes_validate.SchemaNotFoundError:
+                pytest.fail(f"{name}: no Kubernetes {kube} schema and not an allow-listed CRD")
+            except kubernetes_validate.ValidationError as exc:
+                pytest.fail(f"{name} is invalid for Kubernetes {kube}: {exc.message} at {list(exc.path)}")
+
+
+def test_an_unknown_kind_is_not_waved_through() -> None:
+    bogus = {"apiVersion": "example.com/v1", "kind": "Widget", "metadata": {"name": "w"}, "spec": {}}
+    assert (bogus["apiVersion"], bogus["kind"]) not in CRD_SCHEMAS
+    with pytest.raises(kubernetes_validate.SchemaNotFoundError):
+        kubernetes_validate.validate(bogus, helm.NEWEST_KUBE, strict=True)
+    bad_topic = {
+        "apiVersion": "kafka.strimzi.io/v1beta2",
+        "kind": "KafkaTopic",
+        "metadata": {"name": "t"},
+        "spec": {"partitions": "twelve", "replicas": 3},
+    }
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(bad_topic, CRD_SCHEMAS[("kafka.strimzi.io/v1beta2", "KafkaTopic")])
+
+
+# --- bad values are refused with a message ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"postgres": {"host": "pg"}}, "kafka.bootstrapServers is required"),
+        ({"kafka": {"bootstrapServers": "k:9092"}}, "postgres.host is required"),
+        (merged(BASE, {"kafka": {"bootstrapServers": "no-port"}}), "/kafka/bootstrapServers"),
+        (merged(BASE, {"kafka": {"partitions": "twelve"}}), "/kafka/partitions"),
+        (merged(BASE, {"replicas": 3}), "additional properties 'replicas' not allowed"),
+        (merged(BASE, {"services": {"memory": {"gpus": 1}}}), "additional properties 'gpus' not allowed"),
+        (merged(BASE, {"autoscaling": {"mode": "always"}}), "/autoscaling/mode"),
+        (merged(BASE, {"kafka": {"securityProtocol": "SASL_SSL"}}), "kafka.sasl.username is required"),
+        (
+            merged(BASE, {"kafka": {"securityProtocol": "SASL_SSL", "sasl": {"username": "u"}}}),
+            "kafka.sasl.password or kafka.sasl.existingSecret is required",
+        ),
+        (merged(BASE, {"vllm": {"gpuMemoryUtilization": 1.5}}), "/vllm/gpuMemoryUtilization"),
+        (merged(BASE, {"vllm": {"enabled": False}}), "state.qtmUrl is required"),
+        (merged(BASE, {"modelPool": [{"name": "x", "model": "m"}]}), "missing properties"),
+    ],
+)
+def test_bad_values_are_refused_with_a_message(values: dict[str, Any], message: str) -> None:
+    with pytest.raises(helm.ChartError) as refused:
+        helm.install_dry_run(values)
+    assert message in str(refused.value)
+
+
+# --- what matters, asserted -------------------------------------------------------------------------------
+
+
+def test_vllm_pods_are_scheduled_on_gpu_nodes() -> None:
+    for profile in ("default", "gpu"):
+        vllm = by_component(render(PROFILES[profile]), "Deployment")["vllm"]
+        pod = vllm["spec"]["template"]["spec"]
+        (container,) = pod["containers"]
+        gpus = str(PROFILES[profile].get("vllm", {}).get("gpus", 1))
+        assert str(container["resources"]["limits"]["nvidia.com/gpu"]) == gpus
+        assert str(container["resources"]["requests"]["nvidia.com/gpu"]) == gpus
+        assert f"--tensor-parallel-size={gpus}" in container["args"]
+        assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+        assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+        assert pod["runtimeClassName"] == "nvidia"
+        shm = next(v for v in pod["volumes"] if v["name"] == "shm")
+        assert shm["emptyDir"]["medium"] == "Memory"
+        assert {"name": "shm", "mountPath": "/dev/shm"} in container["volumeMounts"]
+        cache = next(v for v in pod["volumes"] if v["name"] == "cache")
+        assert cache["persistentVolumeClaim"]["claimName"] == "mars-vllm-cache"
+        assert container["startupProbe"]["httpGet"]["path"] == "/health"
+        assert (
+            container["startupProbe"]["failureThreshold"] * container["startupProbe"]["periodSeconds"] >= 1800
+        )
+        args = container["args"]
+        for flag in (
+            "--model=Qwen/Qwen2.5-7B-Instruct",
+            "--revision=main",
+            "--max-model-len=8192",
+            "--guided-decoding-backend=xgrammar",
+        ):
+            assert flag in args
+
+
+def test_state_service_uses_the_charts_vllm_server() -> None:
+    objects = render(BASE)
+    env = helm.service_env(objects, "state")
+    vllm_service = helm.find(objects, "Service", "mars-vllm")[0]
+    port = vllm_service["spec"]["ports"][0]["port"]
+    assert env["MARS_QTM_BACKEND"] == "openai"
+    assert env["MARS_QTM_URL"] == f"http://mars-vllm:{port}/v1"
+    vllm_args = by_component(objects, "Deployment")["vllm"]["spec"]["template"]["spec"]["containers"][0][
+        "args"
+    ]
+    assert f"--served-model-name={env['MARS_QTM_MODEL']}" in vllm_args
+
+
+def test_memory_on_gpu_gets_the_cuda_image_and_a_gpu() -> None:
+    plain = by_component(render(BASE), "Deployment")["memory"]["spec"]["template"]["spec"]
+    assert "nvidia.com/gpu" not in plain["containers"][0]["resources"].get("limits", {})
+    assert "nodeSelector" not in plain
+    gpu_objects = render(PROFILES["gpu"])
+    pod = by_component(gpu_objects, "Deployment")["memory"]["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert container["image"].endswith("-cuda")
+    assert pod["runtimeClassName"] == "nvidia"
+    assert pod["nodeSelector"]["nvidia.com/gpu.present"] == "true"
+    assert helm.service_env(gpu_objects, "memory")["MARS_USE_GPU"] == "true"
+
+
+@pytest.mark.parametrize("profile", sorted(PROFILES))
+def test_every_service_container_has_grpc_probes(profile: str) -> None:
+    deployments = by_component(render(PROFILES[profile]), "Deployment")
+    for service in SERVICES:
+        (container,) = deployments[service]["spec"]["template"]["spec"]["containers"]
+        port = next(p["containerPort"] for p in container["ports"] if p["name"] == "grpc")
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert container[probe]["grpc"]["port"] == port, (service, probe)
+        # Readiness asks for the service by name: a port answered by some other server is not "ready".
+        assert container["readinessProbe"]["grpc"]["service"].startswith("mars.v1.")
+    for name, deployment in deployments.items():
+        for container in deployment["spec"]["template"]["spec"]["containers"]:
+            assert {"startupProbe", "readinessProbe", "livenessProbe"} <= set(container), name
+
+
+@pytest.mark.parametrize("profile", sorted(PROFILES))
+def test_every_pod_is_hardened(profile: str) -> None:
+    specs = pod_specs(render(PROFILES[profile]))
+    assert len(specs) >= 7
+    for name, pod in specs:
+        assert pod["securityContext"]["runAsNonRoot"] is True, name
+        assert pod["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault", name
+        assert pod.get("automountServiceAccountToken") is False, name
+        for container in pod["containers"]:
+            sc = container["securityContext"]
+            assert sc["allowPrivilegeEscalation"] is False, name
+            assert sc["readOnlyRootFilesystem"] is True, name
+            assert sc["capabilities"]["drop"] == ["ALL"], name
+            assert "limits" in container["resources"] and "requests" in container["resources"], name
+            # A read-only root still needs a writable /tmp.
+            assert any(m["mountPath"] == "/tmp" for m in container["volumeMounts"]), name
+
+
+def test_passwords_come_from_secrets_never_from_config_maps() -> None:
+    objects = render(PROFILES["kafka-sasl-tls"])
+    for config_map in helm.find(objects, "ConfigMap"):
+        assert "PASSWORD" not in " ".join(config_map.get("data", {})), config_map["metadata"]["name"]
+    container = by_component(objects, "Deployment")["router"]["spec"]["template"]["spec"]["containers"][0]
+    refs = {
+        v["name"]: v["valueFrom"]["secretKeyRef"]
+        for v in container["env"]
+        if "valueFrom" in v and "secretKeyRef" in v["valueFrom"]
+    }
+    assert refs["MARS_KAFKA_SASL_PASSWORD"] == {"name": "kafka-user", "key": "kafka-password"}
+    assert refs["PGPASSWORD"] == {"name": "pg-credentials", "key": "postgres-password"}
+    env = helm.service_env(objects, "router")
+    assert env["MARS_KAFKA_SSL_CAFILE"] == "/etc/mars/kafka-tls/ca.crt"
+    assert "sslmode=verify-full" in env["MARS_POSTGRES_DSN"]
+    assert not helm.find(objects, "Secret", "mars-secrets"), "existing Secrets are used, none is generated"
+    own = helm.find(render(PROFILES["hpa-no-vllm"]), "Secret")
+    assert {s["metadata"]["name"] for s in own} == {"mars-secrets", "mars-secrets-api-keys"}
+
+
+@pytest.mark.parametrize("profile", sorted(PROFILES))
+def test_chart_env_is_the_services_settings(profile: str) -> None:
+    """Every MARS_* variable the chart sets is a setting of the service it is set on (no silent typos)."""
+    objects = render(PROFILES[profile])
+    for service in SERVICES:
+        module = importlib.import_module(f"mars_{service}.service")
+        settings_cls = next(
+            v
+            for v in vars(module).values()
+            if isinstance(v, type) and issubclass(v, ServiceSettings) and v is not ServiceSettings
+        )
+        fields = {f"MARS_{name.upper()}" for name in settings_cls.model_fields}
+        container = by_component(objects, "Deployment")[service]["spec"]["template"]["spec"]["containers"][0]
+        names = set(helm.service_env(objects, service)) | {v["name"] for v in container["env"]}
+        unknown = {n for n in names if n.startswith("MARS_")} - fields
+        assert not unknown, f"{service}: {sorted(unknown)} are not settings of {settings_cls.__name__}"
+
+
+def test_rendered_model_pool_loads(tmp_path: Any) -> None:
+    for profile, arms in (("default", ["qwen2.5-7b-instruct"]), ("hpa-no-vllm", ["gpt-4o-mini"])):
+        config_map = helm.find(render(PROFILES[profile]), "ConfigMap", "mars-model-pool")[0]
+        path = tmp_path / f"{profile}.yaml"
+        path.write_text(config_map["data"]["models.yaml"])
+        assert [m.name for m in load_pool(path).models] == arms
+
+
+def test_hook_jobs_run_real_cli_commands() -> None:
+    objects = render(BASE)
+    jobs = {j["metadata"]["name"]: j for j in helm.find(objects, "Job")}
+    assert set(jobs) == {"mars-migrate", "mars-topics"}
+    parser = cli.build_parser()
+    for job in jobs.values():
+        assert "post-install" in job["metadata"]["annotations"]["helm.sh/hook"]
+        args = job["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert args[0] == "mars"
+        parser.parse_args(args[1:])
+    env = {
+        v["name"]: v.get("value")
+        for v in jobs["mars-topics"]["spec"]["template"]["spec"]["containers"][0]["env"]
+    }
+    assert env["MARS_KAFKA_PARTITIONS"] == "12" and env["MARS_KAFKA_REPLICATION_FACTOR"] == "3"
+
+
+def test_strimzi_topics_only_where_the_api_exists() -> None:
+    without = render(BASE)
+    assert not helm.find(without, "KafkaTopic")
+    prefixed = merged(BASE, {"kafka": {"topicPrefix": "Prod_A."}})
+    topics = helm.find(render(prefixed, strimzi=True), "KafkaTopic")
+    from mars.config import ALL_TOPICS
+
+    assert sorted(t["spec"]["topicName"] for t in topics) == sorted(f"Prod_A.{t}" for t in ALL_TOPICS)
+    assert all(t["spec"]["partitions"] == 12 and t["spec"]["replicas"] == 3 for t in topics)
+    assert all(t["metadata"]["labels"]["strimzi.io/cluster"] == "kafka" for t in topics)
+    # With Strimzi managing topics, no topic Job races it.
+    assert {j["metadata"]["name"] for j in helm.find(render(BASE, strimzi=True), "Job")} == {"mars-migrate"}
+
+
+def test_keda_scales_each_stage_on_its_consumer_groups() -> None:
+    values = merged(PROFILES["keda"], {"kafka": {"topicPrefix": "p1."}})
+    objects = render(values)
+    scaled = by_component(objects, "ScaledObject")
+    assert set(scaled) == set(STAGES)
+    for service in STAGES:
+        spec = scaled[service]["spec"]
+        assert spec["scaleTargetRef"]["name"] == f"mars-{service}"
+        assert spec["maxReplicaCount"] == 6, "capped at the partition count"
+        triggers = {(t["metadata"]["consumerGroup"], t["metadata"]["topic"]) for t in spec["triggers"]}
+        expected = {
+            (f"p1.{g.name}", f"p1.{topic}")
+            for g in consumer_groups.STAGE_GROUPS
+            if g.service == service
+            for topic in g.topics
+        }
+        assert triggers == expected, service
+        assert all(t["authenticationRef"]["name"] == "mars-kafka" for t in spec["triggers"])
+    # Stages are not given fixed replicas the autoscaler would fight; the ingress scales on CPU.
+    deployments = by_component(objects, "Deployment")
+    assert all("replicas" not in deployments[s]["spec"] for s in SERVICES)
+    assert set(by_component(objects, "HorizontalPodAutoscaler")) == {"ingress"}
+    auth = helm.find(objects, "TriggerAuthentication")[0]["spec"]["secretTargetRef"]
+    assert {r["parameter"] for r in auth} == {"tls", "sasl", "username", "password", "ca"}
+    keda_secret = helm.find(objects, "Secret", "mars-keda-kafka")[0]["stringData"]
+    assert keda_secret == {"tls": "enable", "sasl": "scram_sha512", "username": "mars"}
+
+
+def test_hpa_mode_caps_stages_at_the_partition_count() -> None:
+    hpas = by_component(
+        render(merged(PROFILES["hpa-no-vllm"], {"kafka": {"partitions": 4}})), "HorizontalPodAutoscaler"
+    )
+    assert set(hpas) == set(SERVICES)
+    assert all(hpas[s]["spec"]["maxReplicas"] == 4 for s in STAGES)
+    assert hpas["ingress"]["spec"]["maxReplicas"] == 12
+
+
+def test_every_service_has_a_disruption_budget() -> None:
+    pdbs = by_component(render(BASE), "PodDisruptionBudget")
+    assert set(pdbs) == set(SERVICES)
+    deployments = by_component(render(BASE), "Deployment")
+    for service, pdb in pdbs.items():
+        assert (
+            pdb["spec"]["selector"]["matchLabels"] == deployments[service]["spec"]["selector"]["matchLabels"]
+        )
+
+
+# --- NetworkPolicy reachability -------------------------------------------------------------------------
+
+
+def _selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    assert set(selector) <= {"matchLabels"}, "the evaluator understands matchLabels only"
+    return all(labels.get(k) == v for k, v in (selector.get("matchLabels") or {}).items())
+
+
+def _peer_admits(peer: dict[str, Any], src: dict[str, Any], namespace: str) -> bool:
+    if "ipBlock" in peer:
+        return False
+    if "namespaceSelector" in peer:
+        if not _selects(peer["namespaceSelector"], src["ns_labels"]):
+            return False
+    elif src["namespace"] != namespace:
+        return False
+    return "podSelector" not in peer or _selects(peer["podSelector"], src["labels"])
+
+
+def reachable(policies: list[dict[str, Any]], src: dict[str, Any], dst: dict[str, Any], port: str) -> bool:
+    """Kubernetes NetworkPolicy semantics (ingress side): isolated by any selecting policy, then allowed
+    if some rule of a selecting policy admits the source on the port."""
+    selecting = [
+        p
+        for p in policies
+        if "Ingress" in p["spec"]["policyTypes"] and _selects(p["spec"]["podSelector"], dst["labels"])
+    ]
+    if not selecting:
+        return True
+    for policy in selecting:
+        for rule in policy["spec"].get("ingress") or []:
+            ports = rule.get("ports")
+            if ports and not any(p["port"] == port for p in ports):
+                continue
+            peers = rule.get("from")
+            if peers is None or any(_peer_admits(peer, src, "mars") for peer in peers):
+                return True
+    return False
+
+
+def _pods(objects: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    ns_labels = {"kubernetes.io/metadata.name": "mars"}
+    pods = {
+        o["metadata"]["labels"]["app.kubernetes.io/component"]: {
+            "labels": o["spec"]["template"]["metadata"]["labels"],
+            "namespace": "mars",
+            "ns_labels": ns_labels,
+        }
+        for o in objects
+        if o["kind"] in ("Deployment", "Job")
+    }
+    pods["client"] = {
+        "labels": {"app": "web", "mars.io/client": "true"},
+        "namespace": "mars",
+        "ns_labels": ns_labels,
+    }
+    pods["neighbour"] = {"labels": {"app": "other"}, "namespace": "mars", "ns_labels": ns_labels}
+    pods["outsider"] = {
+        "labels": {"app": "web"},
+        "namespace": "other",
+        "ns_labels": {"kubernetes.io/metadata.name": "other"},
+    }
+    pods["prometheus"] = {
+        "labels": {"app": "prometheus"},
+        "namespace": "monitoring",
+        "ns_labels": {"kubernetes.io/metadata.name": "monitoring"},
+    }
+    return pods
+
+
+def test_network_policies_let_each_service_be_reached_by_its_callers_only() -> None:
+    objects = render(PROFILES["networkpolicy"])
+    policies = helm.find(objects, "NetworkPolicy")
+    pods = _pods(objects)
+    sources = ["client", "neighbour", "outsider", "prometheus", "migrate", *SERVICES, "vllm"]
+    allowed = {
+        (src, dst, port)
+        for dst in (*SERVICES, "vllm")
+        for port in ("grpc", "metrics", "http")
+        for src in sources
+        if reachable(policies, pods[src], pods[dst], port)
+    }
+    expected = {("client", "ingress", "grpc")}
+    expected |= {("migrate", s, "grpc") for s in STAGES}  # tool pods (hook and replay Jobs)
+    expected |= {("prometheus", s, "metrics") for s in SERVICES}
+    expected |= {(s, "vllm", "http") for s in ("state", "dispatch", "judge")}
+    assert allowed == expected
+    # Default values: the ingress takes calls from its own namespace, not from others.
+    default = render(BASE)
+    default_pods = _pods(default)
+    default_policies = helm.find(default, "NetworkPolicy")
+    assert reachable(default_policies, default_pods["neighbour"], default_pods["ingress"], "grpc")
+    assert not reachable(default_policies, default_pods["outsider"], default_pods["ingress"], "grpc")
+    assert not reachable(default_policies, default_pods["neighbour"], default_pods["memory"], "grpc")
+
+
+def test_restricted_egress_allows_dns_release_pods_and_configured_peers() -> None:
+    deny = helm.find(render(PROFILES["networkpolicy"]), "NetworkPolicy", "mars-default-deny")[0]["spec"]
+    assert deny["policyTypes"] == ["Ingress", "Egress"]
+    rules = deny["egress"]
+    assert {"port": 53, "protocol": "UDP"} in rules[0]["ports"]
+    assert rules[1]["to"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/instance"] == "mars"
+    assert rules[2]["to"] == [{"ipBlock": {"cidr": "10.20.0.0/16"}}]
+    assert helm.find(render(BASE), "NetworkPolicy", "mars-default-deny")[0]["spec"]["policyTypes"] == [
+        "Ingress"
+    ]
+
+
+def test_service_monitor_scrapes_every_service_metrics_port() -> None:
+    objects = render(PROFILES["networkpolicy"])
+    (monitor,) = helm.find(objects, "ServiceMonitor")
+    assert monitor["spec"]["endpoints"][0]["port"] == "metrics"
+    for service in helm.find(objects, "Service"):
+        component = service["metadata"]["labels"]["app.kubernetes.io/component"]
+        if component in SERVICES:
+            assert "metrics" in {p["name"] for p in service["spec"]["ports"]}
+    assert not helm.find(render(BASE), "ServiceMonitor")
+
+
+def test_notes_tell_how_to_send_a_first_turn() -> None:
+    notes = (helm.CHART_DIR / "templates" / "NOTES.txt").read_text()
+    assert "mars send" in notes and "port-forward" in notes
+
+
+def test_model_pool_schema_is_the_pools_own() -> None:
+    """values.schema.json checks pool entries the way the services' loader does (mars.pool.ModelSpec)."""
+    import json
+
+    from mars.pool import ModelSpec
+
+    schema = json.loads((helm.CHART_DIR / "values.schema.json").read_text())
+    item = schema["properties"]["modelPool"]["items"]
+    assert set(item["properties"]) == set(ModelSpec.model_fields)
+    assert set(item["required"]) == {n for n, f in ModelSpec.model_fields.items() if f.is_required()}
