@@ -31,12 +31,6 @@ class ChartError(Exception):
     """Helm refused the chart or the values (schema, kubeVersion, a template's `required` or `fail`)."""
 
 
-def fullname(release: str) -> str:
-    """The chart's name prefix for a release (templates/_helpers.tpl "mars.fullname")."""
-    name = release if "mars" in release else f"{release}-mars"
-    return name[:40].rstrip("-")
-
-
 def _objects(manifests: Iterable[str]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for text in manifests:

@@ -548,3 +548,35 @@ def test_model_pool_schema_is_the_pools_own() -> None:
     item = schema["properties"]["modelPool"]["items"]
     assert set(item["properties"]) == set(ModelSpec.model_fields)
     assert set(item["required"]) == {n for n, f in ModelSpec.model_fields.items() if f.is_required()}
+
+
+def test_replay_job_fits_the_release_it_runs_beside() -> None:
+    """`mars deploy replay-job` reads the ConfigMap and Secret the chart renders, and its pod is a tool pod
+    the NetworkPolicies let reach the stage services."""
+    from datetime import UTC, datetime
+
+    from mars.deploy.replay_job import ReplayJob, replay_job_manifest
+
+    for release, values in (("mars", PROFILES["networkpolicy"]), ("prod", PROFILES["hpa-no-vllm"])):
+        objects = helm.render(values, release=release)
+        manifest = replay_job_manifest(
+            ReplayJob(release=release, namespace="mars", image="m:1"), datetime.now(UTC)
+        )
+        pod = manifest["spec"]["template"]
+        (container,) = pod["spec"]["containers"]
+        config_maps = {o["metadata"]["name"] for o in helm.find(objects, "ConfigMap")}
+        assert {s["configMapRef"]["name"] for s in container["envFrom"] if "configMapRef" in s} <= config_maps
+        secret_refs = {
+            v["valueFrom"]["secretKeyRef"]["name"] for v in container.get("env", []) if "valueFrom" in v
+        }
+        chart_secrets = {o["metadata"]["name"] for o in helm.find(objects, "Secret")}
+        assert secret_refs and secret_refs <= chart_secrets | {f"{release}-mars-secrets", "mars-secrets"}
+        if release == "mars":
+            policies = helm.find(objects, "NetworkPolicy")
+            pods = _pods(objects)
+            tool = {
+                "labels": pod["metadata"]["labels"],
+                "namespace": "mars",
+                "ns_labels": pods["client"]["ns_labels"],
+            }
+            assert all(reachable(policies, tool, pods[s], "grpc") for s in STAGES)
