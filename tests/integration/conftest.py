@@ -67,6 +67,18 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
         s.stop()
 
 
+@pytest.fixture(scope="module")
+def postgres(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A Postgres server of the module's own (no broker, no LLM, no services): its DSN."""
+    stack = LocalStack(
+        StackSettings(workdir=tmp_path_factory.mktemp("pg"), start_llm=False, start_broker=False, services=())
+    ).start()
+    try:
+        yield stack.env["MARS_POSTGRES_DSN"]
+    finally:
+        stack.stop()
+
+
 def read_topic(bootstrap: str, topic: str, idle_s: float = 1.5) -> list[Any]:
     """All records of a topic from the beginning, read until it has been idle for `idle_s`.
 

@@ -35,19 +35,6 @@ def mars(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedP
 
 
 @pytest.fixture(scope="module")
-def postgres(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    stack = LocalStack(
-        StackSettings(
-            workdir=tmp_path_factory.mktemp("pg") / "stack", start_broker=False, start_llm=False, services=()
-        )
-    ).start()
-    try:
-        yield stack.env["MARS_POSTGRES_DSN"]
-    finally:
-        stack.stop()
-
-
-@pytest.fixture(scope="module")
 def kafka(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
     require_kafka()
     stack = LocalStack(

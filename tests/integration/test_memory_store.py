@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
 
 import pytest
 from conftest import session_state
@@ -13,20 +12,8 @@ from mars.retrieval.embedder import SentenceTransformerEmbedder
 from mars.v1 import events_pb2 as ev
 from mars_memory.service import MemorySettings
 from mars_memory.store import MIGRATIONS, MemoryStore
-from mars_stack import LocalStack, StackSettings
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture(scope="module")
-def postgres(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    stack = LocalStack(
-        StackSettings(workdir=tmp_path_factory.mktemp("pg"), start_llm=False, start_broker=False, services=())
-    ).start()
-    try:
-        yield stack.env["MARS_POSTGRES_DSN"]
-    finally:
-        stack.stop()
 
 
 @pytest.fixture(scope="module")
