@@ -6,15 +6,15 @@ STAMP := $(VENV)/.installed
 PROTO_SRC := $(wildcard proto/mars/v1/*.proto)
 PROTO_OUT := services/mars/v1/.generated
 
-.PHONY: install proto kafka litellm run test test-unit test-integration lint clean
+.PHONY: install proto kafka litellm run test test-unit test-integration lint clean image test-image
 
 install: $(STAMP)
 
-# torch is not needed yet; llama-cpp-python compiles from source once (~5 min) and pip caches the wheel.
+# llama-cpp-python compiles from source once (~5 min) and pip caches the wheel.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev,local]'
+	$(PY) -m pip install --quiet -e '.[dev,local,deploy]'
 	touch $@
 
 proto: $(PROTO_OUT)
@@ -52,6 +52,18 @@ test-unit: install proto
 
 test-integration: install proto kafka
 	$(PY) -m pytest -q tests/integration
+
+# The services' OCI image (infra/image): a Debian bookworm base made by mmdebstrap, the wheels fetched here,
+# built by podman with no network. Installs podman, buildah, mmdebstrap and runc from Debian when missing.
+# Tagged localhost/mars:<version> and :latest (VARIANT=cuda: both with "-cuda"); IMAGE=name:tag for one name.
+VARIANT ?= cpu
+image: install proto
+	$(if $(IMAGE),MARS_IMAGE=$(IMAGE)) VARIANT=$(VARIANT) PYTHON=$(abspath $(PY)) infra/image/build.sh
+
+# The six services as podman containers (read-only, non-root) against the local Kafka, Postgres and LLM;
+# builds the image itself (the same script, cached layers).
+test-image: install proto kafka
+	$(if $(IMAGE),MARS_IMAGE=$(IMAGE)) $(PY) -m pytest -q tests/image
 
 lint: install proto
 	$(VENV)/bin/ruff check services infra tests load-tests

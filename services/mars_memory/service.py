@@ -58,6 +58,9 @@ class MemorySettings(ServiceSettings):
     #: fp32, or int8 (ONNX Runtime with quantized weights: ~2.2x less CPU per embedding, slightly different
     #: vectors; stored vectors are tagged with it, so switching re-embeds records as they are loaded).
     embedding_precision: Literal["fp32", "int8"] = "fp32"
+    #: Folder of the ONNX exports of the embedding model (written on first use, read after); default
+    #: ~/.cache/mars/onnx. The service image sets a read-only folder exported when the image was built.
+    embedding_cache_dir: str | None = None
     #: FAISS indexes on the GPU. Off by default: per-user exact scans over a few thousand vectors measured
     #: about 2x slower on the GPU than on the CPU (transfer dominates); turn on for large users.
     use_gpu: bool = False
@@ -150,6 +153,7 @@ async def build(ctx: ServiceContext) -> ServiceParts:
             load_embedder,
             settings.embedding_model,
             settings.embedding_backend,
+            settings.embedding_cache_dir,
             precision=settings.embedding_precision,
         )
     except Exception:

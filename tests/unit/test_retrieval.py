@@ -165,3 +165,23 @@ def test_onnx_embedder_matches_torch(tmp_path: Path, embedder: SentenceTransform
     assert onnx.encode([]).shape == (0, 384)
     with pytest.raises(ValueError, match="unknown embedding backend"):
         load_embedder(backend="tpu")
+
+
+def test_onnx_embedder_loads_an_export_without_torch(
+    tmp_path: Path, embedder: SentenceTransformerEmbedder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the export already there (the service image bakes it in), the ONNX embedder takes its tokenizer and
+    dimensions from the model folder: sentence-transformers (and so torch) is never loaded, same vectors."""
+    from mars.retrieval import embedder as module
+
+    module.OnnxEmbedder(cache_dir=str(tmp_path), precision="int8")  # exports fp32, then quantizes
+
+    def no_torch(*args: object, **kw: object) -> None:
+        raise AssertionError("the full model was loaded although its ONNX export exists")
+
+    monkeypatch.setattr(module, "SentenceTransformerEmbedder", no_torch)
+    texts = ["a zebra on the savanna", "quarterly tax filing for a small bakery " * 80, ""]
+    light = module.OnnxEmbedder(cache_dir=str(tmp_path))
+    assert light.dim == 384
+    assert np.all(np.sum(embedder.encode(texts) * light.encode(texts), axis=1) > 0.9999)
+    assert module.OnnxEmbedder(cache_dir=str(tmp_path), precision="int8").encode(texts).shape == (3, 384)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -139,41 +139,47 @@ class OnnxEmbedder:
 
         import onnxruntime  # noqa: F401  (missing: fail now, load_embedder falls back to torch)
 
-        source = SentenceTransformerEmbedder(model, device="cpu")
-        st = source._model
-        pooling = [m for m in st if type(m).__name__ == "Pooling"]
-        mode = getattr(pooling[0], "pooling_mode", None) if pooling else None
-        mean = (
-            mode == "mean"
-            or mode == ["mean"]
-            or getattr(pooling[0] if pooling else None, "pooling_mode_mean_tokens", False)
-        )
-        if not mean:
-            raise ValueError("OnnxEmbedder supports mean-pooling models only")
-        self._dim = source.dim
-        self._max_len = int(max_seq_length or st.max_seq_length or 256)
-        self._tokenizer = st.tokenizer
+        check_precision(precision)
         path = str(model or default_model_path())
         key = hashlib.sha1(path.encode()).hexdigest()[:12]
         base = Path(cache_dir or Path.home() / ".cache" / "mars" / "onnx")
-        base.mkdir(parents=True, exist_ok=True)
         onnx_path = base / f"{key}.onnx"
-        if not onnx_path.exists():
-            self._export(st, onnx_path)
-        if precision == "int8":
+        quantized = base / f"{key}.int8.onnx"
+        wanted = quantized if precision == "int8" else onnx_path
+        # Already exported (e.g. baked into the service image at build time): tokenizer and dimensions come
+        # from the model folder's config files; torch and sentence-transformers are not imported at all.
+        described = _describe_local_model(path) if wanted.exists() else None
+        if described is not None:
+            self._dim, st_max_len = described
+            self._max_len = int(max_seq_length or st_max_len or 256)
+            self._tokenizer = _load_tokenizer(path)
+        else:
+            source = SentenceTransformerEmbedder(model, device="cpu")
+            st = source._model
+            pooling = [m for m in st if type(m).__name__ == "Pooling"]
+            mode = getattr(pooling[0], "pooling_mode", None) if pooling else None
+            mean = (
+                mode == "mean"
+                or mode == ["mean"]
+                or getattr(pooling[0] if pooling else None, "pooling_mode_mean_tokens", False)
+            )
+            if not mean:
+                raise ValueError("OnnxEmbedder supports mean-pooling models only")
+            self._dim = source.dim
+            self._max_len = int(max_seq_length or st.max_seq_length or 256)
+            self._tokenizer = st.tokenizer
+            base.mkdir(parents=True, exist_ok=True)
+            if not onnx_path.exists():
+                self._export(st, onnx_path)
+        if precision == "int8" and not quantized.exists():
             # Dynamic int8 quantization of the weights: ~2.2x less CPU per text on this machine's kind, and
             # vectors a little off the fp32 ones (cosine ~0.96): what that costs retrieval is in the README.
-            quantized = base / f"{key}.int8.onnx"
-            if not quantized.exists():
-                from onnxruntime.quantization import QuantType, quantize_dynamic
+            from onnxruntime.quantization import QuantType, quantize_dynamic
 
-                tmp = base / f"{key}.int8.tmp.onnx"
-                quantize_dynamic(str(onnx_path), str(tmp), weight_type=QuantType.QInt8)
-                os.replace(tmp, quantized)
-            onnx_path = quantized
-        else:
-            check_precision(precision)
-        self._onnx_path = onnx_path
+            tmp = base / f"{key}.int8.tmp.onnx"
+            quantize_dynamic(str(onnx_path), str(tmp), weight_type=QuantType.QInt8)
+            os.replace(tmp, quantized)
+        self._onnx_path = wanted
         self._open_session(threads)
 
     def _open_session(self, threads: int) -> None:
@@ -253,6 +259,56 @@ class OnnxEmbedder:
         return np.ascontiguousarray(pooled, dtype=np.float32)
 
 
+def _describe_local_model(path: str) -> tuple[int, int | None] | None:
+    """(embedding dimension, max_seq_length) of a sentence-transformers model folder that is exactly a
+    transformer with mean pooling (and optionally a Normalize step), read from its config files; None for
+    anything else (a hub name, extra modules such as Dense, another pooling): those load the full model."""
+    import json
+    from pathlib import Path
+
+    folder = Path(path)
+    try:
+        modules = json.loads((folder / "modules.json").read_text())
+        kinds = [str(m.get("type", "")).rsplit(".", 1)[-1] for m in modules]
+        if kinds[:2] != ["Transformer", "Pooling"] or any(k != "Normalize" for k in kinds[2:]):
+            return None
+        if modules[0].get("path", "") not in ("", "."):
+            return None  # the transformer lives in a subfolder: leave that layout to sentence-transformers
+        pooling = json.loads((folder / modules[1]["path"] / "config.json").read_text())
+        mean = pooling.get("pooling_mode_mean_tokens") or pooling.get("pooling_mode") in ("mean", ["mean"])
+        others = [k for k, v in pooling.items() if k.startswith("pooling_mode_") and v and "mean" not in k]
+        if not mean or others:
+            return None
+        dim = int(pooling["word_embedding_dimension"])
+        st_config = folder / "sentence_bert_config.json"
+        st_args = json.loads(st_config.read_text()) if st_config.exists() else {}
+        if st_args.get("do_lower_case"):
+            return None  # sentence-transformers lowercases the text before the tokenizer sees it
+        max_len = st_args.get("max_seq_length")
+        return dim, (int(max_len) if max_len else None)
+    except (OSError, ValueError, KeyError, IndexError, TypeError, AttributeError):
+        return None
+
+
+def _load_tokenizer(path: str) -> Any:
+    """The model folder's tokenizer, as sentence-transformers loads it (transformers' AutoTokenizer), without
+    torch. transformers reads this environment variable at import, so it is set first."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def _cuda_available() -> bool:
+    """torch sees a CUDA device; False where torch is not installed (the CPU service image has none)."""
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
 def split_sessions(embedder: Embedder) -> tuple[Embedder, Embedder]:
     """(stored turns, queries): on ONNX two sessions of the model, one thread for stored turns and two for
     queries, so a query never waits behind a stored turn's embedding and always finds a core; other
@@ -282,11 +338,8 @@ def load_embedder(
     check_precision(precision)
     if backend == "torch":
         return SentenceTransformerEmbedder(model, max_seq_length=max_seq_length)
-    if backend == "auto":
-        import torch
-
-        if torch.cuda.is_available():
-            return SentenceTransformerEmbedder(model, max_seq_length=max_seq_length)
+    if backend == "auto" and _cuda_available():
+        return SentenceTransformerEmbedder(model, max_seq_length=max_seq_length)
     try:
         return OnnxEmbedder(model, cache_dir, max_seq_length=max_seq_length)
     except ImportError:

@@ -1,0 +1,249 @@
+"""The service image (infra/image) end to end: built once with infra/image/build.sh, then the six services run
+from it as podman containers, hardened as the chart runs them (read-only root filesystem, non-root user, no
+capabilities, no privilege escalation, a tmpfs /tmp), against the local stack's Kafka, Postgres and stand-in
+LLM on the host; all six answer grpc.health.v1 as SERVING and one turn goes through the ingress.
+
+Run by `make test-image` (not by `make test`: pyproject's addopts ignore tests/image). Needs podman, which
+the build script installs from Debian's packages when missing (as root). Without podman and without root it
+skips, saying why; anything else that keeps podman from working fails the test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import grpc
+import httpx
+import pytest
+import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from mars.v1 import services_pb2 as svc
+from mars.v1 import services_pb2_grpc as svc_grpc
+from mars_stack import LocalStack, StackSettings, helm
+from mars_stack.stack import GRPC_SERVICE, SERVICES, free_port
+
+REPO = Path(__file__).resolve().parents[2]
+BUILD = REPO / "infra" / "image" / "build.sh"
+IMAGE = os.environ.get("MARS_IMAGE", "localhost/mars:latest")
+#: The stand-in LLM's arms, given to the chart as its modelPool value.
+POOL = REPO / "config" / "models.standin.yaml"
+#: Where the chart mounts its model-pool ConfigMap (MARS_MODEL_POOL points at models.yaml in it).
+POOL_DIR_IN_CONTAINER = "/etc/mars/pool"
+UID = "10001"
+#: The hardening the chart's securityContext asks for, in podman's words.
+HARDENED = [
+    "--read-only",
+    "--read-only-tmpfs=false",
+    "--tmpfs=/tmp:rw,size=256m,mode=1777",
+    f"--user={UID}:{UID}",
+    "--cap-drop=ALL",
+    "--security-opt=no-new-privileges",
+]
+
+#: A cold build (base, wheelhouse, all layers) takes ~5 minutes here; then the stack and six containers.
+pytestmark = pytest.mark.timeout(1800)
+
+
+def podman_env() -> dict[str, str]:
+    """The environment podman runs with: the repository's containers.conf and storage.conf (as `make image`)."""
+    env = dict(os.environ)
+    env.setdefault("CONTAINERS_CONF", str(REPO / "infra" / "image" / "containers.conf"))
+    env.setdefault("CONTAINERS_STORAGE_CONF", str(REPO / "infra" / "image" / "storage.conf"))
+    return env
+
+
+def podman(*args: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run(
+        ["podman", *args], env=podman_env(), capture_output=True, text=True, timeout=timeout
+    )
+    if check and result.returncode != 0:
+        raise AssertionError(
+            f"podman {' '.join(args)} failed ({result.returncode}):\n{result.stderr[-3000:]}"
+        )
+    return result
+
+
+def chart_values(stack: LocalStack) -> dict[str, Any]:
+    """Values for charts/mars that point the release at the local stack: its Kafka, Postgres and stand-in LLM
+    (as the model pool's arms and as the state controller's OpenAI endpoint, in place of vLLM)."""
+    dsn = urlsplit(stack.env["MARS_POSTGRES_DSN"])
+    llm = stack.env["MARS_LOCAL_LLM_URL"]
+    arms = yaml.safe_load(POOL.read_text())["models"]
+    for arm in arms:
+        arm["base_url"] = f"{llm}/v1"
+    return {
+        "kafka": {
+            "bootstrapServers": stack.env["MARS_KAFKA_BOOTSTRAP"],
+            "partitions": stack.settings.partitions,
+            "replicationFactor": 1,
+        },
+        "postgres": {
+            "host": dsn.hostname,
+            "port": dsn.port,
+            "database": dsn.path.lstrip("/"),
+            "user": dsn.username,
+            "sslMode": "disable",
+        },
+        "vllm": {"enabled": False},
+        "state": {"qtmBackend": "openai", "qtmUrl": f"{llm}/v1", "qtmModel": "standin"},
+        "modelPool": arms,
+    }
+
+
+def service_env(objects: list[dict[str, Any]], service: str, port: int, metrics_port: int) -> dict[str, str]:
+    """The environment the chart renders for one service's container, as the pod would get it, with what host
+    networking changes: each container listens on loopback, on ports of its own."""
+    env = helm.service_env(objects, service, pod_name=f"mars-{service}-0")
+    env.update(MARS_GRPC_HOST="127.0.0.1", MARS_GRPC_PORT=str(port), MARS_METRICS_PORT=str(metrics_port))
+    return env
+
+
+def health(port: int, service: str) -> int:
+    """The grpc.health.v1 status of `service` at 127.0.0.1:port (UNKNOWN when nothing answers yet)."""
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        try:
+            return int(stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2).status)
+        except grpc.RpcError:
+            return int(health_pb2.HealthCheckResponse.UNKNOWN)
+
+
+@pytest.fixture(scope="module")
+def image() -> str:
+    """The image, built (or brought up to date, quickly: cached layers) by the same script as `make image`."""
+    if shutil.which("podman") is None and os.geteuid() != 0:
+        pytest.skip("podman is not installed and this is not root, so the build script cannot install it")
+    env = {**os.environ, "PYTHON": sys.executable}  # tags localhost/mars:latest, or MARS_IMAGE when set
+    started = time.monotonic()
+    result = subprocess.run(["bash", str(BUILD)], env=env, capture_output=True, text=True, timeout=1500)
+    assert result.returncode == 0, f"image build failed:\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
+    size = int(podman("image", "inspect", "--format", "{{.Size}}", IMAGE).stdout.strip())
+    print(f"image {IMAGE}: built in {time.monotonic() - started:.0f}s, {size / 1e6:.0f} MB")
+    return IMAGE
+
+
+@pytest.fixture(scope="module")
+def infra(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
+    """Kafka, Postgres and the stand-in LLM from the local stack launcher; no services (they run in podman)."""
+    stack = LocalStack(
+        StackSettings(
+            workdir=tmp_path_factory.mktemp("image") / "stack",
+            services=(),
+            llm="standin",
+            model_pool=POOL,
+        )
+    ).start()
+    try:
+        yield stack
+    finally:
+        stack.stop()
+
+
+def test_image_is_hardened(image: str) -> None:
+    config = podman("image", "inspect", "--format", "{{.Config.User}}|{{json .Config.Entrypoint}}", image)
+    user, entrypoint = config.stdout.strip().split("|")
+    assert user.split(":")[0] == UID
+    assert "mars-entrypoint" in entrypoint
+    probe = podman(
+        "run", "--rm", "--network=none", *HARDENED, image,
+        "sh", "-c", "id -u; command -v pip pip3 gcc cc apt-get || true; ls /opt/mars/onnx; python -V; "
+        "python -c 'import importlib.util as u; print(u.find_spec(\"torch\"))'; touch /opt/mars/x 2>&1 || true",
+    )  # fmt: skip
+    out = probe.stdout
+    lines = out.splitlines()
+    assert lines[0] == UID
+    assert not [line for line in lines if line.startswith("/")], f"build tools in the image:\n{out}"
+    assert any(line.endswith(".onnx") and "int8" not in line for line in lines), out
+    assert any(line.endswith(".int8.onnx") for line in lines), out
+    assert "Python 3.11." in out
+    assert "None" in lines, out  # the CPU image has no torch
+    assert "Read-only file system" in out, out
+
+
+def test_six_services_serve_and_answer_a_turn(image: str, infra: LocalStack, tmp_path: Path) -> None:
+    """The containers get exactly the environment and model pool the Helm chart renders for their pods."""
+    objects = helm.render(chart_values(infra))
+    pool_dir = tmp_path / "pool"
+    pool_dir.mkdir()
+    (pool_dir / "models.yaml").write_text(
+        helm.find(objects, "ConfigMap", "mars-model-pool")[0]["data"]["models.yaml"]
+    )
+    run_id = uuid.uuid4().hex[:8]
+    ports = {service: free_port() for service in SERVICES}
+    metrics_ports = {service: free_port() for service in SERVICES}
+    names = {service: f"mars-test-{service}-{run_id}" for service in SERVICES}
+    started: list[str] = []
+    try:
+        for service in SERVICES:
+            env = service_env(objects, service, ports[service], metrics_ports[service])
+            env_args = [f"--env={k}={v}" for k, v in sorted(env.items())]
+            podman(
+                "run", "--detach", f"--name={names[service]}", "--network=host", *HARDENED,
+                f"--volume={pool_dir}:{POOL_DIR_IN_CONTAINER}:ro", *env_args, image, service,
+            )  # fmt: skip
+            started.append(names[service])
+
+        deadline = time.monotonic() + 240
+        waiting = set(SERVICES)
+        while waiting and time.monotonic() < deadline:
+            for service in sorted(waiting):
+                state = podman("inspect", "--format", "{{.State.Status}}", names[service]).stdout.strip()
+                if state != "running":
+                    logs = podman("logs", names[service], check=False)
+                    pytest.fail(f"{service} container is {state}:\n{(logs.stdout + logs.stderr)[-4000:]}")
+                if health(ports[service], GRPC_SERVICE[service]) == health_pb2.HealthCheckResponse.SERVING:
+                    waiting.discard(service)
+            time.sleep(0.5)
+        if waiting:
+            logs = {s: podman("logs", names[s], check=False) for s in sorted(waiting)}
+            pytest.fail(
+                "not SERVING after 240s: "
+                + "; ".join(f"{s}:\n{(r.stdout + r.stderr)[-2000:]}" for s, r in logs.items())
+            )
+        # The overall status too ("" = the server), and the memory service's dense retrieval: the embedder
+        # loaded from the ONNX export baked into the image (its failure would leave lexical-only views).
+        for service in SERVICES:
+            assert health(ports[service], "") == health_pb2.HealthCheckResponse.SERVING, service
+        assert health(ports["memory"], "mars.v1.Memory.dense") == health_pb2.HealthCheckResponse.SERVING
+        # Each service's Prometheus endpoint, where the chart's ServiceMonitor scrapes it.
+        for service in SERVICES:
+            scrape = httpx.get(f"http://127.0.0.1:{metrics_ports[service]}/metrics", timeout=10)
+            assert scrape.status_code == 200 and "# TYPE" in scrape.text, service
+
+        # One turn through the containerised ingress, as `mars send` sends it.
+        with grpc.insecure_channel(f"127.0.0.1:{ports['ingress']}") as channel:
+            reply = svc_grpc.IngressStub(channel).SendTurn(
+                svc.TurnRequest(
+                    tenant="image", user_id="u1", session_id="s1", text="Hello from the image test"
+                ),
+                timeout=120,
+            )
+        assert reply.text.strip(), reply
+        assert reply.model in {"standin-short", "standin-long"}, reply.model
+
+        # The CLI in the image (what the chart's hook Jobs run), hardened the same way: a second turn.
+        cli = podman(
+            "run", "--rm", "--network=host", *HARDENED, image,
+            "mars", "send", "--target", f"127.0.0.1:{ports['ingress']}", "--user", "u1", "--session", "s1",
+            "--timeout", "120", "And a second turn from the CLI",
+        )  # fmt: skip
+        assert "standin-" in cli.stdout, cli.stdout + cli.stderr
+
+        # Nothing died along the way (a write outside /tmp on the read-only root would have crashed it).
+        for service in SERVICES:
+            state = podman("inspect", "--format", "{{.State.Status}}", names[service]).stdout.strip()
+            assert state == "running", f"{service} is {state}"
+    finally:
+        for name in started:
+            with contextlib.suppress(Exception):
+                podman("rm", "--force", "--time=10", name, check=False, timeout=60)
