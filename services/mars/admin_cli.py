@@ -14,6 +14,7 @@ from typing import Any
 
 from pydantic import ValidationError
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from mars.config import ServiceSettings
@@ -45,7 +46,7 @@ def cmd_migrate(args: argparse.Namespace) -> int:
         settings = load_settings(postgres_dsn=args.postgres_dsn)
         done = asyncio.run(migrate_all(settings.postgres_dsn, services))
     except SettingsError as exc:
-        console.print(f"[red]{exc}[/]")
+        console.print(f"[red]{escape(str(exc))}[/]")
         return 2
     except Exception as exc:  # Postgres away or refusing: one line, not a traceback
         console.print(f"[red]migration failed: {type(exc).__name__}: {exc}[/]")
@@ -74,7 +75,7 @@ def cmd_topics_ensure(args: argparse.Namespace) -> int:
         settings = _topic_settings(args)
         kafka = kafka_client_options(settings)
     except (SettingsError, ValueError) as exc:
-        console.print(f"[red]{exc}[/]")
+        console.print(f"[red]{escape(str(exc))}[/]")
         return 2
     wanted = settings.topics.all
     try:
@@ -129,7 +130,7 @@ def cmd_topics_list(args: argparse.Namespace) -> int:
         settings = _topic_settings(args)
         kafka = kafka_client_options(settings)
     except (SettingsError, ValueError) as exc:
-        console.print(f"[red]{exc}[/]")
+        console.print(f"[red]{escape(str(exc))}[/]")
         return 2
     wanted = settings.topics.all
 

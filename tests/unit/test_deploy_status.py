@@ -129,3 +129,16 @@ def test_status_covers_every_stage_group() -> None:
     names = [g.name for g in STAGE_GROUPS]
     assert len(names) == len(set(names))
     assert {"mars-state", "mars-memory-view", "mars-router", "mars-dispatch", "mars-judge"} <= set(names)
+
+
+def test_without_the_kubernetes_client_status_says_how_to_install_it(monkeypatch: Any, capsys: Any) -> None:
+    import sys
+
+    import pytest
+    from mars.cli import main
+
+    monkeypatch.setitem(sys.modules, "kubernetes", None)  # as if `pip install mars` without [deploy]
+    with pytest.raises(SystemExit) as exited:
+        main(["deploy", "status", "--no-lag"])
+    assert exited.value.code == 2
+    assert "pip install 'mars[deploy]'" in capsys.readouterr().out

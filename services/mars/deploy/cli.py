@@ -15,6 +15,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 
 console = Console(width=None if sys.stdout.isatty() else 160)
 
@@ -28,7 +29,10 @@ class KubeError(Exception):
 
 def load_kube(context: str | None) -> str:
     """Configure the kubernetes client; the namespace kubectl would default to. Reads local files only."""
-    from kubernetes import config
+    try:
+        from kubernetes import config
+    except ImportError:
+        raise KubeError("the kubernetes client is not installed: pip install 'mars[deploy]'") from None
 
     if os.environ.get("KUBERNETES_SERVICE_HOST") and context is None:
         config.load_incluster_config()
@@ -47,8 +51,6 @@ def load_kube(context: str | None) -> str:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from kubernetes import client
-
     from mars.admin_cli import SettingsError, load_settings
     from mars.deploy.lag import TopicLag, fetch_lag
     from mars.deploy.status import all_ready, lag_table, list_workloads, status_json, workload_table
@@ -56,11 +58,14 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     try:
         namespace = load_kube(args.context)  # configures the client too
-        namespace = args.namespace or namespace
-        workloads = list_workloads(client.AppsV1Api(), namespace, args.release)
     except KubeError as exc:
-        console.print(f"[red]{exc}[/]")
+        console.print(f"[red]{escape(str(exc))}[/]")
         return 2
+    from kubernetes import client
+
+    namespace = args.namespace or namespace
+    try:
+        workloads = list_workloads(client.AppsV1Api(), namespace, args.release)
     except client.ApiException as exc:
         console.print(f"[red]the API server refused: {exc.status} {exc.reason}[/]")
         return 2
@@ -121,7 +126,7 @@ def cmd_replay_job(args: argparse.Namespace) -> int:
         namespace = load_kube(args.context)
     except KubeError as exc:
         if args.apply:
-            console.print(f"[red]{exc}[/]")
+            console.print(f"[red]{escape(str(exc))}[/]")
             return 2
         namespace = "default"
     namespace = args.namespace or namespace
@@ -144,7 +149,7 @@ def cmd_replay_job(args: argparse.Namespace) -> int:
     try:
         manifest = replay_job_manifest(job, datetime.now(UTC))
     except ValueError as exc:
-        console.print(f"[red]{exc}[/]")
+        console.print(f"[red]{escape(str(exc))}[/]")
         return 2
     if not args.apply:
         sys.stdout.write(yaml.safe_dump(manifest, sort_keys=False))
