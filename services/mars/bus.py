@@ -26,8 +26,16 @@ from aiokafka import (
 )
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.coordinator.assignors.range import RangePartitionAssignor
-from aiokafka.errors import KafkaError, TopicAlreadyExistsError, for_code
-from google.protobuf.message import DecodeError, Message
+from aiokafka.errors import (
+    KafkaError,
+    MessageSizeTooLargeError,
+    RecordListTooLargeError,
+    RecordTooLargeError,
+    TopicAlreadyExistsError,
+    for_code,
+)
+from google.protobuf.message import Message
+from google.protobuf.unknown_fields import UnknownFieldSet
 from opentelemetry import trace
 
 from mars.config import ALL_TOPICS, SCHEMA_VERSION, ServiceSettings
@@ -50,13 +58,34 @@ class PoisonEvent(Exception):
     """An event that can never be processed (bad content); it goes straight to the dead-letter topic."""
 
 
+#: Kafka's refusals of a record for its size: retrying the same record can never get it through.
+TOO_LARGE = (MessageSizeTooLargeError, RecordTooLargeError, RecordListTooLargeError)
+
+
 def is_transient(exc: BaseException) -> bool:
     """Infrastructure trouble that passes (Postgres restarting, the broker stalled): the event is retried
-    until it goes through, never dead-lettered for it."""
+    until it goes through, never dead-lettered for it. A record too large for the broker is not: it would
+    be retried forever and hold up its partition."""
     import psycopg
     from psycopg_pool import PoolTimeout
 
+    if isinstance(exc, (*TOO_LARGE, psycopg.errors.ProgramLimitExceeded)):
+        return False
     return isinstance(exc, psycopg.OperationalError | PoolTimeout | KafkaError | ConnectionError)
+
+
+def poison_reason(exc: BaseException) -> str | None:
+    """Why a handler's failure is the event's own fault (its content can never be processed: a retry
+    would fail the same way), or None. Such an event is dead-lettered at once with this reason."""
+    import psycopg
+
+    if isinstance(exc, TOO_LARGE):
+        return f"the stage's output for this event is too large to publish ({type(exc).__name__}: {exc})"
+    if isinstance(exc, psycopg.DataError | psycopg.errors.ProgramLimitExceeded):
+        # SQLSTATE class 22 (NUL in text, numbers out of range, bad encodings) and 54 (a value too large
+        # for an index row): deterministic, the same event fails the same way every time.
+        return f"Postgres refused the event's data ({type(exc).__name__}: {exc})"
+    return None
 
 
 class TurnEvent(Protocol):
@@ -69,6 +98,29 @@ def event_key(turn: ev.TurnEnvelope) -> bytes:
     return f"{turn.tenant}/{turn.user_id}".encode()
 
 
+#: Longest turn_id, tenant, user_id or session_id an envelope may carry (ingress allows 128).
+MAX_ID_CHARS = 256
+#: Dead letters keep at most this much of the poison record's payload and key (a letter must stay well
+#: under the broker's record size limit, 1 MiB by default, or it could never be published).
+DEAD_LETTER_PAYLOAD_BYTES = 64 * 1024
+DEAD_LETTER_KEY_BYTES = 1024
+DEAD_LETTER_REASON_CHARS = 2000
+
+
+def id_problem(name: str, value: str, required: bool = True) -> str | None:
+    """What is wrong with an identifier (tenant, user_id, turn_id, session_id), or None. Postgres refuses
+    NUL in text; control characters and unbounded lengths have no business in a key."""
+    if not value:
+        return f"{name} is missing" if required else None
+    if len(value) > MAX_ID_CHARS:
+        return f"{name} has {len(value)} characters; the limit is {MAX_ID_CHARS}"
+    if "\x00" in value:
+        return f"{name} contains a NUL character"
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in value):
+        return f"{name} contains a control character"
+    return None
+
+
 def validate_envelope(turn: ev.TurnEnvelope) -> None:
     missing = [f for f in ("turn_id", "tenant", "user_id") if not getattr(turn, f)]
     if missing:
@@ -77,6 +129,66 @@ def validate_envelope(turn: ev.TurnEnvelope) -> None:
         raise PoisonEvent(f"envelope seq must be positive, got {turn.seq}")
     if turn.schema_version != SCHEMA_VERSION:
         raise PoisonEvent(f"unknown schema_version {turn.schema_version} (this build reads {SCHEMA_VERSION})")
+    for name in ("turn_id", "tenant", "user_id", "session_id"):
+        if (problem := id_problem(name, getattr(turn, name), required=False)) is not None:
+            raise PoisonEvent(f"envelope {problem}")
+
+
+def validate_key(key: bytes | None, turn: ev.TurnEnvelope) -> None:
+    """A record's key is its envelope's tenant/user_id: a user's events share one partition, in order. A
+    record keyed otherwise sits on the wrong partition (ordering and read-your-writes no longer hold)."""
+    expected = event_key(turn)
+    if key != expected:
+        raise PoisonEvent(
+            f"record key {_clip(repr(key), 120)} does not match the envelope's tenant/user_id "
+            f"{_clip(repr(expected), 120)}"
+        )
+
+
+def wire_type_clash(event: Message) -> str | None:
+    """A field whose number the message type knows but whose wire type differs (protobuf parses it into
+    the unknown fields, silently): the record is another message type (or another schema), not this one.
+    Unknown field numbers alone are not: a newer producer may have added fields."""
+    for msg in (event, getattr(event, "turn", None)):
+        if not isinstance(msg, Message):
+            continue
+        known = msg.DESCRIPTOR.fields_by_number
+        for field in UnknownFieldSet(msg):
+            if field.field_number in known:
+                name = known[field.field_number].name
+                return (
+                    f"field {field.field_number} ({msg.DESCRIPTOR.name}.{name}) has the wrong wire type "
+                    f"{field.wire_type}: not a {event.DESCRIPTOR.full_name} (wrong message type on this topic?)"
+                )
+    return None
+
+
+#: Top-level text fields of the stage events (user text, answers, comments), bounded by
+#: ServiceSettings.max_event_text_chars.
+TEXT_FIELDS = ("text", "query", "comment")
+
+
+def oversized_text(event: Message, limit: int) -> str | None:
+    """Why an event's text is too long for the stages to take on (embedding, storing and prompting a
+    text costs in proportion to it), or None."""
+    for name in TEXT_FIELDS:
+        if name in event.DESCRIPTOR.fields_by_name:
+            size = len(getattr(event, name))
+            if size > limit:
+                return f"{name} has {size} characters; the limit is {limit} (MARS_MAX_EVENT_TEXT_CHARS)"
+    return None
+
+
+def _clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def _printable(text: str, limit: int) -> str:
+    """A reason or id fit for a dead letter and for Postgres: NUL and other control characters escaped,
+    the length bounded."""
+    if any(ord(c) < 0x20 and c not in "\n\t" for c in text):
+        text = "".join(c if ord(c) >= 0x20 or c in "\n\t" else f"\\x{ord(c):02x}" for c in text)
+    return _clip(text, limit)
 
 
 @dataclass(frozen=True)
@@ -171,19 +283,30 @@ class EventProducer:
     async def dead_letter(
         self, record: ConsumerRecord[Any, Any], reason: str, consumer: str, turn_id: str
     ) -> None:
+        """Publish a dead letter for `record`. Whatever the record held, the letter stays publishable: the
+        payload is cut to DEAD_LETTER_PAYLOAD_BYTES (the reason says so), the key to DEAD_LETTER_KEY_BYTES,
+        the reason and turn_id are escaped and bounded (they end up in Postgres text columns)."""
+        payload = record.value or b""
+        key = (record.key or b"")[:DEAD_LETTER_KEY_BYTES]
+        reason = _printable(reason, DEAD_LETTER_REASON_CHARS) or "no reason given"
+        if len(payload) > DEAD_LETTER_PAYLOAD_BYTES:
+            reason += f" [payload cut to its first {DEAD_LETTER_PAYLOAD_BYTES} of {len(payload)} bytes]"
+            payload = payload[:DEAD_LETTER_PAYLOAD_BYTES]
+        if id_problem("turn_id", turn_id, required=False) is not None:
+            turn_id = _printable(turn_id, 200)  # not a turn anyone waits for; kept readable
         letter = ev.DeadLetter(
             source_topic=record.topic,
             partition=record.partition,
             offset=record.offset,
-            key=record.key or b"",
-            payload=record.value or b"",
+            key=key,
+            payload=payload,
             reason=reason,
             consumer=consumer,
             turn_id=turn_id,
             failed_at_ms=int(time.time() * 1000),
         )
         await self._producer.send_and_wait(
-            self.topics.dead_letter, letter.SerializeToString(), key=record.key
+            self.topics.dead_letter, letter.SerializeToString(), key=key or None
         )
 
 
@@ -403,11 +526,14 @@ class StageConsumer:
                     break
                 except Exception as exc:
                     # Not the event's fault (Postgres restarting, the broker stalled): the same record again,
-                    # the ones behind it on its key wait (handlers are idempotent by turn_id).
-                    if is_transient(exc):
-                        log.warning("record on %s hit %r; retrying", self._group_id, exc)
-                    else:
-                        log.exception("record on %s failed; retrying", self._group_id)
+                    # the ones behind it on its key wait (handlers are idempotent by turn_id). Nothing here
+                    # may raise: a chain that ended without finishing its record would hold the partition's
+                    # commits back until a restart.
+                    with contextlib.suppress(Exception):
+                        if is_transient(exc):
+                            log.warning("record on %s hit %r; retrying", self._group_id, exc)
+                        else:
+                            log.exception("record on %s failed; retrying", self._group_id)
                     await asyncio.sleep(0.5)
             track.finished(record.offset)
         finally:
@@ -461,12 +587,17 @@ class StageConsumer:
             event = sub.message_type()
             try:
                 event.ParseFromString(record.value or b"")
-            except DecodeError as exc:
+            except Exception as exc:  # DecodeError (bad UTF-8 in a string, truncation, ...) or worse
                 raise PoisonEvent(f"cannot decode {sub.message_type.__name__}: {exc}") from exc
             if sub.requires_envelope:
                 turn = event.turn  # type: ignore[attr-defined]
                 turn_id = turn.turn_id
                 validate_envelope(turn)
+                validate_key(record.key, turn)
+            if (clash := wire_type_clash(event)) is not None:
+                raise PoisonEvent(f"cannot decode {sub.message_type.__name__}: {clash}")
+            if (oversized := oversized_text(event, self._settings.max_event_text_chars)) is not None:
+                raise PoisonEvent(oversized)
         except PoisonEvent as exc:
             await self._dead_letter(record, str(exc), turn_id)
             return
@@ -498,6 +629,9 @@ class StageConsumer:
                     return
                 except Exception as exc:
                     span.record_exception(exc)
+                    if (reason := poison_reason(exc)) is not None:
+                        await self._dead_letter(record, reason, turn_id)
+                        return
                     if is_transient(exc):
                         raise  # not the event's fault: the batch is retried, the event never dead-lettered
                     log.exception(
@@ -528,8 +662,12 @@ __all__ = [
     "TopicsEnsured",
     "ensure_topics",
     "event_key",
+    "id_problem",
     "is_transient",
+    "poison_reason",
     "validate_envelope",
+    "validate_key",
+    "wire_type_clash",
 ]
 
 

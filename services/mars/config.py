@@ -188,6 +188,9 @@ class ServiceSettings(BaseSettings):
     grpc_port: int = 0
     #: Attempts at a handler before its event is dead-lettered.
     handler_attempts: int = 3
+    #: Longest text (the turn's text, an answer, a feedback comment) a stage event may carry; a longer one
+    #: is dead-lettered. Keep it above ingress's MARS_MAX_TEXT_CHARS and the longest answer expected.
+    max_event_text_chars: int = Field(default=100_000, ge=1)
     #: OTLP/gRPC endpoint for traces; nothing is exported when unset.
     otlp_endpoint: str | None = None
     #: Port of the Prometheus endpoint (GET /metrics on grpc_host) for the metrics; 0 serves none.

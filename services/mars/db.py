@@ -28,6 +28,12 @@ AttemptWithBackoff.INITIAL_DELAY = 0.2
 AttemptWithBackoff.DELAY_BACKOFF = 1.5
 
 
+def pg_text(value: str) -> str:
+    """Text as Postgres stores it: without NUL characters, which TEXT and JSONB refuse (an event's text may
+    hold them; everything else about it is fine)."""
+    return value.replace("\x00", "") if "\x00" in value else value
+
+
 async def check_idle_connection(conn: AsyncConnection) -> None:
     """The pool's check when a connection is taken, without a round trip: an idle connection's socket has
     nothing to read unless the server closed it (a Postgres restart) or sent an error, so a readable socket

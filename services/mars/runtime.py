@@ -4,13 +4,14 @@ health and reflection, stage consumers, and a clean stop on SIGTERM/SIGINT."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import signal
 import threading
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -18,7 +19,7 @@ from grpc_reflection.v1alpha import reflection
 from psycopg_pool import AsyncConnectionPool
 
 from mars import db
-from mars.bus import EventProducer, StageConsumer, ensure_topics
+from mars.bus import EventProducer, PoisonEvent, StageConsumer, ensure_topics, id_problem, is_transient
 from mars.config import ServiceSettings
 from mars.kafka_options import kafka_client_options
 from mars.telemetry import setup_telemetry
@@ -59,6 +60,70 @@ class ServiceContext:
 
 
 Builder = Callable[[ServiceContext], Awaitable[ServiceParts]]
+
+
+class InvalidRequest(ValueError):
+    """A request the caller must fix: answered INVALID_ARGUMENT with this message."""
+
+
+def check_ids(**ids: str) -> None:
+    """Raise InvalidRequest for a missing or unusable id (empty, NUL or control characters, too long)."""
+    for name, value in ids.items():
+        if (problem := id_problem(name, value)) is not None:
+            raise InvalidRequest(problem)
+
+
+def check_finite(**values: float) -> None:
+    import math
+
+    for name, value in values.items():
+        if not math.isfinite(value):
+            raise InvalidRequest(f"{name} must be a finite number, got {value}")
+
+
+def rpc_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The status and a plain message (never a stack trace) for an exception out of an RPC handler."""
+    import psycopg
+
+    if isinstance(exc, InvalidRequest | PoisonEvent):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, psycopg.DataError | psycopg.errors.ProgramLimitExceeded):
+        return grpc.StatusCode.INVALID_ARGUMENT, f"the request holds data the database refuses ({type(exc).__name__})"
+    if is_transient(exc):
+        return grpc.StatusCode.UNAVAILABLE, f"temporarily unavailable ({type(exc).__name__}); try again"
+    if isinstance(exc, TimeoutError):
+        return grpc.StatusCode.DEADLINE_EXCEEDED, "the request timed out inside the service"
+    return grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__}); the service log has the details"
+
+
+_Servicer = TypeVar("_Servicer")
+_Request = TypeVar("_Request")
+_Reply = TypeVar("_Reply")
+UnaryMethod = Callable[[_Servicer, _Request, grpc.aio.ServicerContext], Awaitable[_Reply]]
+
+
+def rpc_errors(method: UnaryMethod[_Servicer, _Request, _Reply]) -> UnaryMethod[_Servicer, _Request, _Reply]:
+    """Wrap a unary servicer method: bad input (InvalidRequest, PoisonEvent, data Postgres refuses) is
+    INVALID_ARGUMENT, infrastructure trouble UNAVAILABLE, anything else INTERNAL with a plain message; the
+    exception is logged here, never sent (grpc's default is UNKNOWN with the exception's text).
+    context.abort() passes through."""
+
+    @functools.wraps(method)
+    async def guarded(self: _Servicer, request: _Request, context: grpc.aio.ServicerContext) -> _Reply:
+        try:
+            return await method(self, request, context)
+        except (grpc.aio.AbortError, asyncio.CancelledError):
+            raise
+        except Exception as exc:
+            code, message = rpc_status(exc)
+            if code == grpc.StatusCode.INTERNAL:
+                log.exception("%s failed", method.__qualname__)
+            else:
+                log.info("%s: %s: %s", method.__qualname__, code.name, message)
+            await context.abort(code, message[:2000])
+            raise  # not reached: abort raises
+
+    return guarded
 
 
 def configure_logging(level: str, name: str) -> None:

@@ -9,11 +9,11 @@ import time
 
 import grpc
 from mars import consumer_groups
-from mars.bus import EventProducer, StageConsumer, StageOutput, Subscription
+from mars.bus import EventProducer, PoisonEvent, StageConsumer, StageOutput, Subscription
 from mars.config import TOPIC_GENERATED, TOPIC_ROUTED, TOPIC_TOKENS, ServiceSettings
 from mars.domain.circuit import CircuitBreaker
 from mars.pool import ModelPool, load_pool
-from mars.runtime import GrpcBinding, ServiceContext, ServiceParts, run
+from mars.runtime import GrpcBinding, InvalidRequest, ServiceContext, ServiceParts, rpc_errors, run
 from mars.v1 import events_pb2 as ev
 from mars.v1 import services_pb2 as svc
 from mars.v1 import services_pb2_grpc as svc_grpc
@@ -23,6 +23,8 @@ from mars_dispatch.clients import ModelClients
 from mars_dispatch.dispatcher import Dispatcher
 
 STAGE = "dispatch"
+#: Largest max_tokens a turn may ask for (ingress's limit on the option too).
+MAX_TOKENS_LIMIT = 1024
 
 
 class DispatchSettings(ServiceSettings):
@@ -54,12 +56,25 @@ class DispatchStage:
         self._settings = settings
         self._producer = producer
         self._out = StageOutput(pg, producer, STAGE, TOPIC_GENERATED)
+        self._pool_arms = list(dispatcher.breakers)
 
     async def on_routed(self, event: ev.Routed) -> None:
         turn = event.turn
         if await self._out.done(turn.turn_id):
             return
-        max_tokens = int(turn.options.get("max_tokens", self._settings.default_max_tokens))
+        max_tokens = self._settings.default_max_tokens
+        if "max_tokens" in turn.options:
+            raw = turn.options["max_tokens"]
+            if not raw.isdigit() or not 1 <= int(raw) <= MAX_TOKENS_LIMIT:
+                raise PoisonEvent(f"option max_tokens must be an integer in 1..{MAX_TOKENS_LIMIT}")
+            max_tokens = int(raw)
+        # Arms this pool has not got (a router on another pool, a foreign event) are skipped.
+        arms = [a for a in dict.fromkeys([event.chosen_arm, *event.fallback_order]) if a in self._pool_arms]
+        if not arms:
+            raise PoisonEvent(
+                f"routed event names no arm of this pool (chosen {event.chosen_arm[:100]!r}, "
+                f"{len(event.fallback_order)} fallback(s)); the pool has {', '.join(self._pool_arms)}"
+            )
         on_delta = None
         if turn.options.get("stream") == "true":
             index = 0
@@ -71,7 +86,7 @@ class DispatchStage:
                 await self._producer.publish(TOPIC_TOKENS, chunk, turn)
 
         out = await self._dispatcher.generate(
-            [event.chosen_arm, *event.fallback_order],
+            arms,
             event.text,
             event.state,
             event.view,
@@ -94,13 +109,14 @@ class DispatchServicer(svc_grpc.DispatchServicer):
         self._pool = pool
         self._settings = settings
 
+    @rpc_errors
     async def Generate(self, request: svc.GenerateRequest, context: grpc.aio.ServicerContext) -> ev.Generated:
         if request.arm not in self._pool.arms:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, f"unknown arm {request.arm!r}; known: {self._pool.arms}"
-            )
+            raise InvalidRequest(f"unknown arm {request.arm[:100]!r}; known: {self._pool.arms}")
         if not request.text.strip():
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "text is empty")
+            raise InvalidRequest("text is empty")
+        if not 0 <= request.max_tokens <= MAX_TOKENS_LIMIT:
+            raise InvalidRequest(f"max_tokens must be in 0..{MAX_TOKENS_LIMIT} (0: the default)")
         remaining = context.time_remaining()
         return await self._dispatcher.generate(
             [request.arm],
@@ -111,6 +127,7 @@ class DispatchServicer(svc_grpc.DispatchServicer):
             deadline_ms=int((time.time() + remaining) * 1000) if remaining is not None else 0,
         )
 
+    @rpc_errors
     async def ListModels(self, request: svc.Empty, context: grpc.aio.ServicerContext) -> svc.ModelList:
         return svc.ModelList(
             models=[

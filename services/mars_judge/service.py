@@ -4,17 +4,19 @@ the router learns from; records explicit user feedback (appendix G.1) beside it.
 from __future__ import annotations
 
 import logging
+import math
 import os
 from typing import Literal
 
 import grpc
 from mars import consumer_groups
-from mars.bus import EventProducer, StageConsumer, StageOutput, Subscription
+from mars.bus import EventProducer, PoisonEvent, StageConsumer, StageOutput, Subscription
 from mars.config import TOPIC_FEEDBACK, TOPIC_GENERATED, TOPIC_JUDGED, ServiceSettings
+from mars.db import pg_text
 from mars.domain.feedback import FeedbackMode, feedback_utility
 from mars.llm_json import Dialect, JsonChatClient, TokenPrices, endpoint_url
 from mars.rubric.judge import RubricJudge
-from mars.runtime import GrpcBinding, ServiceContext, ServiceParts, run
+from mars.runtime import GrpcBinding, InvalidRequest, ServiceContext, ServiceParts, rpc_errors, run
 from mars.v1 import events_pb2 as ev
 from mars.v1 import services_pb2_grpc as svc_grpc
 from opentelemetry import metrics
@@ -108,6 +110,17 @@ def make_judge(settings: JudgeSettings) -> RubricJudge:
     )
 
 
+def generation_problem(event: ev.Generated) -> str | None:
+    """Why a generated event cannot be rewarded (its costs make the reward NaN or infinite), or None."""
+    for name in ("cost_usd", "controller_cost_usd"):
+        value = getattr(event, name)
+        if not math.isfinite(value) or value < 0:
+            return f"{name} must be a finite number >= 0, got {value}"
+    if not math.isfinite(event.state.usage.cost_usd) or event.state.usage.cost_usd < 0:
+        return f"state.usage.cost_usd must be a finite number >= 0, got {event.state.usage.cost_usd}"
+    return None
+
+
 async def score(event: ev.Generated, judge: RubricJudge, lambda_cost: float) -> ev.Judged:
     judged = await judge.score(event, lambda_cost)
     judged.turn.CopyFrom(event.turn)
@@ -150,6 +163,8 @@ class JudgeStage:
             log.info("turn %s failed before judging: %s", event.turn.turn_id, event.error)
             return
         turn = event.turn
+        if (problem := generation_problem(event)) is not None:
+            raise PoisonEvent(problem)
         if await self._out.done(turn.turn_id):
             return
         judged = await score(event, self._judge, self._settings.lambda_for(turn.tenant))
@@ -196,12 +211,14 @@ class JudgeStage:
         emit a correction by the difference between the new and the applied reward (inside the same
         transaction, so a redelivery recomputes the same correction id and the router applies it once)."""
         turn = event.turn
+        if not 0.0 <= event.rating <= 1.0:  # NaN fails too
+            raise PoisonEvent(f"feedback rating must be in [0, 1], got {event.rating}")
         mode = self._settings.feedback_mode_for(turn.tenant)
         async with self._pool.connection() as conn, conn.transaction():
             await conn.execute(
                 "INSERT INTO judge_feedback (turn_id, tenant, user_id, rating, comment) VALUES (%s, %s, %s, %s, %s) "
                 "ON CONFLICT (turn_id) DO UPDATE SET rating = EXCLUDED.rating, comment = EXCLUDED.comment",
-                (turn.turn_id, turn.tenant, turn.user_id, event.rating, event.comment),
+                (turn.turn_id, turn.tenant, turn.user_id, event.rating, pg_text(event.comment)),
             )
             if mode == "log":
                 return
@@ -248,11 +265,12 @@ class JudgeServicer(svc_grpc.JudgeServicer):
         self._settings = settings
         self._judge = judge
 
+    @rpc_errors
     async def Score(self, request: ev.Generated, context: grpc.aio.ServicerContext) -> ev.Judged:
         if request.status != ev.OK:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, "only a successful generation can be judged"
-            )
+            raise InvalidRequest("only a successful generation can be judged")
+        if (problem := generation_problem(request)) is not None:
+            raise InvalidRequest(problem)
         return await score(request, self._judge, self._settings.lambda_for(request.turn.tenant))
 
 

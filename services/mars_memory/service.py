@@ -23,7 +23,7 @@ from mars.config import (
 )
 from mars.retrieval.dense import set_cpu_threads
 from mars.retrieval.embedder import Embedder, load_embedder
-from mars.runtime import GrpcBinding, ServiceContext, ServiceParts, run
+from mars.runtime import GrpcBinding, ServiceContext, ServiceParts, check_ids, rpc_errors, run
 from mars.v1 import events_pb2 as ev
 from mars.v1 import services_pb2 as svc
 from mars.v1 import services_pb2_grpc as svc_grpc
@@ -128,18 +128,18 @@ class MemoryServicer(svc_grpc.MemoryServicer):
     def __init__(self, store: MemoryStore) -> None:
         self._store = store
 
+    @rpc_errors
     async def BuildView(
         self, request: svc.BuildViewRequest, context: grpc.aio.ServicerContext
     ) -> ev.CandidateView:
-        if not request.tenant or not request.user_id:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "tenant and user_id are required")
+        check_ids(tenant=request.tenant, user_id=request.user_id)
         return await self._store.view(request.tenant, request.user_id, request.text, request.state)
 
+    @rpc_errors
     async def DescribeIndex(
         self, request: svc.DescribeIndexRequest, context: grpc.aio.ServicerContext
     ) -> svc.IndexDescription:
-        if not request.tenant or not request.user_id:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "tenant and user_id are required")
+        check_ids(tenant=request.tenant, user_id=request.user_id)
         return await self._store.describe(request.tenant, request.user_id)
 
 

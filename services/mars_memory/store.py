@@ -10,6 +10,7 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from mars.db import pg_text
 from mars.domain.memory_policy import (
     MemoryControls,
     MemoryRecord,
@@ -354,6 +355,8 @@ class MemoryStore:
         """Store the turn pair and advance the user's applied seq, in one transaction (idempotent by turn_id)."""
         turn = event.turn
         out = ev.MemoryCommitted(turn=turn)
+        # Postgres refuses NUL in TEXT and JSONB: the turn is stored without it.
+        query, answer = pg_text(event.query), pg_text(event.text)
         async with self._pool.connection() as conn, conn.transaction():
             # Serialise a user's commits (two replicas during a rebalance, or a redelivery).
             await conn.execute(
@@ -372,7 +375,7 @@ class MemoryStore:
                     (turn.tenant, turn.user_id),
                 )
                 active = await cur.fetchone()
-                thread_state = new_thread(event.query)
+                thread_state = new_thread(query)
                 if active is None or event.state.action == ev.NEW_TOPIC:
                     if active is not None:
                         await conn.execute(
@@ -383,19 +386,19 @@ class MemoryStore:
                     await conn.execute(
                         "INSERT INTO memory_threads (thread_id, tenant, user_id, status, opened_seq, title) "
                         "VALUES (%s, %s, %s, 'ACTIVE', %s, %s)",
-                        (out.thread_id, turn.tenant, turn.user_id, turn.seq, event.query[:200]),
+                        (out.thread_id, turn.tenant, turn.user_id, turn.seq, query[:200]),
                     )
                 else:
                     out.thread_id = active[0]
                     thread_state = thread_from_json(active[1]) if active[1] else new_thread(str(active[2]))
-                thread_state = fold_turn(thread_state, turn.seq, event.query, event.text, event.state)
+                thread_state = fold_turn(thread_state, turn.seq, query, answer, event.state)
                 await conn.execute(
                     "UPDATE memory_threads SET state = %s WHERE thread_id = %s",
                     (Jsonb(thread_to_json(thread_state)), out.thread_id),
                 )
                 out.record_id = uuid.uuid4().hex
                 record = MemoryRecord(
-                    out.record_id, turn.session_id, turn.turn_id, turn.seq, event.query, event.text
+                    out.record_id, turn.session_id, turn.turn_id, turn.seq, query, answer
                 )
                 vectors = await asyncio.to_thread(self._embed_record, record)
                 await conn.execute(
@@ -410,8 +413,8 @@ class MemoryStore:
                         turn.session_id,
                         out.thread_id,
                         turn.seq,
-                        event.query,
-                        event.text,
+                        query,
+                        answer,
                         _blob(vectors),
                         self._model_name if vectors is not None else None,
                     ),

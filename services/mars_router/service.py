@@ -17,7 +17,7 @@ from mars.bus import EventProducer, StageConsumer, StageOutput, Subscription
 from mars.config import TOPIC_JUDGED, TOPIC_ROUTED, TOPIC_VIEW, ServiceSettings
 from mars.domain.bandits import draw_key
 from mars.pool import ModelPool, load_pool
-from mars.runtime import GrpcBinding, ServiceContext, ServiceParts, run
+from mars.runtime import GrpcBinding, InvalidRequest, ServiceContext, ServiceParts, check_ids, rpc_errors, run
 from mars.telemetry import step
 from mars.v1 import events_pb2 as ev
 from mars.v1 import services_pb2 as svc
@@ -143,9 +143,9 @@ class RouterServicer(svc_grpc.RouterServicer):
         self._store = store
         self._settings = settings
 
+    @rpc_errors
     async def Route(self, request: svc.RouteRequest, context: grpc.aio.ServicerContext) -> svc.RouteDecision:
-        if not request.tenant or not request.user_id:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "tenant and user_id are required")
+        check_ids(tenant=request.tenant, user_id=request.user_id)
         x = self._store.features(
             request.state, request.view.load, request.turn_depth or 1, request.query_embedding
         )
@@ -158,26 +158,29 @@ class RouterServicer(svc_grpc.RouterServicer):
             policy_version=route.version,
         )
 
+    def _policy_id(self, request: svc.PolicyRequest) -> str:
+        scope = self._settings.policy_scope
+        if (scope != "global" and not request.tenant) or (scope == "user" and not request.user_id):
+            raise InvalidRequest("tenant (and user_id for user policies) required")
+        for name in ("tenant", "user_id"):
+            if getattr(request, name):  # given where the scope does not use it: still a usable id
+                check_ids(**{name: getattr(request, name)})
+        return policy_id_for(
+            self._settings.policy_scope, request.tenant, request.user_id, self._store.feature_space
+        )
+
+    @rpc_errors
     async def ResetPolicy(
         self, request: svc.PolicyRequest, context: grpc.aio.ServicerContext
     ) -> svc.PolicyInfo:
-        if not request.tenant or (self._settings.policy_scope == "user" and not request.user_id):
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, "tenant (and user_id for user policies) required"
-            )
-        await self._store.reset(
-            policy_id_for(
-                self._settings.policy_scope, request.tenant, request.user_id, self._store.feature_space
-            )
-        )
+        await self._store.reset(self._policy_id(request))
         return await self.GetPolicy(request, context)
 
+    @rpc_errors
     async def GetPolicy(
         self, request: svc.PolicyRequest, context: grpc.aio.ServicerContext
     ) -> svc.PolicyInfo:
-        policy_id = policy_id_for(
-            self._settings.policy_scope, request.tenant, request.user_id, self._store.feature_space
-        )
+        policy_id = self._policy_id(request)
         try:
             models, version = await self._store.load(policy_id)
         except PolicyCorrupt as exc:

@@ -11,10 +11,11 @@ import grpc
 from mars import consumer_groups
 from mars.bus import EventProducer, StageConsumer, StageOutput, Subscription
 from mars.config import STATE_STAGE, TOPIC_RECEIVED, TOPIC_STATE, ServiceSettings
+from mars.db import pg_text
 from mars.llm_json import TokenPrices, endpoint_url
 from mars.qtm.controllers import make_controller
 from mars.qtm.guard import GuardedEstimator
-from mars.runtime import GrpcBinding, ServiceContext, ServiceParts, run
+from mars.runtime import GrpcBinding, ServiceContext, ServiceParts, rpc_errors, run
 from mars.v1 import events_pb2 as ev
 from mars.v1 import services_pb2 as svc
 from mars.v1 import services_pb2_grpc as svc_grpc
@@ -84,6 +85,7 @@ class StateEstimatorServicer(svc_grpc.StateEstimatorServicer):
     def __init__(self, estimator: GuardedEstimator) -> None:
         self._estimator = estimator
 
+    @rpc_errors
     async def Estimate(
         self, request: svc.EstimateRequest, context: grpc.aio.ServicerContext
     ) -> ev.SessionState:
@@ -124,7 +126,8 @@ class StateStage:
             recent, depth = [], 0
         depth += 1
         state.thread_depth = depth
-        recent = [*recent, event.text][-self._settings.context_turns :]
+        # Postgres refuses NUL in text (and in JSONB strings): the context keeps the text without it.
+        recent = [*recent, pg_text(event.text)][-self._settings.context_turns :]
         async with self._pool.connection() as conn:
             # Guarded by seq so a redelivered older turn cannot roll the context back.
             await conn.execute(

@@ -28,6 +28,7 @@ ongoing edit loop, and a verification or touch-up after a synthesis from an earl
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -81,6 +82,10 @@ def _one_hot(value: int, choices: tuple[int, ...]) -> list[float]:
 
 
 def _unit(value: float) -> float:
+    """Clipped to [0, 1]; NaN (which min/max would pass through, and which would poison the policy's
+    matrices) reads as 0."""
+    if math.isnan(value):
+        return 0.0
     return min(max(value, 0.0), 1.0)
 
 
@@ -140,6 +145,8 @@ QUERY_PROJECTION_DIM = 32
 QUERY_FEATURE_DIM = QUERY_PROJECTION_DIM + 1
 _PROJECTION_SEED = 20_260_101
 _projections: dict[int, np.ndarray] = {}
+#: Widest query embedding projected (all-MiniLM-L6-v2: 384; the widest common models: 4096).
+MAX_QUERY_EMBEDDING_DIM = 8192
 
 
 def _projection(embedding_dim: int) -> np.ndarray:
@@ -159,6 +166,10 @@ def query_features(embedding: np.ndarray | list[float]) -> np.ndarray:
     e = np.asarray(embedding, dtype=np.float64).ravel()
     x = np.zeros(QUERY_FEATURE_DIM)
     x[0] = 1.0
+    if e.size > MAX_QUERY_EMBEDDING_DIM:
+        # No embedding model is this wide: a foreign or corrupt event. Its projection (32 x size, cached
+        # per size) would cost memory without bound, so it counts as no embedding.
+        return x
     norm = float(np.linalg.norm(e))
     if e.size and norm > 0 and np.isfinite(norm):
         x[1:] = _projection(e.size) @ (e / norm)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from mars.domain.text import estimate_tokens
+from mars.domain.text import enum_name, estimate_tokens
 from mars.v1 import events_pb2 as ev
 
 # Per-message framing overhead (role markers, separators) added to the content token count.
@@ -59,9 +59,10 @@ class PackedPrompt:
 def memory_guidance(state: ev.SessionState) -> str:
     """State header for the generator; internal scores, confidences and router terms stay out (Fig. 5)."""
     relation = "continuation of the active thread" if state.action == ev.MATCH else "topic shift"
-    qtype = ev.QueryType.Name(state.query_type) if state.query_type else "UNSPECIFIED"
-    phase = ev.Phase.Name(state.phase) if state.phase else "UNSPECIFIED"
-    scope = ev.RetrievalScope.Name(state.retrieval_scope) if state.retrieval_scope else "UNSPECIFIED"
+    # Values this build has no name for (a newer producer, a foreign one) read as UNSPECIFIED.
+    qtype = enum_name(ev.QueryType, state.query_type)
+    phase = enum_name(ev.Phase, state.phase)
+    scope = enum_name(ev.RetrievalScope, state.retrieval_scope)
     lens = "full memory view" if state.lens_recommendation == 3 else "minimal memory view"
     return (
         "MEMORY GUIDANCE\n"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import re
+from typing import Any
 
 _WORD = re.compile(r"\w+")
 
@@ -43,3 +44,14 @@ def overlap(a: str, b: str) -> float:
         return 0.0
     tb = set(tokenize(b))
     return len(ta & tb) / len(ta)
+
+
+def enum_name(enum: Any, value: int) -> str:
+    """The name of a protobuf enum value, "UNSPECIFIED" for 0 and for numbers this build does not know
+    (proto3 enums are open: an event from a newer or foreign producer may carry any int32)."""
+    if not value:
+        return "UNSPECIFIED"
+    try:
+        return enum.Name(value)
+    except ValueError:
+        return "UNSPECIFIED"

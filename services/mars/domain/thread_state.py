@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from mars.domain.state_rules import detect_cues
+from mars.domain.text import enum_name
 from mars.v1 import events_pb2 as ev
 
 MAX_CONSTRAINTS = 6
@@ -52,7 +53,7 @@ def fold_turn(
         version=version,
         turns=thread.turns + 1,
         last_seq=seq,
-        phases=(*thread.phases, ev.Phase.Name(state.phase))[-4:],
+        phases=(*thread.phases, enum_name(ev.Phase, state.phase))[-4:],
     )
 
 
