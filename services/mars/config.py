@@ -186,6 +186,12 @@ class ServiceSettings(BaseSettings):
     postgres_dsn: str = "postgresql://mars@127.0.0.1:5432/mars"
     grpc_host: str = "127.0.0.1"
     grpc_port: int = 0
+    #: TLS on this service's gRPC port: its certificate chain and key (PEM files, e.g. a mounted Kubernetes
+    #: TLS Secret); both empty serves plaintext. See mars.tls.
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    #: Mutual TLS: callers must present a certificate signed by this CA (PEM); empty asks for none.
+    tls_client_ca_file: str = ""
     #: Attempts at a handler before its event is dead-lettered.
     handler_attempts: int = 3
     #: Longest text (the turn's text, an answer, a feedback comment) a stage event may carry; a longer one

@@ -18,7 +18,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from psycopg_pool import AsyncConnectionPool
 
-from mars import db
+from mars import db, tls
 from mars.bus import EventProducer, PoisonEvent, StageConsumer, ensure_topics, id_problem, is_transient
 from mars.config import ServiceSettings
 from mars.kafka_options import kafka_client_options
@@ -159,7 +159,7 @@ async def serve(name: str, settings: ServiceSettings, build: Builder, migrations
         binding.add_to_server(binding.servicer, server)
     names = [b.full_name for b in parts.bindings]
     reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    port = server.add_insecure_port(f"{settings.grpc_host}:{settings.grpc_port}")
+    port = tls.add_port(server, f"{settings.grpc_host}:{settings.grpc_port}", settings)
     await server.start()
     for svc in ["", *names]:
         await health_servicer.set(svc, health_pb2.HealthCheckResponse.NOT_SERVING)
