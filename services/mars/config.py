@@ -192,6 +192,9 @@ class ServiceSettings(BaseSettings):
     tls_key_file: str = ""
     #: Mutual TLS: callers must present a certificate signed by this CA (PEM); empty asks for none.
     tls_client_ca_file: str = ""
+    #: A plaintext port serving grpc.health.v1 only, for probes that cannot speak TLS (Kubernetes' native
+    #: gRPC probes); 0 serves none (health is on the main port too).
+    health_port: int = Field(default=0, ge=0, le=65535)
     #: Attempts at a handler before its event is dead-lettered.
     handler_attempts: int = 3
     #: Longest text (the turn's text, an answer, a feedback comment) a stage event may carry; a longer one

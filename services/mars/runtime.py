@@ -161,6 +161,13 @@ async def serve(name: str, settings: ServiceSettings, build: Builder, migrations
     reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     port = tls.add_port(server, f"{settings.grpc_host}:{settings.grpc_port}", settings)
     await server.start()
+    # Health alone, in plaintext, on a port of its own: Kubernetes' gRPC probes cannot speak TLS.
+    health_server = None
+    if settings.health_port:
+        health_server = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, health_server)
+        health_server.add_insecure_port(f"{settings.grpc_host}:{settings.health_port}")
+        await health_server.start()
     for svc in ["", *names]:
         await health_servicer.set(svc, health_pb2.HealthCheckResponse.NOT_SERVING)
 
@@ -204,6 +211,8 @@ async def serve(name: str, settings: ServiceSettings, build: Builder, migrations
     for consumer in parts.consumers:
         await consumer.stop()
     await server.stop(grace=2)
+    if health_server is not None:
+        await health_server.stop(None)
     for hook in parts.on_stop:
         await hook()
     await producer.stop()

@@ -70,6 +70,7 @@ PROFILES: dict[str, dict[str, Any]] = {
             "metrics": {"serviceMonitor": {"enabled": True}},
         },
     ),
+    "tls-mutual": merged(BASE, {"tls": {"enabled": True, "secretName": "mars-tls", "mutual": True}}),
     "hpa-no-vllm": merged(
         BASE,
         {
@@ -262,7 +263,9 @@ def test_every_service_container_has_grpc_probes(profile: str) -> None:
     deployments = by_component(render(PROFILES[profile]), "Deployment")
     for service in SERVICES:
         (container,) = deployments[service]["spec"]["template"]["spec"]["containers"]
-        port = next(p["containerPort"] for p in container["ports"] if p["name"] == "grpc")
+        # With TLS on, the probes use the plaintext health port (Kubernetes' gRPC probes cannot speak TLS).
+        probe_port = "health" if PROFILES[profile].get("tls", {}).get("enabled") else "grpc"
+        port = next(p["containerPort"] for p in container["ports"] if p["name"] == probe_port)
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert container[probe]["grpc"]["port"] == port, (service, probe)
         # Readiness asks for the service by name: a port answered by some other server is not "ready".
@@ -580,3 +583,22 @@ def test_replay_job_fits_the_release_it_runs_beside() -> None:
                 "ns_labels": pods["client"]["ns_labels"],
             }
             assert all(reachable(policies, tool, pods[s], "grpc") for s in STAGES)
+
+
+def test_tls_mounts_the_secret_and_probes_health_in_plaintext() -> None:
+    objects = render(PROFILES["tls-mutual"])
+    for service in SERVICES:
+        env = helm.service_env(objects, service)
+        pod = by_component(objects, "Deployment")[service]["spec"]["template"]["spec"]
+        (container,) = pod["containers"]
+        mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert volumes[mounts["/etc/mars/tls"]]["secret"]["secretName"] == "mars-tls"
+        assert env["MARS_TLS_CERT_FILE"] == "/etc/mars/tls/tls.crt"
+        assert env["MARS_TLS_KEY_FILE"] == "/etc/mars/tls/tls.key"
+        assert env["MARS_TLS_CLIENT_CA_FILE"] == "/etc/mars/tls/ca.crt"
+        assert container["readinessProbe"]["grpc"]["port"] == int(env["MARS_HEALTH_PORT"])
+    plain = helm.service_env(render(BASE), "ingress")
+    assert not {k for k in plain if k.startswith("MARS_TLS_") or k == "MARS_HEALTH_PORT"}
+    with pytest.raises(helm.ChartError, match=r"tls\.secretName is required"):
+        helm.install_dry_run(merged(BASE, {"tls": {"enabled": True}}))

@@ -118,6 +118,14 @@ MARS_KAFKA_SSL_CAFILE: /etc/mars/kafka-tls/{{ .Values.kafka.tls.caKey }}
 MARS_POSTGRES_DSN: {{ printf "postgresql://%s@%s:%d/%s?sslmode=%s" .Values.postgres.user (required "postgres.host is required: the external Postgres server's host name" .Values.postgres.host) (int .Values.postgres.port) .Values.postgres.database .Values.postgres.sslMode | quote }}
 MARS_GRPC_HOST: "0.0.0.0"
 MARS_METRICS_PORT: {{ .Values.metrics.port | quote }}
+{{- if .Values.tls.enabled }}
+MARS_TLS_CERT_FILE: /etc/mars/tls/tls.crt
+MARS_TLS_KEY_FILE: /etc/mars/tls/tls.key
+MARS_HEALTH_PORT: {{ .Values.tls.healthPort | quote }}
+{{- if .Values.tls.mutual }}
+MARS_TLS_CLIENT_CA_FILE: /etc/mars/tls/ca.crt
+{{- end }}
+{{- end }}
 {{- range $k, $v := .Values.env }}
 {{ $k }}: {{ $v | quote }}
 {{- end }}
@@ -168,6 +176,11 @@ MARS_METRICS_PORT: {{ .Values.metrics.port | quote }}
   secret:
     secretName: {{ .Values.kafka.tls.caSecret }}
 {{- end }}
+{{- if .Values.tls.enabled }}
+- name: tls
+  secret:
+    secretName: {{ required "tls.secretName is required with tls.enabled: a kubernetes.io/tls Secret" .Values.tls.secretName }}
+{{- end }}
 {{- end -}}
 
 {{- define "mars.volumeMounts" -}}
@@ -179,6 +192,11 @@ MARS_METRICS_PORT: {{ .Values.metrics.port | quote }}
 {{- if include "mars.kafkaUsesTls" . }}
 - name: kafka-tls
   mountPath: /etc/mars/kafka-tls
+  readOnly: true
+{{- end }}
+{{- if .Values.tls.enabled }}
+- name: tls
+  mountPath: /etc/mars/tls
   readOnly: true
 {{- end }}
 {{- end -}}
