@@ -38,6 +38,7 @@ from google.protobuf.message import Message
 from google.protobuf.unknown_fields import UnknownFieldSet
 from opentelemetry import trace
 
+from mars import metrics
 from mars.config import ALL_TOPICS, SCHEMA_VERSION, ServiceSettings
 from mars.kafka_options import kafka_client_options
 from mars.telemetry import context_from_headers, inject_headers, step
@@ -383,6 +384,19 @@ class StageConsumer:
         # Groups are per run too: two runs on one broker must not share (and rebalance) a group.
         self._group_id = self._topics.prefix + group_id
         self._subs = {self._topics.name(s.topic): s for s in subscriptions}
+        # Metric labels, made once: the group and topic names without the run's prefix (see mars.metrics).
+        self._group_label = group_id
+        self._topic_label = {self._topics.name(s.topic): s.topic for s in subscriptions}
+        self._stage_attrs = {
+            (topic, outcome): {"group": group_id, "topic": base, "outcome": outcome}
+            for topic, base in self._topic_label.items()
+            for outcome in metrics.STAGE_OUTCOMES
+        }
+        self._delay_attrs = {
+            topic: {"group": group_id, "topic": base} for topic, base in self._topic_label.items()
+        }
+        #: Records behind per (group, topic) label, recomputed every COMMIT_EVERY_S (mars.consumer.lag).
+        self._lag: dict[tuple[str, str], int] = {}
         #: Per assigned partition: the first offset no consumer of the group can have handled before.
         self._fresh_from: dict[TopicPartition, int] = {}
         #: Per partition: the offsets fetched and not yet finished, and the last committed offset.
@@ -410,6 +424,7 @@ class StageConsumer:
             self._consumer.subscribe(list(self._subs), listener=_FreshOffsets(self))
         self._tracer = trace.get_tracer(f"mars.{service}")
         self._task: asyncio.Task[None] | None = None
+        metrics.watch_consumer(self)
 
     async def _partitions_assigned(self, assigned: set[TopicPartition]) -> None:
         self._fresh_from = {tp: o for tp, o in self._fresh_from.items() if tp in assigned}
@@ -479,6 +494,7 @@ class StageConsumer:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._commit_finished(), timeout=self.REVOKE_WAIT_S)
         await self._consumer.stop()
+        self._lag = {}
 
     @property
     def task(self) -> asyncio.Task[None] | None:
@@ -520,6 +536,10 @@ class StageConsumer:
         try:
             if before is not None:
                 await asyncio.shield(before)  # never raises: failures are retried inside
+            if record.timestamp > 0:  # the record's age as its stage starts on it (waits behind its key)
+                metrics.instruments().queue_delay.record(
+                    max(0.0, time.time() * 1000 - record.timestamp), self._delay_attrs[record.topic]
+                )
             while True:
                 try:
                     await self._handle(record)
@@ -545,9 +565,43 @@ class StageConsumer:
     async def _commit_loop(self) -> None:
         while True:
             await asyncio.sleep(self.COMMIT_EVERY_S)
+            try:
+                self._lag = self._lag_now()
+            except Exception:  # a metric must never stop the commits
+                log.debug("lag of %s not computed", self._group_id, exc_info=True)
             if self._broadcast:
                 continue
             await self._commit_finished()
+
+    def _lag_now(self) -> dict[tuple[str, str], int]:
+        """Records behind per topic, from this consumer's own view (no broker call): per assigned partition,
+        the high watermark of its last fetch response minus its first unfinished record (or its position
+        when none is open). Partitions never fetched yet (no high watermark) are left out."""
+        subscription = self._consumer._subscription.subscription
+        assignment = subscription.assignment if subscription is not None else None
+        if assignment is None:
+            return {}
+        lag: dict[tuple[str, str], int] = {}
+        for tp in self._consumer.assignment():
+            state = assignment.state_value(tp)
+            if state is None or state.highwater is None:
+                continue
+            track = self._tracks.get(tp)
+            if track is not None and track.open:
+                position = track.open[0]
+            elif state.has_valid_position:
+                position = state.position
+            elif track is not None and track.next_fetch is not None:
+                position = track.next_fetch
+            else:
+                continue
+            key = (self._group_label, self._topic_label.get(tp.topic, tp.topic))
+            lag[key] = lag.get(key, 0) + max(0, state.highwater - position)
+        return lag
+
+    def lag_snapshot(self) -> dict[tuple[str, str], int]:
+        """The last computed lag (read by the mars.consumer.lag gauge, on the metrics thread)."""
+        return self._lag
 
     async def _commit_finished(self) -> None:
         offsets = {}
@@ -583,6 +637,7 @@ class StageConsumer:
     async def _handle(self, record: ConsumerRecord[Any, Any]) -> None:
         sub = self._subs[record.topic]
         turn_id = ""
+        kind = "undecodable"  # what the check that fails found wrong (mars.dead_letters reason_kind)
         try:
             event = sub.message_type()
             try:
@@ -590,16 +645,19 @@ class StageConsumer:
             except Exception as exc:  # DecodeError (bad UTF-8 in a string, truncation, ...) or worse
                 raise PoisonEvent(f"cannot decode {sub.message_type.__name__}: {exc}") from exc
             if sub.requires_envelope:
+                kind = "invalid_envelope"
                 turn = event.turn  # type: ignore[attr-defined]
                 turn_id = turn.turn_id
                 validate_envelope(turn)
                 validate_key(record.key, turn)
             if (clash := wire_type_clash(event)) is not None:
+                kind = "undecodable"
                 raise PoisonEvent(f"cannot decode {sub.message_type.__name__}: {clash}")
             if (oversized := oversized_text(event, self._settings.max_event_text_chars)) is not None:
+                kind = "oversized_text"
                 raise PoisonEvent(oversized)
         except PoisonEvent as exc:
-            await self._dead_letter(record, str(exc), turn_id)
+            await self._dead_letter(record, str(exc), turn_id, kind)
             return
 
         tp = TopicPartition(record.topic, record.partition)
@@ -620,37 +678,58 @@ class StageConsumer:
                     "messaging.destination": record.topic,
                 },
             ) as span:
+                started = time.perf_counter()
                 try:
                     await sub.handler(event)
+                    self._timed(record.topic, "ok", started)
                     return
                 except PoisonEvent as exc:
+                    self._timed(record.topic, "dead_lettered", started)
                     span.record_exception(exc)
-                    await self._dead_letter(record, str(exc), turn_id)
+                    await self._dead_letter(record, str(exc), turn_id, "rejected")
                     return
                 except Exception as exc:
                     span.record_exception(exc)
                     if (reason := poison_reason(exc)) is not None:
-                        await self._dead_letter(record, reason, turn_id)
+                        self._timed(record.topic, "dead_lettered", started)
+                        kind = "output_too_large" if isinstance(exc, TOO_LARGE) else "data_refused"
+                        await self._dead_letter(record, reason, turn_id, kind)
                         return
                     if is_transient(exc):
+                        self._timed(record.topic, "retried", started)
                         raise  # not the event's fault: the batch is retried, the event never dead-lettered
                     log.exception(
                         "handler failed on %s@%s (attempt %d)", record.topic, record.offset, attempt
                     )
                     if attempt == attempts:
+                        self._timed(record.topic, "dead_lettered", started)
                         await self._dead_letter(
-                            record, f"handler failed after {attempts} attempts: {exc!r}", turn_id
+                            record,
+                            f"handler failed after {attempts} attempts: {exc!r}",
+                            turn_id,
+                            "handler_failed",
                         )
                         return
+                    self._timed(record.topic, "retried", started)
             await asyncio.sleep(0.2 * attempt)
 
-    async def _dead_letter(self, record: ConsumerRecord[Any, Any], reason: str, turn_id: str) -> None:
+    def _timed(self, topic: str, outcome: str, started: float) -> None:
+        """One handler call's time (mars.stage.duration), from its time.perf_counter() start."""
+        metrics.instruments().stage_duration.record(
+            (time.perf_counter() - started) * 1000, self._stage_attrs[topic, outcome]
+        )
+
+    async def _dead_letter(
+        self, record: ConsumerRecord[Any, Any], reason: str, turn_id: str, kind: str
+    ) -> None:
+        """`kind`: the reason's coarse kind (mars.metrics.DEAD_LETTER_KINDS), the metric's label."""
         if record.topic == self._topics.dead_letter:
             # Never dead-letter a dead letter: that would loop forever.
             log.error("unreadable dead letter %d/%d skipped: %s", record.partition, record.offset, reason)
             return
         log.warning("dead-lettering %s@%d/%d: %s", record.topic, record.partition, record.offset, reason)
         await self._producer.dead_letter(record, reason, self._group_id, turn_id)
+        metrics.record_dead_letter(self._group_label, self._topic_label.get(record.topic, record.topic), kind)
 
 
 __all__ = [

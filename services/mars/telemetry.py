@@ -4,8 +4,9 @@ metadata.
 Nothing is exported by default; `MARS_OTLP_ENDPOINT` adds OTLP exporters for spans and metrics, and
 `MARS_TRACE_DIR` a JSON-lines file of spans per service (used by the end-to-end tests to check one trace
 covers a whole turn) and one of metric snapshots under `metrics/` (every `MARS_METRICS_INTERVAL_S`).
-Metric instruments (`mars.cost.usd`, `mars.qtm.outcomes`, ...) are created from the global API at import
-time; they record once a MeterProvider is installed here.
+`MARS_METRICS_PORT` serves them to Prometheus (GET /metrics). The instruments (`mars.turns`,
+`mars.stage.duration`, `mars.cost.usd`, ...) are all defined in `mars.metrics`, and bound here to the
+service's MeterProvider.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from opentelemetry.sdk.trace.export import (
     SpanExportResult,
 )
 
+from mars import metrics as mars_metrics
 from mars.config import ServiceSettings
 
 log = logging.getLogger(__name__)
@@ -145,6 +147,7 @@ def setup_telemetry(service: str, settings: ServiceSettings) -> Telemetry:
         readers.append(PrometheusMetricReader())
     meter_provider = MeterProvider(resource=resource, metric_readers=readers)
     metrics.set_meter_provider(meter_provider)
+    mars_metrics.bind(meter_provider)
     return Telemetry(tracer_provider, meter_provider, files, metrics_server)
 
 

@@ -9,6 +9,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
+from mars import metrics
 from mars.domain.circuit import CircuitBreaker
 from mars.domain.packing import PackedPrompt, input_budget, pack_view
 from mars.pool import ModelPool, ModelSpec
@@ -65,6 +66,7 @@ class Dispatcher:
             m.name: CircuitBreaker(settings.circuit_failure_threshold, settings.circuit_reset_s)
             for m in pool.models
         }
+        metrics.watch_circuits(self)  # mars.circuit.state per arm
 
     async def generate(
         self,
@@ -101,13 +103,14 @@ class Dispatcher:
                 clipped_blocks=len(packed.clipped_block_ids),
             )
             with step("dispatch model-call"):
-                completion = await self._try_arm(
+                completion, outcome = await self._try_arm(
                     spec, packed, max_tokens, cascade_min_logprob < 0, relay, deadline_ms, attempt
                 )
             if completion is not None:
                 self._record_answer(out, attempt, spec, packed, completion)
                 attempt.escalated = arm != arms[-1] and _below_cascade(completion, cascade_min_logprob)
             attempt.latency_ms = (time.perf_counter() - t0) * 1000
+            metrics.record_dispatch_attempt(arm, "escalated" if attempt.escalated else outcome)
             out.attempts.append(attempt)
             if attempt.ok and not attempt.escalated:
                 break
@@ -142,38 +145,42 @@ class Dispatcher:
         relay: _StreamRelay | None,
         deadline_ms: int,
         attempt: ev.GenerationAttempt,
-    ) -> Completion | None:
-        """The arm's completion, or None with `attempt.error` saying why there is none. The circuit gets
-        a verdict on every call it let through (a half-open trial is always resolved), but only the
-        endpoint's own failures count against it: not the turn's deadline, not a cancelled caller."""
+    ) -> tuple[Completion | None, str]:
+        """The arm's completion, or None with `attempt.error` saying why there is none, and the attempt's
+        outcome (mars.metrics.DISPATCH_OUTCOMES). The circuit gets a verdict on every call it let through
+        (a half-open trial is always resolved), but only the endpoint's own failures count against it: not
+        the turn's deadline, not a cancelled caller."""
         arm = spec.name
         breaker = self.breakers[arm]
         # The caller's deadline bounds every call: nobody waits for an answer after it.
         remaining_s = (deadline_ms - time.time() * 1000) / 1000 if deadline_ms else None
         if not packed.fits:
             attempt.error = f"query and active state exceed the input budget of {arm}"
-            return None
+            return None, "no_fit"
         if remaining_s is not None and remaining_s <= 0:
             attempt.error = f"the turn's deadline passed before {arm} was called"
-            return None
+            return None, "deadline_passed"
         if not breaker.allow():
             attempt.error = (
                 f"circuit open for {arm}: {breaker.failure_threshold} failed calls in a row; "
                 f"a trial call goes through {breaker.reset_after_s:g}s after the last failure"
             )
-            return None
+            return None, "circuit_open"
         verdict: bool | None = None  # True: the endpoint answered; False: it failed; None: no verdict
+        outcome = "error"
         try:
             completion = await self._call(spec, packed, max_tokens, want_logprobs, relay, remaining_s)
             verdict = True
-            return completion
+            return completion, "ok"
         except GenerationError as exc:
             verdict = False
+            outcome = "endpoint_error"
             attempt.error = str(exc)
         except DeadlineExceeded as exc:
             # Cut by the turn's own deadline: one caller's short deadline must not open the arm's circuit
             # for every tenant. It counts only if the endpoint had already failed an attempt of this call.
             verdict = False if exc.endpoint_error is not None else None
+            outcome = "deadline"
             attempt.error = f"{arm} did not finish before the turn's deadline" + (
                 f" (after {exc.endpoint_error})" if exc.endpoint_error is not None else ""
             )
@@ -189,7 +196,7 @@ class Dispatcher:
                 breaker.record_failure()
             else:
                 breaker.release()
-        return None
+        return None, outcome
 
     async def _call(
         self,

@@ -9,7 +9,7 @@ import os
 from typing import Literal
 
 import grpc
-from mars import consumer_groups
+from mars import consumer_groups, metrics
 from mars.bus import EventProducer, PoisonEvent, StageConsumer, StageOutput, Subscription
 from mars.config import TOPIC_FEEDBACK, TOPIC_GENERATED, TOPIC_JUDGED, ServiceSettings
 from mars.db import pg_text
@@ -19,7 +19,6 @@ from mars.rubric.judge import RubricJudge
 from mars.runtime import GrpcBinding, InvalidRequest, ServiceContext, ServiceParts, rpc_errors, run
 from mars.v1 import events_pb2 as ev
 from mars.v1 import services_pb2_grpc as svc_grpc
-from opentelemetry import metrics
 from psycopg_pool import AsyncConnectionPool
 from pydantic import Field
 
@@ -132,19 +131,13 @@ async def score(event: ev.Generated, judge: RubricJudge, lambda_cost: float) -> 
     return judged
 
 
-_costs = metrics.get_meter("mars.judge").create_counter(
-    "mars.cost.usd", unit="USD", description="per-turn costs by tenant, user and component"
-)
-
-
 def count_costs(judged: ev.Judged) -> None:
-    """Totals per tenant and user, by component: generator, controller (QTM) and judge (feedback)."""
-    for component, usd in (
-        ("generator", judged.cost_usd),
-        ("controller", judged.controller_cost_usd),
-        ("judge", judged.judge_cost_usd),
-    ):
-        _costs.add(usd, {"tenant": judged.turn.tenant, "user": judged.turn.user_id, "component": component})
+    """Totals per tenant by component (mars.cost.usd): generator, controller (QTM) and judge. Per user
+    they are SUMs over judge_rewards: a user label would make one series per user."""
+    tenant = judged.turn.tenant
+    metrics.record_cost(tenant, "generator", judged.cost_usd)
+    metrics.record_cost(tenant, "controller", judged.controller_cost_usd)
+    metrics.record_cost(tenant, "judge", judged.judge_cost_usd)
 
 
 class JudgeStage:

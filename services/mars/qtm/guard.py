@@ -18,17 +18,12 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 
-from opentelemetry import metrics
-
+from mars import metrics
 from mars.domain.state_rules import clamp_state, detect_cues, estimate_state
 from mars.llm_json import TokenPrices
 from mars.qtm.controllers import Controller, ControllerReply, ControllerUnavailable
 from mars.qtm.schema import ControllerOutputError, parse_controller_output
 from mars.v1 import events_pb2 as ev
-
-_meter = metrics.get_meter("mars.qtm")
-_outcomes = _meter.create_counter("mars.qtm.outcomes", description="QTM calls by outcome")
-
 
 #: Paper Table 10: the controller (Qwen2.5-7B-Instruct) at $0.04 in and $0.10 out per million tokens.
 QTM_PRICES = TokenPrices(0.04, 0.10)
@@ -66,7 +61,7 @@ class GuardedEstimator:
 
     def _count(self, outcome: str) -> None:
         self.counts[outcome] += 1
-        _outcomes.add(1, {"outcome": outcome, "backend": self.backend})
+        metrics.record_qtm_outcome(outcome, self.backend)
 
     async def estimate(self, text: str, active_context: Sequence[str]) -> ev.SessionState:
         started = time.perf_counter()

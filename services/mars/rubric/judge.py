@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from google.protobuf.json_format import MessageToDict
-from opentelemetry import metrics
 
+from mars import metrics
 from mars.domain.reward import PROFILES, JudgeProfile, compose_utility, judge_turn
 from mars.llm_json import EndpointError, JsonChatClient, NoJsonObject, TokenPrices, parse_json_object
 from mars.v1 import events_pb2 as ev
@@ -32,10 +32,6 @@ FLAG_FIELDS: tuple[str, ...] = tuple(f.name for f in ev.FailureFlags.DESCRIPTOR.
 #: Memory text shown to the judge, in characters (the judge needs the gist, not every block in full).
 MAX_MEMORY_CHARS = 3000
 MAX_ANSWER_CHARS = 3000
-
-_outcomes = metrics.get_meter("mars.judge").create_counter(
-    "mars.judge.outcomes", description="turn judgements by outcome"
-)
 
 
 @functools.cache
@@ -124,7 +120,7 @@ class RubricJudge:
 
     def _count(self, outcome: str) -> None:
         self.counts[outcome] += 1
-        _outcomes.add(1, {"outcome": outcome})
+        metrics.record_judge_outcome(outcome)
 
     async def aclose(self) -> None:
         if self.client is not None:

@@ -1,0 +1,307 @@
+"""Every MARS metric instrument, defined once (`Instruments`). Services record through the `record_*`
+helpers here or `instruments()`; nothing else creates instruments. Import the module, not an instrument:
+`bind` replaces them.
+
+`mars.telemetry.setup_telemetry` binds them to the service's MeterProvider (OTLP, the metric snapshots under
+`MARS_TRACE_DIR/metrics/`, the Prometheus endpoint on `MARS_METRICS_PORT`); until then they are no-ops.
+
+=======================  ================  ========  =====================================================
+name                     kind              unit      labels                                      (recorded in)
+=======================  ================  ========  =====================================================
+mars.turns               counter           {turn}    status (TURN_STATUSES), tenant                  ingress
+mars.turn.duration       histogram         ms        status                                          ingress
+mars.stage.duration      histogram         ms        group, topic, outcome (STAGE_OUTCOMES)      every stage
+mars.stage.queue_delay   histogram         ms        group, topic                                every stage
+mars.dead_letters        counter           {record}  group, topic, reason_kind (DEAD_LETTER_KINDS)   stages
+mars.consumer.lag        observable gauge  {record}  group, topic                                every stage
+mars.cost.usd            counter           USD       tenant, component (COST_COMPONENTS)               judge
+mars.qtm.outcomes        counter           {call}    outcome, backend                                  state
+mars.judge.outcomes      counter           {turn}    outcome                                           judge
+mars.circuit.state       observable gauge  1         arm (0 closed, 1 half-open, 2 open)            dispatch
+mars.dispatch.attempts   counter           {attempt} arm, outcome (DISPATCH_OUTCOMES)               dispatch
+=======================  ================  ========  =====================================================
+
+Labels: `group` is the consumer group's name without the run's topic prefix (`mars.consumer_groups`, and
+"ingress-replies" for each ingress replica's reply reader), `topic` the base topic name. Every label takes a
+bounded set of values, except `tenant`: one series per tenant (and status or component), so a deployment
+with very many tenants should aggregate it away in the collector (or drop the label there). Never a
+user_id, session_id or turn_id label: per-user numbers are in Postgres (`judge_rewards`, `ingress_turns`).
+The service is not a label either: it is the resource's `service.name` (Prometheus: `target_info` and the
+scrape target). `mars.consumer.lag` covers the partitions a process holds: a group's lag is the sum over
+its replicas. Prometheus names: dots become underscores, counters end in `_total`, and the unit is added
+(`mars_stage_duration_milliseconds_bucket`, `mars_cost_usd_USD_total`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import weakref
+from collections.abc import Iterable, Mapping
+from typing import Protocol
+
+from opentelemetry import metrics
+from opentelemetry.metrics import CallbackOptions, Meter, MeterProvider, Observation
+
+log = logging.getLogger(__name__)
+
+#: Histogram buckets in ms: from a Postgres write to a model call at the turn timeout.
+DURATION_BUCKETS_MS: tuple[float, ...] = (
+    1, 2.5, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10_000, 30_000, 60_000, 120_000,
+)  # fmt: skip
+
+# ---- label values ------------------------------------------------------------------------------------
+
+#: How a turn ended for its caller. Anything else is counted as "error".
+TURN_STATUSES = ("answered", "failed", "timed_out", "rejected", "invalid", "cancelled", "error")
+#: What became of one stage handler call: done, dead-lettered (the record's own fault, or out of
+#: attempts), or failed and to be tried again.
+STAGE_OUTCOMES = ("ok", "dead_lettered", "retried")
+#: Why a record was dead-lettered, coarsely (the letter's reason has the details).
+DEAD_LETTER_KINDS = (
+    "undecodable",  # not a protobuf of the topic's type
+    "invalid_envelope",  # envelope fields or the record key wrong
+    "oversized_text",  # text over MARS_MAX_EVENT_TEXT_CHARS
+    "rejected",  # the stage's handler refused the content (PoisonEvent)
+    "output_too_large",  # the stage's output too large for the broker
+    "data_refused",  # Postgres refused the event's data
+    "handler_failed",  # the handler failed on every attempt
+)
+#: Cost components of a turn (appendix B.6): the generating arm, the QTM controller, the rubric judge.
+COST_COMPONENTS = ("generator", "controller", "judge")
+#: One arm attempt: answered; answered but escalated by the confidence cascade; the endpoint failed; the
+#: turn's deadline cut the call; the circuit was open; the prompt did not fit the arm; the deadline had
+#: passed before the call; a defect on our side.
+DISPATCH_OUTCOMES = (
+    "ok",
+    "escalated",
+    "endpoint_error",
+    "deadline",
+    "circuit_open",
+    "no_fit",
+    "deadline_passed",
+    "error",
+)
+#: mars.circuit.state values.
+CIRCUIT_VALUES = {"closed": 0, "half_open": 1, "open": 2}
+
+# ---- what the observable gauges read -------------------------------------------------------------------
+
+
+class LagSource(Protocol):
+    def lag_snapshot(self) -> Mapping[tuple[str, str], int]:
+        """Records behind per (group, topic), as last computed on the source's own event loop."""
+        ...
+
+
+class _HasState(Protocol):
+    @property
+    def state(self) -> str: ...
+
+
+class CircuitSource(Protocol):
+    @property
+    def breakers(self) -> Mapping[str, _HasState]: ...
+
+
+class _Watched:
+    """Objects an observable gauge reads when metrics are collected (on the exporter's or the Prometheus
+    server's thread), held weakly: a dropped consumer or dispatcher drops out by itself."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._items: weakref.WeakSet[object] = weakref.WeakSet()
+
+    def add(self, item: object) -> None:
+        with self._lock:
+            self._items.add(item)
+
+    def items(self) -> list[object]:
+        with self._lock:
+            return list(self._items)
+
+
+_lag_sources = _Watched()
+_circuit_sources = _Watched()
+
+
+def watch_consumer(source: LagSource) -> None:
+    """Report `source.lag_snapshot()` as `mars.consumer.lag` from now on (while the source lives)."""
+    _lag_sources.add(source)
+
+
+def watch_circuits(source: CircuitSource) -> None:
+    """Report the state of each of `source.breakers` (arm name -> CircuitBreaker, read at collection
+    time) as `mars.circuit.state` from now on (while the source lives)."""
+    _circuit_sources.add(source)
+
+
+def _observe_lag(options: CallbackOptions) -> Iterable[Observation]:
+    out: list[Observation] = []
+    for source in _lag_sources.items():
+        try:
+            snapshot = dict(source.lag_snapshot())  # type: ignore[attr-defined]
+        except Exception:  # one source must not break the collection
+            log.debug("lag snapshot failed", exc_info=True)
+            continue
+        out.extend(Observation(lag, {"group": g, "topic": t}) for (g, t), lag in snapshot.items())
+    return out
+
+
+def _observe_circuits(options: CallbackOptions) -> Iterable[Observation]:
+    out: list[Observation] = []
+    for source in _circuit_sources.items():
+        try:
+            breakers = list(source.breakers.items())  # type: ignore[attr-defined]
+            out.extend(Observation(CIRCUIT_VALUES.get(b.state, 2), {"arm": arm}) for arm, b in breakers)
+        except Exception:
+            log.debug("circuit states unavailable", exc_info=True)
+    return out
+
+
+# ---- the instruments -----------------------------------------------------------------------------------
+
+
+class Instruments:
+    """Every instrument, made on one meter (the table above)."""
+
+    def __init__(self, meter: Meter) -> None:
+        self.turns = meter.create_counter(
+            "mars.turns", unit="{turn}", description="turns by how they ended, per tenant"
+        )
+        self.turn_duration = meter.create_histogram(
+            "mars.turn.duration",
+            unit="ms",
+            description="time from a turn's arrival at ingress to its reply or refusal, by status",
+            explicit_bucket_boundaries_advisory=DURATION_BUCKETS_MS,
+        )
+        self.stage_duration = meter.create_histogram(
+            "mars.stage.duration",
+            unit="ms",
+            description="stage handler calls: time per call, by consumer group, topic and outcome",
+            explicit_bucket_boundaries_advisory=DURATION_BUCKETS_MS,
+        )
+        self.queue_delay = meter.create_histogram(
+            "mars.stage.queue_delay",
+            unit="ms",
+            description="age of a record when its stage starts on it (now minus its Kafka timestamp)",
+            explicit_bucket_boundaries_advisory=DURATION_BUCKETS_MS,
+        )
+        self.dead_letters = meter.create_counter(
+            "mars.dead_letters",
+            unit="{record}",
+            description="records dead-lettered, by consumer group, topic and reason kind",
+        )
+        self.consumer_lag = meter.create_observable_gauge(
+            "mars.consumer.lag",
+            callbacks=[_observe_lag],
+            unit="{record}",
+            description="records published and not yet finished by this process's consumer, per group and "
+            "topic (its partitions' high watermark minus its first unfinished offset)",
+        )
+        self.cost_usd = meter.create_counter(
+            "mars.cost.usd", unit="USD", description="per-turn costs by tenant and component"
+        )
+        self.qtm_outcomes = meter.create_counter(
+            "mars.qtm.outcomes", unit="{call}", description="QTM calls by outcome and backend"
+        )
+        self.judge_outcomes = meter.create_counter(
+            "mars.judge.outcomes", unit="{turn}", description="turn judgements by outcome"
+        )
+        self.circuit_state = meter.create_observable_gauge(
+            "mars.circuit.state",
+            callbacks=[_observe_circuits],
+            unit="1",
+            description="circuit breaker state per arm: 0 closed, 1 half-open, 2 open",
+        )
+        self.dispatch_attempts = meter.create_counter(
+            "mars.dispatch.attempts", unit="{attempt}", description="arm attempts by arm and outcome"
+        )
+
+
+METER_NAME = "mars"
+#: No-op until `bind` (not the global API's proxies: once setup_telemetry installed its provider globally,
+#: they would register the observable gauges' callbacks on it a second time, and every gauge would be
+#: reported twice).
+_current = Instruments(metrics.NoOpMeter(METER_NAME))
+
+
+def bind(provider: MeterProvider) -> Instruments:
+    """Make every instrument anew on `provider` (setup_telemetry's, or a test's) and record there from now
+    on. The global API's provider can be set once per process; this can be done again. Nothing is recorded
+    before the first bind."""
+    global _current
+    _current = Instruments(provider.get_meter(METER_NAME))
+    return _current
+
+
+def instruments() -> Instruments:
+    return _current
+
+
+# ---- recording -------------------------------------------------------------------------------------------
+
+
+def record_turn(status: str, tenant: str, duration_ms: float | None = None) -> None:
+    """Count one turn that ended with `status` (one of TURN_STATUSES; `turn_status(exc)` maps an exception)
+    for `tenant`: the authenticated tenant, "" for a turn refused before its tenant was established (a
+    caller-chosen tenant name must not become a label). `duration_ms`: its time at ingress, when known."""
+    if status not in TURN_STATUSES:
+        status = "error"
+    _current.turns.add(1, {"status": status, "tenant": tenant})
+    if duration_ms is not None:
+        _current.turn_duration.record(max(0.0, duration_ms), {"status": status})
+
+
+#: gRPC status code names (grpc.StatusCode.X.name) to turn statuses.
+_STATUS_OF_CODE = {
+    "OK": "answered",
+    "DEADLINE_EXCEEDED": "timed_out",
+    "UNAVAILABLE": "failed",
+    "INVALID_ARGUMENT": "invalid",
+    "UNAUTHENTICATED": "rejected",
+    "PERMISSION_DENIED": "rejected",
+    "RESOURCE_EXHAUSTED": "rejected",
+    "CANCELLED": "cancelled",
+}
+
+
+def turn_status(exc: BaseException) -> str:
+    """The turn status for the exception a turn ended with: by its gRPC status code where it carries one
+    (`code`, as ingress's TurnFailed does); else a ValueError is invalid input, a timeout timed_out, a
+    cancellation (the caller went away) cancelled, anything else error."""
+    name = getattr(getattr(exc, "code", None), "name", None)
+    if isinstance(name, str):
+        return _STATUS_OF_CODE.get(name, "error")
+    if isinstance(exc, asyncio.CancelledError):
+        return "cancelled"
+    if isinstance(exc, TimeoutError):
+        return "timed_out"
+    if isinstance(exc, ValueError):
+        return "invalid"
+    return "error"
+
+
+def record_dead_letter(group: str, topic: str, reason_kind: str) -> None:
+    if reason_kind not in DEAD_LETTER_KINDS:
+        reason_kind = "handler_failed"
+    _current.dead_letters.add(1, {"group": group, "topic": topic, "reason_kind": reason_kind})
+
+
+def record_cost(tenant: str, component: str, usd: float) -> None:
+    _current.cost_usd.add(usd, {"tenant": tenant, "component": component})
+
+
+def record_qtm_outcome(outcome: str, backend: str) -> None:
+    _current.qtm_outcomes.add(1, {"outcome": outcome, "backend": backend})
+
+
+def record_judge_outcome(outcome: str) -> None:
+    _current.judge_outcomes.add(1, {"outcome": outcome})
+
+
+def record_dispatch_attempt(arm: str, outcome: str) -> None:
+    if outcome not in DISPATCH_OUTCOMES:
+        outcome = "error"
+    _current.dispatch_attempts.add(1, {"arm": arm, "outcome": outcome})
