@@ -115,10 +115,17 @@ class Report:
 
 
 async def send_turns(
-    targets: list[str], sc: Scenario, seed: int, calls: list[Call], t0: float, tenant: str = TENANT
+    targets: list[str],
+    sc: Scenario,
+    seed: int,
+    calls: list[Call],
+    t0: float,
+    api_key: str,
+    tenant: str = TENANT,
 ) -> None:
     """Open loop: turn i leaves at t0 + i / rate whatever happened to the turns before it."""
     import grpc
+    from mars.client import aio_ingress_channel
     from mars.v1 import services_pb2 as svc
     from mars.v1 import services_pb2_grpc as svc_grpc
 
@@ -126,7 +133,7 @@ async def send_turns(
     # Client-side round robin over the ingress replicas, like a Kubernetes Service: a dead replica is
     # dropped from the pick list until it is back.
     target = "ipv4:" + ",".join(targets)
-    channel = grpc.aio.insecure_channel(target, options=[("grpc.lb_policy_name", "round_robin")])
+    channel = aio_ingress_channel(target, api_key, options=[("grpc.lb_policy_name", "round_robin")])
     stub = svc_grpc.IngressStub(channel)
 
     async def one(call: Call, text: str) -> None:
@@ -440,15 +447,21 @@ def main(argv: list[str] | None = None) -> int:
         log(
             f"stack up; sending {sc.turns} turns at {sc.rate:g}/s over {sc.users} users with {len(faults)} faults"
         )
+        from mars.auth import mint_key
+
+        dsn = stack.env["MARS_POSTGRES_DSN"]
+        key, warm_key = (mint_key(dsn, t, label="chaos harness").key for t in (TENANT, WARMUP_TENANT))
         # Warm-up (its own tenant, not counted): every user once, so caches, policies and connections exist.
         warm = Scenario(turns=sc.users, users=sc.users, rate=sc.rate, deadline_s=sc.deadline_s)
         asyncio.run(
-            send_turns(stack.addrs("ingress"), warm, args.seed + 1, [], time.monotonic(), WARMUP_TENANT)
+            send_turns(
+                stack.addrs("ingress"), warm, args.seed + 1, [], time.monotonic(), warm_key, WARMUP_TENANT
+            )
         )
         t0 = time.monotonic() + 1.0
         chaos = threading.Thread(target=run_faults, args=(stack, faults, sc, t0, log), daemon=True)
         chaos.start()
-        asyncio.run(send_turns(stack.addrs("ingress"), sc, args.seed, calls, t0))
+        asyncio.run(send_turns(stack.addrs("ingress"), sc, args.seed, calls, t0, key))
         chaos.join()
         report.achieved_rate = len(calls) / max(1e-9, max(c.sent_s for c in calls))
         log("load done; waiting for the pipeline to settle")

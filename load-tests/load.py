@@ -36,6 +36,7 @@ MASTER_KEY = "sk-mars-load-" + "0" * 32
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # decompose.py beside this file
 import decompose  # noqa: E402
 
+TENANT = "load"
 WORDS = "ferry budget hotel museum recipe garden invoice violin passport bicycle concert telescope".split()
 
 
@@ -113,19 +114,20 @@ async def open_loop(
     return samples, time.monotonic() - start
 
 
-def mars_sender(target: str, timeout_s: float) -> tuple[Any, Any]:
+def mars_sender(target: str, timeout_s: float, api_key: str) -> tuple[Any, Any]:
     import grpc
+    from mars.client import aio_ingress_channel
     from mars.v1 import services_pb2 as svc
     from mars.v1 import services_pb2_grpc as svc_grpc
 
-    channel = grpc.aio.insecure_channel(target)
+    channel = aio_ingress_channel(target, api_key)
     stub = svc_grpc.IngressStub(channel)
 
     async def send(user: str, text: str) -> Sample:
         started = time.monotonic()
         try:
             reply = await stub.SendTurn(
-                svc.TurnRequest(tenant="load", user_id=user, text=text, options={"max_tokens": "32"}),
+                svc.TurnRequest(tenant=TENANT, user_id=user, text=text, options={"max_tokens": "32"}),
                 timeout=timeout_s,
             )
         except grpc.aio.AioRpcError as exc:
@@ -224,7 +226,7 @@ async def run_rates(
     """Every rate for each system in turn; `windows` gets MARS's (rate, first send, last send) in epoch
     seconds, to cut the spans by rate. Each row also gets the CPU milliseconds per turn of every process
     of the system (`sessions[system]`: name -> session leader pid) and of this load generator."""
-    send, channel = mars_sender(ingress, args.timeout_s)
+    send, channel = mars_sender(ingress, args.timeout_s, args.api_key)
     systems: list[tuple[str, Any]] = []
     client = None
     if litellm_url:
@@ -389,6 +391,10 @@ def main(argv: list[str] | None = None) -> int:
     litellm = None
     windows: list[tuple[float, float, float]] = []
     try:
+        from mars.auth import mint_key
+
+        # The turns' tenant and its key (with MARS_AUTH_REQUIRED=false the ingress ignores it).
+        args.api_key = mint_key(stack.env["MARS_POSTGRES_DSN"], TENANT, label="load harness").key
         litellm_url = ""
         if not args.no_litellm:
             litellm, litellm_url = start_litellm(stack.env["MARS_LOCAL_LLM_URL"], stack.workdir)

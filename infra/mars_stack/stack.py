@@ -120,6 +120,9 @@ class StackSettings:
     #: ports["broker-sasl"], for testing clients with MARS_KAFKA_SECURITY_PROTOCOL=SASL_PLAINTEXT. The
     #: services keep using the PLAINTEXT listener.
     kafka_sasl_users: dict[str, str] = field(default_factory=dict)
+    #: A tenant created with an API key once Postgres and the ingress schema exist (MARS_TENANT and
+    #: MARS_API_KEY in stack.env and `env`); "" creates none.
+    tenant: str = "demo"
 
     def replica_count(self, service: str) -> int:
         return max(1, self.replicas_of.get(service, self.replicas))
@@ -212,6 +215,9 @@ class LocalStack:
             elif self.settings.start_llm:
                 progress("starting the llama.cpp server (SmolLM2-135M-Instruct)")
                 self._start_llm()
+            if self.settings.start_postgres and self.settings.tenant and "ingress" in self.settings.services:
+                progress(f"creating tenant {self.settings.tenant} and its API key")
+                self._create_tenant(self.settings.tenant)
             self._write_env()
             progress(f"starting services: {', '.join(n for n, _ in self.service_procs())}")
             self._start_services()
@@ -455,6 +461,22 @@ class LocalStack:
         self.ports["postgres"] = port
         self.env["MARS_POSTGRES_DSN"] = f"postgresql://mars@127.0.0.1:{port}/mars"
 
+    def _create_tenant(self, tenant: str) -> None:
+        """Apply the ingress schema (the one `mars migrate` and the ingress apply, API keys included) and
+        issue a key for `tenant`, so the demo, `mars send` and the tests can call the ingress."""
+        import asyncio
+
+        import psycopg
+        from mars import auth
+        from mars.migrations import migrate_all
+
+        dsn = self.env["MARS_POSTGRES_DSN"]
+        asyncio.run(migrate_all(dsn, ("ingress",)))
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            key = auth.issue(conn, tenant, label="local stack")
+        self.env["MARS_TENANT"] = tenant
+        self.env["MARS_API_KEY"] = key.key
+
     def _start_kafka(self) -> None:
         java = os.environ.get("MARS_JAVA") or shutil.which("java") or "java"
         port, controller_port = free_port(), free_port()
@@ -599,7 +621,10 @@ class LocalStack:
             for n in self.settings.services
             if n != "ingress"
         ]
-        (self.workdir / "stack.env").write_text("\n".join(lines) + "\n")
+        env_file = self.workdir / "stack.env"
+        env_file.touch(mode=0o600)  # it holds the tenant's API key
+        env_file.chmod(0o600)
+        env_file.write_text("\n".join(lines) + "\n")
 
     def _start_services(self) -> None:
         procs = []
@@ -611,6 +636,7 @@ class LocalStack:
             env.update(self.settings.service_env.get(service, {}))
             env.update(self.settings.service_env.get(name, {}))  # per replica ("memory-2") beats per service
             env.pop("MARS_ENV_FILE", None)
+            env.pop("MARS_API_KEY", None)  # a caller's secret: no service needs it
             procs.append(
                 self._spawn(name, [sys.executable, "-m", f"mars_{service}"], env=env, service=service)
             )

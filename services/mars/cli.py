@@ -34,10 +34,15 @@ def _rewards(dsn: str, turn_ids: list[str], wait_s: float = 30.0) -> dict[str, f
     return found
 
 
+def _tenant(args: argparse.Namespace) -> str:
+    """--tenant, else "" with a key (the ingress takes the key's tenant), else the command's default."""
+    return str(args.tenant or ("" if args.api_key else args.default_tenant))
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from mars.demo import play, render
 
-    rows = play(args.target, max_tokens=args.max_tokens)
+    rows = play(args.target, tenant=_tenant(args), max_tokens=args.max_tokens, api_key=args.api_key)
     rewards = (
         _rewards(args.postgres_dsn, [r.reply.turn_id for r in rows if r.reply]) if args.postgres_dsn else {}
     )
@@ -64,6 +69,11 @@ def _start_stack(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     for name, port in stack.ports.items():
         console.print(f"  {name:9s} 127.0.0.1:{port}")
     console.print(f"  settings written to {stack.workdir / 'stack.env'}")
+    if stack.env.get("MARS_API_KEY"):
+        console.print(
+            f"  tenant {stack.env['MARS_TENANT']}: API key in stack.env (MARS_API_KEY); "
+            f"`set -a; . {stack.workdir / 'stack.env'}` and `mars send` uses it"
+        )
     return stack
 
 
@@ -102,7 +112,13 @@ def cmd_run(args: argparse.Namespace) -> int:
         from mars.demo import play, render
 
         console.print("playing the demo conversation (2 users x 2 sessions) through the gRPC ingress")
-        rows = play(stack.addr("ingress"), max_tokens=args.max_tokens)
+        # The stack created tenant demo and its key (stack.env: MARS_TENANT, MARS_API_KEY).
+        rows = play(
+            stack.addr("ingress"),
+            tenant=stack.env.get("MARS_TENANT", "demo"),
+            max_tokens=args.max_tokens,
+            api_key=stack.env.get("MARS_API_KEY", ""),
+        )
         rewards = _rewards(stack.env["MARS_POSTGRES_DSN"], [r.reply.turn_id for r in rows if r.reply])
         render(rows, console, rewards)
         if args.no_serve:
@@ -116,15 +132,16 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_send(args: argparse.Namespace) -> int:
     import grpc
 
+    from mars.client import ingress_channel
     from mars.v1 import services_pb2 as svc
     from mars.v1 import services_pb2_grpc as svc_grpc
 
-    with grpc.insecure_channel(args.target) as channel:
+    with ingress_channel(args.target, args.api_key) as channel:
         stub = svc_grpc.IngressStub(channel)
         try:
             reply = stub.SendTurn(
                 svc.TurnRequest(
-                    tenant=args.tenant, user_id=args.user, session_id=args.session, text=args.text
+                    tenant=_tenant(args), user_id=args.user, session_id=args.session, text=args.text
                 ),
                 timeout=args.timeout,
             )
@@ -205,10 +222,28 @@ def build_parser() -> argparse.ArgumentParser:
     stack_args(p)
     p.set_defaults(func=cmd_stack)
 
+    def caller_args(p: argparse.ArgumentParser, default_tenant: str) -> None:
+        p.add_argument(
+            "--target",
+            default=os.environ.get("MARS_INGRESS_ADDR", "127.0.0.1:50051"),
+            help="ingress host:port",
+        )
+        p.add_argument(
+            "--api-key",
+            default=os.environ.get("MARS_API_KEY", ""),
+            help="the tenant's API key, sent as 'authorization: Bearer <key>' (default: $MARS_API_KEY, which "
+            "the local stack writes to stack.env; `mars tenant create` issues keys)",
+        )
+        p.add_argument(
+            "--tenant",
+            default=os.environ.get("MARS_TENANT", ""),
+            help="tenant to send as; must be the key's (default: $MARS_TENANT, else the key's tenant, "
+            f"else {default_tenant} when no key is sent)",
+        )
+        p.set_defaults(default_tenant=default_tenant)
+
     p = sub.add_parser("demo", help="play the demo conversation against a running ingress")
-    p.add_argument(
-        "--target", default=os.environ.get("MARS_INGRESS_ADDR", "127.0.0.1:50051"), help="ingress host:port"
-    )
+    caller_args(p, "demo")
     p.add_argument(
         "--postgres-dsn", default=os.environ.get("MARS_POSTGRES_DSN"), help="to show rewards (optional)"
     )
@@ -217,10 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("send", help="send one turn to a running ingress and print the answer")
     p.add_argument("text", help="the user turn")
-    p.add_argument(
-        "--target", default=os.environ.get("MARS_INGRESS_ADDR", "127.0.0.1:50051"), help="ingress host:port"
-    )
-    p.add_argument("--tenant", default="default")
+    caller_args(p, "default")
     p.add_argument("--user", default="cli-user")
     p.add_argument("--session", default="cli")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the answer")
@@ -263,6 +295,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_migrate_parser(sub)
     add_topics_parser(sub)
+    from mars.tenant_cli import add_tenant_parser
+
+    add_tenant_parser(sub)
     from mars.deploy.cli import add_deploy_parser
 
     add_deploy_parser(sub)

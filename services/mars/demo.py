@@ -8,6 +8,7 @@ import grpc
 from rich.console import Console
 from rich.table import Table
 
+from mars.client import ingress_channel
 from mars.v1 import events_pb2 as ev
 from mars.v1 import services_pb2 as svc
 from mars.v1 import services_pb2_grpc as svc_grpc
@@ -33,9 +34,10 @@ class DemoRow:
     error: str | None
 
 
-def play(target: str, tenant: str = "demo", max_tokens: int = 64) -> list[DemoRow]:
+def play(target: str, tenant: str = "demo", max_tokens: int = 64, api_key: str = "") -> list[DemoRow]:
+    """Send the demo turns as `tenant` with `api_key` (the local stack's: MARS_API_KEY in stack.env)."""
     rows = []
-    with grpc.insecure_channel(target) as channel:
+    with ingress_channel(target, api_key) as channel:
         stub = svc_grpc.IngressStub(channel)
         for user, session, text in DEMO:
             req = svc.TurnRequest(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -86,17 +87,21 @@ class ClientTls:
         )
 
 
-def channel(target: str, client_tls: ClientTls | None = None) -> grpc.Channel:
+def channel(target: str, client_tls: ClientTls | None = None, options: Any = None) -> grpc.Channel:
     """A channel to `target`: TLS when the caller has TLS settings (default: MARS_TLS_* env), else plain."""
     client_tls = client_tls if client_tls is not None else ClientTls.from_env()
     if client_tls.enabled:
-        return grpc.secure_channel(target, client_tls.credentials())
-    return grpc.insecure_channel(target)
+        return grpc.secure_channel(target, client_tls.credentials(), options=options)
+    return grpc.insecure_channel(target, options=options)
 
 
-def aio_channel(target: str, client_tls: ClientTls | None = None) -> grpc.aio.Channel:
+def aio_channel(
+    target: str, client_tls: ClientTls | None = None, options: Any = None, interceptors: Any = None
+) -> grpc.aio.Channel:
     """`channel` for asyncio callers."""
     client_tls = client_tls if client_tls is not None else ClientTls.from_env()
     if client_tls.enabled:
-        return grpc.aio.secure_channel(target, client_tls.credentials())
-    return grpc.aio.insecure_channel(target)
+        return grpc.aio.secure_channel(
+            target, client_tls.credentials(), options=options, interceptors=interceptors
+        )
+    return grpc.aio.insecure_channel(target, options=options, interceptors=interceptors)

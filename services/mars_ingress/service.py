@@ -9,9 +9,11 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator
+from datetime import UTC, datetime
 
 import grpc
-from mars import consumer_groups
+from mars import auth, consumer_groups, metrics
+from mars.auth import AuthError, KeyVerifier, PermissionDenied, Principal
 from mars.bus import EventProducer, StageConsumer, Subscription, is_transient
 from mars.config import (
     SCHEMA_VERSION,
@@ -27,13 +29,16 @@ from mars.config import (
     ServiceSettings,
 )
 from mars.domain.feedback import rating_from
+from mars.quota import Quotas, Refusal, SpendCache, TenantLimits, pool_spend, spend_refusal
 from mars.runtime import GrpcBinding, ServiceContext, ServiceParts, run
 from mars.telemetry import context_from_metadata, current_trace_id, step
+from mars.tokens import load_counter
 from mars.v1 import events_pb2 as ev
 from mars.v1 import services_pb2 as svc
 from mars.v1 import services_pb2_grpc as svc_grpc
 from opentelemetry import trace
 from psycopg_pool import AsyncConnectionPool
+from pydantic import Field
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +63,10 @@ MIGRATIONS = [
     # The turn's received event (an outbox): a turn whose replica died before publishing it is sent again.
     "ALTER TABLE ingress_turns ADD COLUMN IF NOT EXISTS received BYTEA",
     "ALTER TABLE ingress_turns ADD COLUMN IF NOT EXISTS republished_at TIMESTAMPTZ",
+    # A tenant's turns of today, for the daily spend limit (mars.quota.SPENT_TODAY_SQL).
+    "CREATE INDEX IF NOT EXISTS ingress_turns_tenant_day ON ingress_turns (tenant, created_at)",
+    # The API keys (mars.auth): applied with the ingress's schema, by the service and by `mars migrate`.
+    *auth.MIGRATIONS,
 ]
 
 #: Tries at recording a turn when the database connection breaks (e.g. Postgres restarting).
@@ -70,7 +79,17 @@ FINISH_SQL = (
     "WHERE turn_id = %s AND (status = 'PENDING' OR (status = 'TIMEOUT' AND %s = 'ANSWERED'))"
 )
 
-_ID = re.compile(r"^[A-Za-z0-9_.@:\-]{1,128}$")
+_ID = auth.ID_PATTERN
+#: C0 control characters but tab, newline and carriage return: Postgres refuses NUL in text, and none of
+#: them belongs in a turn, an id or a comment.
+_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f]")
+#: The stage that consumes each answer-path topic, for the caller's message when a turn is dead-lettered.
+STAGE_OF_TOPIC = {
+    TOPIC_RECEIVED: "state",
+    TOPIC_STATE: "memory",
+    TOPIC_VIEW: "router",
+    TOPIC_ROUTED: "dispatch",
+}
 KNOWN_OPTIONS = {"max_tokens", "stream"}
 
 
@@ -85,14 +104,51 @@ class IngressSettings(ServiceSettings):
     #: A PENDING turn that no state replica has taken after this long is published again from the outbox
     #: (its replica may have died before publishing it); duplicates are harmless (effects by turn_id).
     republish_after_s: float = 10.0
+    #: Every call must carry a tenant API key (`authorization: Bearer <key>`, see mars.auth); false lets
+    #: anyone act as any tenant named in the request (a closed test network only).
+    auth_required: bool = True
+    #: How long a verified (or refused) key is remembered per process: a revoked key keeps working for at
+    #: most this long; 0 looks every call up in Postgres.
+    auth_cache_ttl_s: float = Field(default=5.0, ge=0)
+    #: Per-tenant rate limits (mars.quota), 0 = unlimited: turns per second with a burst (0: max(1, rate)),
+    #: text tokens per minute (the request text, by the packing estimator), and USD per UTC day (the judged
+    #: generator + controller + judge cost of the tenant's turns).
+    quota_turns_per_s: float = Field(default=0.0, ge=0)
+    quota_turn_burst: float = Field(default=0.0, ge=0)
+    quota_tokens_per_min: float = Field(default=0.0, ge=0)
+    quota_usd_per_day: float = Field(default=0.0, ge=0)
+    #: Per-tenant overrides of the four limits above, as JSON: {"acme": {"turns_per_s": 5, "usd_per_day": 20}}
+    #: (an overridden tenant gets exactly what is given; fields left out are unlimited).
+    quota_tenants: dict[str, TenantLimits] = Field(default_factory=dict)
+    #: Ingress replicas sharing the limits: buckets are per process, so each enforces 1/N of each rate.
+    quota_replicas: int = Field(default=1, ge=1)
+    #: How long a tenant's spend today is cached before Postgres is asked again.
+    quota_spend_cache_s: float = Field(default=5.0, ge=0)
 
 
 class InvalidTurn(ValueError):
     pass
 
 
+def check_no_control(field_name: str, value: str) -> None:
+    """InvalidTurn when `value` holds a C0 control character other than tab, newline or return."""
+    found = _CONTROL.search(value)
+    if found:
+        raise InvalidTurn(
+            f"{field_name} contains the control character U+{ord(found.group()):04X} at position "
+            f"{found.start()}; only tab, newline and carriage return are allowed"
+        )
+
+
 def validate_turn(req: svc.TurnRequest, max_chars: int) -> dict[str, str]:
     """Bad input gets INVALID_ARGUMENT before anything is written."""
+    for field_name, value in (
+        ("tenant", req.tenant),
+        ("user_id", req.user_id),
+        ("session_id", req.session_id),
+        ("text", req.text),
+    ):
+        check_no_control(field_name, value)
     if not req.tenant.strip():
         raise InvalidTurn("tenant is required")
     if not req.user_id.strip():
@@ -121,9 +177,38 @@ def validate_turn(req: svc.TurnRequest, max_chars: int) -> dict[str, str]:
 
 
 class TurnFailed(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    """A turn that ends with a status for the caller. The message is what the caller sees (short, no
+    internals); `detail` is what the log and the turn's record get (defaults to the message)."""
+
+    def __init__(
+        self,
+        code: grpc.StatusCode,
+        message: str,
+        detail: str = "",
+        trailing: tuple[tuple[str, str], ...] = (),
+    ) -> None:
         super().__init__(message)
         self.code = code
+        self.detail = detail or message
+        self.trailing = trailing
+
+
+def auth_failure(exc: AuthError) -> TurnFailed:
+    code = (
+        grpc.StatusCode.PERMISSION_DENIED
+        if isinstance(exc, PermissionDenied)
+        else grpc.StatusCode.UNAUTHENTICATED
+    )
+    return TurnFailed(code, str(exc))
+
+
+def quota_failure(refusal: Refusal) -> TurnFailed:
+    """RESOURCE_EXHAUSTED with the wait in the message and in trailing metadata `retry-after-ms`."""
+    return TurnFailed(
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        refusal.message,
+        trailing=(("retry-after-ms", str(refusal.retry_after_ms)),),
+    )
 
 
 def unexpected_status(exc: Exception) -> tuple[grpc.StatusCode, str]:
@@ -148,6 +233,59 @@ class IngressServicer(svc_grpc.IngressServicer):
         #: Token queues of streaming Converse turns, by turn_id.
         self._streams: dict[str, asyncio.Queue[ev.TokenChunk]] = {}
         self._tracer = trace.get_tracer("mars.ingress")
+        self._keys = KeyVerifier(auth.pool_lookup(pool), settings.auth_cache_ttl_s)
+        self._quotas = Quotas(
+            TenantLimits(
+                turns_per_s=settings.quota_turns_per_s,
+                turn_burst=settings.quota_turn_burst,
+                tokens_per_min=settings.quota_tokens_per_min,
+                usd_per_day=settings.quota_usd_per_day,
+            ),
+            settings.quota_tenants,
+            settings.quota_replicas,
+        )
+        self._spend = SpendCache(pool_spend(pool), settings.quota_spend_cache_s, time.monotonic)
+        self._count_tokens = load_counter(None)
+
+    # --- who is calling, and may they -----------------------------------------------------------
+
+    async def _authenticated(self, metadata: object) -> Principal | None:
+        """`_authenticate` for a turn: a refused key is counted as a rejected turn (no tenant label)."""
+        try:
+            return await self._authenticate(metadata)
+        except Exception:
+            metrics.record_turn("rejected", "")
+            raise
+
+    async def _authenticate(self, metadata: object) -> Principal | None:
+        """The principal of the call's API key (None when auth is off); TurnFailed otherwise."""
+        if not self._settings.auth_required:
+            return None
+        try:
+            key = auth.bearer_token(metadata)  # type: ignore[arg-type]
+            return await self._keys.verify(key)
+        except AuthError as exc:
+            raise auth_failure(exc) from None
+
+    async def _admit(self, req: svc.TurnRequest, principal: Principal | None) -> dict[str, str]:
+        """Scope, validation and quotas of one turn; fills the tenant (and a user-scoped key's user) from
+        the key into `req`. Returns the turn's options."""
+        if principal is not None:
+            try:
+                req.tenant, req.user_id = auth.authorize(principal, req.tenant, req.user_id)
+            except AuthError as exc:
+                raise auth_failure(exc) from None
+        options = validate_turn(req, self._settings.max_text_chars)
+        refusal = self._quotas.admit(req.tenant, self._count_tokens(req.text), time.monotonic())
+        limit_usd = self._quotas.limits(req.tenant).usd_per_day
+        if refusal is None and limit_usd > 0:
+            refusal = spend_refusal(
+                req.tenant, await self._spend.spent(req.tenant), limit_usd, datetime.now(UTC)
+            )
+        if refusal is not None:
+            log.info("turn of tenant %s refused: %s", req.tenant, refusal.message)
+            raise quota_failure(refusal)
+        return options
 
     # --- reply correlation -------------------------------------------------------------------
 
@@ -164,8 +302,17 @@ class IngressServicer(svc_grpc.IngressServicer):
     async def on_dead_letter(self, letter: ev.DeadLetter) -> None:
         fut = self._waiting.get(letter.turn_id)
         if fut is not None and not fut.done():
+            # The caller gets the stage and a reference; the reason (exception text, database error) is
+            # for the log and the turn's record only.
+            stage = STAGE_OF_TOPIC.get(self._settings.topics.base(letter.source_topic) or "", "pipeline")
+            detail = f"turn failed in {letter.consumer}: {letter.reason}"
+            log.error("turn %s dead-lettered: %s", letter.turn_id, detail)
             fut.set_exception(
-                TurnFailed(grpc.StatusCode.INTERNAL, f"turn failed in {letter.consumer}: {letter.reason}")
+                TurnFailed(
+                    grpc.StatusCode.INTERNAL,
+                    f"turn failed in the {stage} stage; reference {letter.turn_id}",
+                    detail=detail,
+                )
             )
 
     async def _republish_unsent(self) -> None:
@@ -287,10 +434,31 @@ class IngressServicer(svc_grpc.IngressServicer):
         self,
         req: svc.TurnRequest,
         metadata: object,
+        principal: Principal | None,
         tokens: asyncio.Queue[ev.TokenChunk] | None = None,
         caller_remaining_s: float | None = None,
     ) -> svc.TurnReply:
-        options = validate_turn(req, self._settings.max_text_chars)
+        """One turn, counted in mars.turns by how it ended (SendTurn, Converse and streamed turns alike)."""
+        started = time.perf_counter()
+        # The authenticated tenant only: a tenant name the caller typed must not become a metric label.
+        tenant = principal.tenant if principal is not None else ""
+        try:
+            reply = await self._answer(req, metadata, principal, tokens, caller_remaining_s)
+        except BaseException as exc:
+            metrics.record_turn(metrics.turn_status(exc), tenant, (time.perf_counter() - started) * 1000)
+            raise
+        metrics.record_turn("answered", tenant, (time.perf_counter() - started) * 1000)
+        return reply
+
+    async def _answer(
+        self,
+        req: svc.TurnRequest,
+        metadata: object,
+        principal: Principal | None,
+        tokens: asyncio.Queue[ev.TokenChunk] | None = None,
+        caller_remaining_s: float | None = None,
+    ) -> svc.TurnReply:
+        options = await self._admit(req, principal)
         started = time.perf_counter()
         parent = context_from_metadata(metadata)  # type: ignore[arg-type]
         with self._tracer.start_as_current_span(
@@ -340,17 +508,22 @@ class IngressServicer(svc_grpc.IngressServicer):
                         "it is recorded and may still complete",
                     ) from None
                 except TurnFailed as exc:
-                    await self._finish(envelope.turn_id, "FAILED", str(exc))
+                    await self._finish(envelope.turn_id, "FAILED", exc.detail)
                     raise
             finally:
                 self._waiting.pop(envelope.turn_id, None)
                 self._streams.pop(envelope.turn_id, None)
 
             if generated.status != ev.OK:
+                # Upstream error bodies and addresses go to the log and the record, the arm names (the
+                # pool's own labels) and a reference to the caller.
                 chain = "; ".join(f"{a.arm}: {a.error}" for a in generated.attempts)
+                log.warning("turn %s: no model could answer: %s", envelope.turn_id, chain or generated.error)
                 await self._finish(envelope.turn_id, "FAILED", generated.error)
+                arms = ", ".join(dict.fromkeys(a.arm for a in generated.attempts)) or "none"
                 raise TurnFailed(
-                    grpc.StatusCode.UNAVAILABLE, f"no model could answer ({chain or generated.error})"
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"no model could answer (arms tried: {arms}); reference {envelope.turn_id}",
                 )
             # ANSWERED is recorded by the outcome group from the same event (record_generated), off the
             # answer path: writing it here too cost a Postgres transaction per turn before the reply.
@@ -371,41 +544,38 @@ class IngressServicer(svc_grpc.IngressServicer):
 
     async def SendTurn(self, request: svc.TurnRequest, context: grpc.aio.ServicerContext) -> svc.TurnReply:
         try:
-            return await self._turn(
-                request, context.invocation_metadata(), caller_remaining_s=context.time_remaining()
-            )
-        except InvalidTurn as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except TurnFailed as exc:
-            await context.abort(exc.code, str(exc))
+            metadata = context.invocation_metadata()
+            principal = await self._authenticated(metadata)
+            return await self._turn(request, metadata, principal, caller_remaining_s=context.time_remaining())
         except Exception as exc:
-            await context.abort(*unexpected_status(exc))
+            await _abort(context, exc)
         raise AssertionError("unreachable")
 
     async def Converse(
         self, request_iterator: AsyncIterator[svc.TurnRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[svc.TurnReply]:
+        metadata = context.invocation_metadata()
+        try:
+            principal = await self._authenticated(metadata)  # once per stream; each turn's scope below
+        except Exception as exc:
+            await _abort(context, exc)
         async for request in request_iterator:
             try:
                 if request.options.get("stream") == "true":
-                    async for reply in self._streamed_turn(request, context.invocation_metadata()):
+                    async for reply in self._streamed_turn(request, metadata, principal):
                         yield reply
                 else:
-                    yield await self._turn(request, context.invocation_metadata())
-            except InvalidTurn as exc:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            except TurnFailed as exc:
-                await context.abort(exc.code, str(exc))
+                    yield await self._turn(request, metadata, principal)
             except Exception as exc:
-                await context.abort(*unexpected_status(exc))
+                await _abort(context, exc)
 
     async def _streamed_turn(
-        self, request: svc.TurnRequest, metadata: object
+        self, request: svc.TurnRequest, metadata: object, principal: Principal | None
     ) -> AsyncIterator[svc.TurnReply]:
         """Partial replies as dispatch streams the answer, then the final reply (always complete: pieces
         that arrive after it are dropped, since the final text already holds them)."""
         tokens: asyncio.Queue[ev.TokenChunk] = asyncio.Queue()
-        turn = asyncio.create_task(self._turn(request, metadata, tokens))
+        turn = asyncio.create_task(self._turn(request, metadata, principal, tokens))
 
         def partial(chunk: ev.TokenChunk) -> svc.TurnReply:
             return svc.TurnReply(
@@ -435,6 +605,21 @@ class IngressServicer(svc_grpc.IngressServicer):
     async def SubmitFeedback(
         self, request: svc.FeedbackRequest, context: grpc.aio.ServicerContext
     ) -> svc.FeedbackReply:
+        try:
+            principal = await self._authenticate(context.invocation_metadata())
+            if principal is not None:
+                request.tenant, request.user_id = auth.authorize(principal, request.tenant, request.user_id)
+            for field_name, value in (
+                ("tenant", request.tenant),
+                ("user_id", request.user_id),
+                ("turn_id", request.turn_id),
+                ("comment", request.comment),
+            ):
+                check_no_control(field_name, value)
+        except AuthError as exc:
+            await _abort(context, auth_failure(exc))
+        except Exception as exc:
+            await _abort(context, exc)
         if not request.turn_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "turn_id is required")
         try:
@@ -470,6 +655,16 @@ class IngressServicer(svc_grpc.IngressServicer):
             envelope,
         )
         return svc.FeedbackReply(accepted=True)
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
+    """End the call with the status for `exc`: the caller's mistake, a refusal, or a failure (a plain
+    message, never internals)."""
+    if isinstance(exc, InvalidTurn):
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+    if isinstance(exc, TurnFailed):
+        await context.abort(exc.code, str(exc), trailing_metadata=exc.trailing)
+    await context.abort(*unexpected_status(exc))
 
 
 async def build(ctx: ServiceContext) -> ServiceParts:

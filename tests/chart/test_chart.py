@@ -538,7 +538,8 @@ def test_service_monitor_scrapes_every_service_metrics_port() -> None:
 
 def test_notes_tell_how_to_send_a_first_turn() -> None:
     notes = (helm.CHART_DIR / "templates" / "NOTES.txt").read_text()
-    assert "mars send" in notes and "port-forward" in notes
+    assert "mars send" in notes and "port-forward" in notes and "mars tenant create" in notes
+    assert "--api-key" in notes
 
 
 def test_model_pool_schema_is_the_pools_own() -> None:

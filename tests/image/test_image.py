@@ -27,6 +27,7 @@ import httpx
 import pytest
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from mars.client import ingress_channel
 from mars.v1 import services_pb2 as svc
 from mars.v1 import services_pb2_grpc as svc_grpc
 from mars_stack import LocalStack, StackSettings, helm
@@ -220,8 +221,21 @@ def test_six_services_serve_and_answer_a_turn(image: str, infra: LocalStack, tmp
             scrape = httpx.get(f"http://127.0.0.1:{metrics_ports[service]}/metrics", timeout=10)
             assert scrape.status_code == 200 and "# TYPE" in scrape.text, service
 
-        # One turn through the containerised ingress, as `mars send` sends it.
+        # A tenant and its API key, made by the image's CLI against the stack's Postgres (the key is the last
+        # line of its output), then one turn through the containerised ingress, as `mars send` sends it.
+        created = podman(
+            "run", "--rm", "--network=host", *HARDENED, image,
+            "mars", "tenant", "create", "image", "--postgres-dsn", infra.env["MARS_POSTGRES_DSN"],
+        )  # fmt: skip
+        api_key = created.stdout.strip().splitlines()[-1]
+        assert api_key.startswith("mars_"), created.stdout + created.stderr
         with grpc.insecure_channel(f"127.0.0.1:{ports['ingress']}") as channel:
+            with pytest.raises(grpc.RpcError) as refused:  # the chart's ingress wants a key
+                svc_grpc.IngressStub(channel).SendTurn(
+                    svc.TurnRequest(tenant="image", user_id="u1", text="no key"), timeout=30
+                )
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with ingress_channel(f"127.0.0.1:{ports['ingress']}", api_key) as channel:
             reply = svc_grpc.IngressStub(channel).SendTurn(
                 svc.TurnRequest(
                     tenant="image", user_id="u1", session_id="s1", text="Hello from the image test"
@@ -235,7 +249,7 @@ def test_six_services_serve_and_answer_a_turn(image: str, infra: LocalStack, tmp
         cli = podman(
             "run", "--rm", "--network=host", *HARDENED, image,
             "mars", "send", "--target", f"127.0.0.1:{ports['ingress']}", "--user", "u1", "--session", "s1",
-            "--timeout", "120", "And a second turn from the CLI",
+            "--tenant", "image", "--api-key", api_key, "--timeout", "120", "And a second turn from the CLI",
         )  # fmt: skip
         assert "standin-" in cli.stdout, cli.stdout + cli.stderr
 

@@ -15,8 +15,11 @@ from typing import Any
 import psycopg
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from mars.auth import mint_key
+from mars.client import ingress_channel
 from mars.replay.presets import check as check_settings
 from mars.v1 import events_pb2 as ev
+from mars.v1 import services_pb2_grpc as svc_grpc
 from mars_stack import LocalStack, StackSettings
 from mars_stack.kafka import choose_broker
 
@@ -77,6 +80,24 @@ def postgres(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield stack.env["MARS_POSTGRES_DSN"]
     finally:
         stack.stop()
+
+
+_KEYS: dict[tuple[str, str, str | None], str] = {}
+
+
+def api_key(stack: LocalStack, tenant: str, user: str | None = None) -> str:
+    """An API key for `tenant` (limited to `user` when given) in the stack's Postgres, made once per stack."""
+    dsn = stack.env["MARS_POSTGRES_DSN"]
+    if (dsn, tenant, user) not in _KEYS:
+        _KEYS[dsn, tenant, user] = mint_key(dsn, tenant, user, label="tests").key
+    return _KEYS[dsn, tenant, user]
+
+
+def ingress_stub(
+    stack: LocalStack, tenant: str, user: str | None = None, addr: str | None = None
+) -> svc_grpc.IngressStub:
+    """A stub for the stack's ingress (or the replica at `addr`) that calls with a key of `tenant`."""
+    return svc_grpc.IngressStub(ingress_channel(addr or stack.addr("ingress"), api_key(stack, tenant, user)))
 
 
 def read_topic(bootstrap: str, topic: str, idle_s: float = 1.5) -> list[Any]:

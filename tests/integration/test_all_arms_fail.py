@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
-from conftest import query, read_topic, start_stack, wait_for
+from conftest import ingress_stub, query, read_topic, start_stack, wait_for
 from mars.config import TOPIC_GENERATED
 from mars.v1 import events_pb2 as ev
 from mars.v1 import services_pb2 as svc
@@ -32,7 +32,7 @@ def broken_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStac
 
 
 def test_all_arms_failing_is_unavailable_and_recorded(broken_stack: LocalStack) -> None:
-    stub = svc_grpc.IngressStub(grpc.insecure_channel(broken_stack.addr("ingress")))
+    stub = ingress_stub(broken_stack, "t")
     for n in (1, 2):
         with pytest.raises(grpc.RpcError) as info:
             stub.SendTurn(
@@ -41,6 +41,10 @@ def test_all_arms_failing_is_unavailable_and_recorded(broken_stack: LocalStack) 
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
         details = info.value.details() or ""
         assert "broken-a" in details and "broken-b" in details
+        # The caller gets the arms and a reference, never the upstream's errors or addresses.
+        assert "reference " in details
+        for internal in ("http", "127.0.0.1", ":9", "Error", "Exception", "Traceback", "refused"):
+            assert internal not in details, details
 
     rows = query(
         broken_stack, "SELECT seq, status, error FROM ingress_turns WHERE user_id = 'u' ORDER BY seq"

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import grpc
 import pytest
-from conftest import read_topic
+from conftest import ingress_stub, read_topic
 from mars.config import TOPIC_ROUTED, TOPIC_VIEW
 from mars.domain.features import FEATURE_NAMES, RECENT_TURNS, featurize
 from mars.v1 import events_pb2 as ev
 from mars.v1 import services_pb2 as svc
-from mars.v1 import services_pb2_grpc as svc_grpc
 from mars_stack import LocalStack
 
 pytestmark = pytest.mark.integration
@@ -51,7 +50,7 @@ def turns(stack: LocalStack) -> dict[str, tuple[ev.ViewBuilt, ev.Routed]]:
 
     Views and routing decisions come before generation, so a turn whose answer runs past the deadline on
     a loaded machine still has both; such a turn is tolerated (its pair is just not stored in memory)."""
-    stub = svc_grpc.IngressStub(grpc.insecure_channel(stack.addr("ingress")))
+    stub = ingress_stub(stack, TENANT)
     failed: list[str] = []
     for session, text in SCRIPT:
         req = svc.TurnRequest(

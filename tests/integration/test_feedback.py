@@ -10,9 +10,8 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
-from conftest import query, start_stack, wait_for
+from conftest import ingress_stub, query, start_stack, wait_for
 from mars.v1 import services_pb2 as svc
-from mars.v1 import services_pb2_grpc as svc_grpc
 from mars_stack import LocalStack
 
 pytestmark = pytest.mark.integration
@@ -35,7 +34,7 @@ def fb_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
 
 
 def _turn(stack: LocalStack, tenant: str, user: str) -> str:
-    stub = svc_grpc.IngressStub(grpc.insecure_channel(stack.addr("ingress")))
+    stub = ingress_stub(stack, tenant)
     reply = stub.SendTurn(
         svc.TurnRequest(tenant=tenant, user_id=user, session_id="s", text="Suggest a name for my cat."),
         timeout=120,
@@ -51,7 +50,7 @@ def _turn(stack: LocalStack, tenant: str, user: str) -> str:
 def _feedback(
     stack: LocalStack, tenant: str, user: str, turn_id: str, rating: float = 0.0, thumbs: int = 0
 ) -> None:
-    stub = svc_grpc.IngressStub(grpc.insecure_channel(stack.addr("ingress")))
+    stub = ingress_stub(stack, tenant)
     assert stub.SubmitFeedback(
         svc.FeedbackRequest(tenant=tenant, user_id=user, turn_id=turn_id, rating=rating, thumbs=thumbs),
         timeout=10,
@@ -116,7 +115,7 @@ def test_blend_mode_and_log_mode(fb_stack: LocalStack) -> None:
 
 def test_feedback_for_someone_elses_turn_is_refused(fb_stack: LocalStack) -> None:
     turn_id = _turn(fb_stack, "fb-replace", "owner")
-    stub = svc_grpc.IngressStub(grpc.insecure_channel(fb_stack.addr("ingress")))
+    stub = ingress_stub(fb_stack, "fb-replace")
     for req, code in [
         (
             svc.FeedbackRequest(tenant="other", user_id="owner", turn_id=turn_id, rating=0.5),

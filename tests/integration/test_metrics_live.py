@@ -161,8 +161,6 @@ def test_dispatch_attempts_circuits_and_qtm_outcomes(
 def test_turns_by_status_and_tenant_at_ingress(
     metrics_stack: tuple[LocalStack, dict[str, int]], turns: list[svc.TurnReply]
 ) -> None:
-    if "record_turn" not in (REPO / "services" / "mars_ingress" / "service.py").read_text():
-        pytest.skip("the ingress does not record mars.turns yet (mars.metrics.record_turn)")
     _, ports = metrics_stack
     samples = scrape(ports["ingress"])
     assert total(samples, "mars_turns_total", status="answered", tenant=TENANT) >= len(turns)

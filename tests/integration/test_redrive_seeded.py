@@ -12,7 +12,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from conftest import start_stack
+from conftest import ingress_stub, start_stack
 from mars.v1 import services_pb2 as svc
 from mars.v1 import services_pb2_grpc as svc_grpc
 from mars_stack import LocalStack
@@ -35,7 +35,7 @@ def seeded_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStac
         service_env={"router": ROUTER_ENV, "dispatch": {"MARS_DEFAULT_MAX_TOKENS": "8"}},
     )
     try:
-        ingress = svc_grpc.IngressStub(grpc.insecure_channel(s.addr("ingress")))
+        ingress = ingress_stub(s, TENANT)
         router = svc_grpc.RouterStub(grpc.insecure_channel(s.addr("router")))
         for i in range(TURNS):
             before = _version(router, TENANT)
@@ -75,6 +75,7 @@ def test_two_strict_redrives_of_a_thompson_log_decide_identically(
         run = mars(
             "replay", "run", "--file", str(log), "--ingress", seeded_stack.addr("ingress"),
             "--router", seeded_stack.addr("router"), "--strict", f"--tenant-suffix={suffix}",
+            "--postgres-dsn", seeded_stack.env["MARS_POSTGRES_DSN"],
             "--out", str(out),
         )  # fmt: skip
         assert run.returncode == 0, run.stderr[-2000:]

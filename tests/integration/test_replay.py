@@ -11,12 +11,10 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-import grpc
 import pytest
-from conftest import start_stack
+from conftest import ingress_stub, start_stack
 from mars.v1 import events_pb2 as ev
 from mars.v1 import services_pb2 as svc
-from mars.v1 import services_pb2_grpc as svc_grpc
 from mars_stack import LocalStack
 
 pytestmark = pytest.mark.integration
@@ -36,7 +34,7 @@ def replay_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStac
         errors: list[BaseException] = []
 
         def talk(user: str) -> None:
-            stub = svc_grpc.IngressStub(grpc.insecure_channel(s.addr("ingress")))
+            stub = ingress_stub(s, "rp")
             try:
                 for i in range(TURNS):
                     stub.SendTurn(
@@ -165,7 +163,7 @@ def test_strict_redrive_is_deterministic(replay_stack: LocalStack, tmp_path: Pat
         run = mars(
             "replay", "run", "--file", str(log), "--ingress", replay_stack.addr("ingress"),
             "--router", replay_stack.addr("router"), "--strict", "--limit", "8", f"--tenant-suffix={suffix}",
-            "--out", str(out),
+            "--postgres-dsn", replay_stack.env["MARS_POSTGRES_DSN"], "--out", str(out),
         )  # fmt: skip
         assert run.returncode == 0, run.stderr[-2000:]
         assert json.loads(run.stderr[run.stderr.index("{") :])["answered"] == 8

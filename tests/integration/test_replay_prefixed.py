@@ -11,13 +11,11 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-import grpc
 import pytest
 from aiokafka.admin import AIOKafkaAdminClient
-from conftest import HERE, start_stack
+from conftest import HERE, ingress_stub, start_stack
 from mars.config import ALL_TOPICS, Topics
 from mars.v1 import services_pb2 as svc
-from mars.v1 import services_pb2_grpc as svc_grpc
 from mars_stack import LocalStack
 
 pytestmark = pytest.mark.integration
@@ -34,7 +32,7 @@ def prefixed_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSt
         topic_prefix=PREFIX,
     )
     try:
-        stub = svc_grpc.IngressStub(grpc.insecure_channel(s.addr("ingress")))
+        stub = ingress_stub(s, "px")
         for i in range(TURNS):
             stub.SendTurn(
                 svc.TurnRequest(tenant="px", user_id="u1", session_id="s", text=f"Question {i} about tea."),

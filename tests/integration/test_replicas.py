@@ -10,7 +10,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from conftest import STACK_ENV, query, read_topic, require_kafka, session_state
+from conftest import STACK_ENV, ingress_stub, query, read_topic, require_kafka, session_state
 from mars.config import TOPIC_VIEW, topic_name
 from mars.v1 import events_pb2 as ev
 from mars.v1 import services_pb2 as svc
@@ -50,7 +50,7 @@ def replicated(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]
 
 
 def test_views_from_a_replica_that_applied_none_of_the_writes(replicated: LocalStack) -> None:
-    stubs = [svc_grpc.IngressStub(grpc.insecure_channel(a)) for a in replicated.addrs("ingress")]
+    stubs = [ingress_stub(replicated, "rep", addr=a) for a in replicated.addrs("ingress")]
     assert len(stubs) == 2
     replies: dict[str, list[svc.TurnReply]] = {u: [] for u in USERS}
     for n, text in enumerate(TURNS):

@@ -8,11 +8,11 @@ import asyncio
 import time
 from pathlib import Path
 
-import grpc
 import psycopg
 import pytest
 from aiokafka import AIOKafkaProducer
 from conftest import STACK_ENV, read_topic, require_kafka, wait_for
+from mars.client import ingress_channel
 from mars.v1 import services_pb2 as svc
 from mars.v1 import services_pb2_grpc as svc_grpc
 from mars_stack import LocalStack, StackSettings
@@ -111,11 +111,11 @@ def test_pipeline_smoke_on_tansu(tmp_path: Path) -> None:
     ).start()
     try:
         assert stack.broker == "tansu" and stack.env["MARS_KAFKA_IDEMPOTENCE"] == "false"
-        with grpc.insecure_channel(stack.addr("ingress")) as channel:
+        with ingress_channel(stack.addr("ingress"), stack.env["MARS_API_KEY"]) as channel:
             stub = svc_grpc.IngressStub(channel)
             for n in (1, 2):
                 reply = stub.SendTurn(
-                    svc.TurnRequest(tenant="t", user_id="tansu-user", text=f"hello number {n}"), timeout=90
+                    svc.TurnRequest(user_id="tansu-user", text=f"hello number {n}"), timeout=90
                 )
                 assert reply.seq == n and reply.text.startswith("Noted")
     finally:

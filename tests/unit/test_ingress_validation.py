@@ -33,3 +33,17 @@ def test_valid_turn_returns_options() -> None:
 def test_invalid_turns(kw: dict[str, object], message: str) -> None:
     with pytest.raises(InvalidTurn, match=message):
         validate_turn(req(**kw), 100)
+
+
+@pytest.mark.parametrize("field", ["tenant", "user_id", "session_id", "text"])
+@pytest.mark.parametrize("char", ["\x00", "\x01", "\x1b", "\x1f", "\x0b"])
+def test_control_characters_are_refused_with_the_field_and_position(field: str, char: str) -> None:
+    value = "ab" + char + "c"
+    with pytest.raises(
+        InvalidTurn, match=rf"{field} contains the control character U\+{ord(char):04X} at position 2"
+    ):
+        validate_turn(req(**{field: value}), 100)
+
+
+def test_tab_newline_and_return_are_fine_in_text() -> None:
+    assert validate_turn(req(text="line one\n\tline two\r\n"), 100) == {}

@@ -32,6 +32,18 @@ def _common(p: argparse.ArgumentParser) -> None:
         help="the pipeline's topic prefix (default: $MARS_TOPIC_PREFIX or none)",
     )
     p.add_argument("--tenant", help="tenant to send the turns as (default: eval-<unix time>, a fresh memory)")
+    p.add_argument(
+        "--postgres-dsn",
+        default=os.environ.get("MARS_POSTGRES_DSN"),
+        help="the pipeline's Postgres: an API key for the tenant is created there (default: "
+        "$MARS_POSTGRES_DSN; without it --api-key is sent)",
+    )
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("MARS_API_KEY", ""),
+        help="without --postgres-dsn: the tenant's API key (default: $MARS_API_KEY); the tenant then "
+        "defaults to $MARS_TENANT, the key's",
+    )
     p.add_argument("--max-tokens", type=_max_tokens, help="answer length cap sent with every turn (1..1024)")
     p.add_argument("--timeout-s", type=float, default=300.0, help="seconds to wait for each answer")
     p.add_argument("--max-sessions", type=int, help="send only the first N sessions of each conversation")
@@ -50,11 +62,21 @@ def _max_tokens(value: str) -> int:
 
 
 def _target(args: argparse.Namespace) -> PipelineTarget:
-    """The pipeline the arguments name; a fresh tenant unless one is given; views read from now on."""
+    """The pipeline the arguments name; a fresh tenant unless one is given (with a key created in the
+    pipeline's Postgres), else the key's tenant; views read from now on."""
+    from mars.client import TenantKeys
+
+    if args.postgres_dsn:
+        tenant = args.tenant or f"eval-{int(time.time())}"
+        api_key = TenantKeys(postgres_dsn=args.postgres_dsn, label="mars eval").key(tenant)
+    else:
+        tenant = args.tenant or os.environ.get("MARS_TENANT") or f"eval-{int(time.time())}"
+        api_key = args.api_key
     return PipelineTarget(
         ingress=args.ingress,
         bootstrap=args.bootstrap,
-        tenant=args.tenant or f"eval-{int(time.time())}",
+        api_key=api_key,
+        tenant=tenant,
         prefix=args.topic_prefix,
         options={} if args.max_tokens is None else {"max_tokens": str(args.max_tokens)},
         timeout_s=args.timeout_s,

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import grpc
 from google.protobuf.message import DecodeError
 
+from mars.client import ingress_channel
 from mars.config import TOPIC_VIEW
 from mars.replay.cli import read_topics
 from mars.v1 import events_pb2 as ev
@@ -52,8 +53,9 @@ class IngressDriver:
         timeout_s: float = 300.0,
         options: Mapping[str, str] | None = None,
         channel: grpc.Channel | None = None,
+        api_key: str = "",
     ) -> None:
-        self._channel = channel or grpc.insecure_channel(target)
+        self._channel = channel or ingress_channel(target, api_key)
         self._stub = svc_grpc.IngressStub(self._channel)
         self.tenant = tenant
         self.user_id = user_id
@@ -91,7 +93,8 @@ class IngressDriver:
 @dataclass(frozen=True)
 class PipelineTarget:
     """A running pipeline to drive: its ingress, its broker and topic prefix (to read views back), the
-    tenant to send as, per-turn options and timeout, and when the run started (views are read from then)."""
+    tenant to send as and its API key, per-turn options and timeout, and when the run started (views are read
+    from then)."""
 
     ingress: str
     bootstrap: str
@@ -100,11 +103,14 @@ class PipelineTarget:
     options: Mapping[str, str] = field(default_factory=dict)
     timeout_s: float = 300.0
     since_ms: int | None = None
+    api_key: str = ""
 
     @contextmanager
     def user(self, user_id: str, sent: list[SentTurn]) -> Iterator[IngressDriver]:
         """A driver for one user; every turn it sent is appended to `sent` when it closes."""
-        driver = IngressDriver(self.ingress, self.tenant, user_id, self.timeout_s, self.options)
+        driver = IngressDriver(
+            self.ingress, self.tenant, user_id, self.timeout_s, self.options, api_key=self.api_key
+        )
         try:
             yield driver
         finally:

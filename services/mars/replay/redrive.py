@@ -34,6 +34,7 @@ import grpc
 from rich.console import Console
 from rich.progress import Progress
 
+from mars.client import TenantChannels, TenantKeys
 from mars.replay import presets
 from mars.replay.cli import topic_prefix_arg
 from mars.replay.compare import comparison_table, only, read_back
@@ -106,12 +107,29 @@ def redrive(
     router_addr: str | None,
     reward_timeout_s: float,
     on_turn: Any = lambda: None,
+    keys: TenantKeys | None = None,
 ) -> list[dict[str, Any]]:
-    ingress = svc_grpc.IngressStub(grpc.insecure_channel(ingress_addr))
+    """Send each turn as its tenant (+ suffix), with that tenant's key from `keys`."""
+    channels = TenantChannels(ingress_addr, keys or TenantKeys())
     router = svc_grpc.RouterStub(grpc.insecure_channel(router_addr)) if router_addr else None
+    try:
+        return _redrive(turns, channels, suffix, router, reward_timeout_s, on_turn)
+    finally:
+        channels.close()
+
+
+def _redrive(
+    turns: list[RecordedTurn],
+    channels: TenantChannels,
+    suffix: str,
+    router: svc_grpc.RouterStub | None,
+    reward_timeout_s: float,
+    on_turn: Any,
+) -> list[dict[str, Any]]:
     rows = []
     for t in turns:
         tenant = t.tenant + suffix
+        ingress = channels.stub(tenant, svc_grpc.IngressStub)
         policy = _policy(router, tenant, t.user_id)
         before = int(policy.version)
         row: dict[str, Any] = {
@@ -227,7 +245,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         original.add(r)
     original = only(original, [t.turn_id for t in turns])
 
-    def drive(ingress: str, router: str | None, suffix: str) -> list[dict[str, Any]]:
+    def drive(ingress: str, router: str | None, suffix: str, keys: TenantKeys) -> list[dict[str, Any]]:
         with Progress(console=console, transient=True) as progress:
             task = progress.add_task("re-driving", total=len(turns))
             return redrive(
@@ -237,13 +255,17 @@ def cmd_run(args: argparse.Namespace) -> int:
                 router if args.strict else None,
                 args.reward_timeout_s,
                 lambda: progress.advance(task),
+                keys,
             )
 
     redriven: TraceBuilder | None = None
     if args.ingress:
         prefix = args.topic_prefix or ""
         suffix = args.tenant_suffix or f"-replay-{int(time.time())}"
-        rows = drive(args.ingress, args.router, suffix)
+        # The renamed tenants are new: a key for each is created in the pipeline's Postgres when we can
+        # reach it, else the one --api-key is sent for all (the ingress refuses tenants it is not for).
+        keys = TenantKeys(args.api_key or "", args.postgres_dsn or "", label="mars replay run")
+        rows = drive(args.ingress, args.router, suffix, keys)
         if args.bootstrap:
             redriven = read_back(args.bootstrap, prefix, [r["turn_id"] for r in rows if "turn_id" in r])
     else:
@@ -256,7 +278,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             console.print(f"[red]the replay stack did not start: {exc}[/]")
             return 1
         try:
-            rows = drive(stack.addr("ingress"), stack.addr("router"), suffix)
+            keys = TenantKeys(postgres_dsn=stack.env["MARS_POSTGRES_DSN"], label="mars replay run")
+            rows = drive(stack.addr("ingress"), stack.addr("router"), suffix, keys)
             redriven = read_back(
                 stack.env["MARS_KAFKA_BOOTSTRAP"], prefix, [r["turn_id"] for r in rows if "turn_id" in r]
             )
@@ -325,6 +348,18 @@ def add_run_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
     p.add_argument("--ingress", help="re-drive into this running pipeline's ingress HOST:PORT instead")
     p.add_argument("--router", help="with --ingress: its router HOST:PORT (needed by --strict)")
     p.add_argument("--bootstrap", help="with --ingress: its Kafka bootstrap servers, to compare the runs")
+    p.add_argument(
+        "--postgres-dsn",
+        default=os.environ.get("MARS_POSTGRES_DSN"),
+        help="with --ingress: its Postgres, where an API key is created for each re-driven tenant "
+        "(default: $MARS_POSTGRES_DSN)",
+    )
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("MARS_API_KEY"),
+        help="with --ingress and no --postgres-dsn: the API key sent for every turn; it must be the "
+        "re-driven tenant's (default: $MARS_API_KEY)",
+    )
     p.add_argument(
         "--strict", action="store_true", help="one turn at a time, each reward applied before the next"
     )

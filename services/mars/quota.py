@@ -1,0 +1,179 @@
+"""Per-tenant quotas at the ingress: token buckets for turns per second and text tokens per minute, and a
+daily spend limit in USD.
+
+Buckets live in each ingress process (no shared state on the answer path): with N replicas a tenant can
+get up to N times its limits, unless `MARS_QUOTA_REPLICAS` is set to N, which gives each process 1/N of
+them (exact when a load balancer spreads the tenant's calls evenly). Spend is the judged cost of the
+tenant's turns since 00:00 UTC, read from Postgres and cached for a few seconds, so it is shared by all
+replicas but may overshoot by what is spent within the cache time.
+
+A value of 0 means unlimited. Everything here is pure (the clock is passed in) except `spent_today`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+
+class TenantLimits(BaseModel):
+    """One tenant's limits (0: unlimited). `turn_burst` 0: max(1, turns_per_s)."""
+
+    turns_per_s: float = Field(default=0.0, ge=0)
+    turn_burst: float = Field(default=0.0, ge=0)
+    tokens_per_min: float = Field(default=0.0, ge=0)
+    usd_per_day: float = Field(default=0.0, ge=0)
+
+
+@dataclass
+class TokenBucket:
+    """`capacity` tokens, refilled at `rate` per second. A take larger than the capacity is allowed from
+    a full bucket and leaves it in debt (negative), so one big request is not refused forever but pays
+    for itself before the next one."""
+
+    rate: float
+    capacity: float
+    tokens: float = math.nan
+    updated: float = math.nan
+
+    def _refill(self, now: float) -> None:
+        if math.isnan(self.tokens):
+            self.tokens, self.updated = self.capacity, now
+        elapsed = max(0.0, now - self.updated)
+        self.tokens = min(self.capacity, self.tokens + elapsed * self.rate)
+        self.updated = now
+
+    def wait_s(self, n: float, now: float) -> float:
+        """Seconds until `n` can be taken (0: now). Does not take anything."""
+        self._refill(now)
+        need = min(n, self.capacity)
+        if self.tokens >= need:
+            return 0.0
+        return (need - self.tokens) / self.rate
+
+    def take(self, n: float, now: float) -> None:
+        self._refill(now)
+        self.tokens -= n
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why a turn is refused and when to try again."""
+
+    limit: str
+    retry_after_s: float
+    message: str
+
+    @property
+    def retry_after_ms(self) -> int:
+        return max(1, math.ceil(self.retry_after_s * 1000))
+
+
+@dataclass
+class Quotas:
+    """The rate limits of every tenant in this process."""
+
+    defaults: TenantLimits
+    overrides: Mapping[str, TenantLimits] = field(default_factory=dict)
+    #: Ingress replicas sharing the limits: each process enforces 1/replicas of them.
+    replicas: int = 1
+    _turns: dict[str, TokenBucket] = field(default_factory=dict)
+    _tokens: dict[str, TokenBucket] = field(default_factory=dict)
+
+    def limits(self, tenant: str) -> TenantLimits:
+        return self.overrides.get(tenant, self.defaults)
+
+    def admit(self, tenant: str, text_tokens: int, now: float) -> Refusal | None:
+        """Take one turn and `text_tokens` from the tenant's buckets, or say why not (taking nothing)."""
+        limits = self.limits(tenant)
+        share = 1.0 / max(1, self.replicas)
+        buckets: list[tuple[TokenBucket, float, str]] = []
+        if limits.turns_per_s > 0:
+            rate = limits.turns_per_s * share
+            burst = (limits.turn_burst or max(1.0, limits.turns_per_s)) * share
+            bucket = self._turns.get(tenant)
+            if bucket is None or bucket.rate != rate:
+                bucket = self._turns[tenant] = TokenBucket(rate, max(1.0, burst))
+            buckets.append((bucket, 1.0, f"{limits.turns_per_s:g} turns/s"))
+        if limits.tokens_per_min > 0:
+            rate = limits.tokens_per_min * share / 60.0
+            bucket = self._tokens.get(tenant)
+            if bucket is None or bucket.rate != rate:
+                bucket = self._tokens[tenant] = TokenBucket(rate, limits.tokens_per_min * share)
+            buckets.append((bucket, float(text_tokens), f"{limits.tokens_per_min:g} text tokens/min"))
+        for bucket, n, what in buckets:
+            wait = bucket.wait_s(n, now)
+            if wait > 0:
+                return Refusal(
+                    "rate",
+                    wait,
+                    f"tenant {tenant!r} is over its quota of {what}; retry in {math.ceil(wait * 1000)} ms",
+                )
+        for bucket, n, _ in buckets:
+            bucket.take(n, now)
+        return None
+
+
+def seconds_to_utc_midnight(now: datetime) -> float:
+    """Seconds from `now` (aware) to the next 00:00 UTC, when the daily spend starts over."""
+    now = now.astimezone(UTC)
+    midnight = (now + timedelta(days=1)).replace(hour=0, minute=0, second=0, microsecond=0)
+    return (midnight - now).total_seconds()
+
+
+def spend_refusal(tenant: str, spent_usd: float, limit_usd: float, now: datetime) -> Refusal | None:
+    if limit_usd <= 0 or spent_usd < limit_usd:
+        return None
+    wait = seconds_to_utc_midnight(now)
+    return Refusal(
+        "spend",
+        wait,
+        f"tenant {tenant!r} has spent ${spent_usd:.4f} today, its daily limit is ${limit_usd:g}; "
+        f"the limit resets at 00:00 UTC (in {wait / 3600:.1f} h)",
+    )
+
+
+#: The judged cost (generator + controller + judge) of a tenant's turns received since 00:00 UTC.
+SPENT_TODAY_SQL = (
+    "SELECT coalesce(sum(r.cost_usd + r.controller_cost_usd + r.judge_cost_usd), 0) "
+    "FROM judge_rewards r JOIN ingress_turns t ON t.turn_id = r.turn_id "
+    "WHERE t.tenant = %s AND t.created_at >= date_trunc('day', now() AT TIME ZONE 'UTC') AT TIME ZONE 'UTC'"
+)
+
+
+class SpendCache:
+    """Each tenant's spend today, read through `fetch` at most once per `ttl_s`."""
+
+    def __init__(
+        self, fetch: Callable[[str], Awaitable[float]], ttl_s: float, clock: Callable[[], float]
+    ) -> None:
+        self._fetch = fetch
+        self._ttl_s = ttl_s
+        self._clock = clock
+        self._cache: dict[str, tuple[float, float]] = {}
+
+    async def spent(self, tenant: str) -> float:
+        now = self._clock()
+        hit = self._cache.get(tenant)
+        if hit is not None and hit[0] > now:
+            return hit[1]
+        value = await self._fetch(tenant)
+        self._cache[tenant] = (now + self._ttl_s, value)
+        return value
+
+
+def pool_spend(pool: Any) -> Callable[[str], Awaitable[float]]:
+    """A SpendCache fetch over a psycopg AsyncConnectionPool."""
+
+    async def fetch(tenant: str) -> float:
+        async with pool.connection() as conn:
+            cur = await conn.execute(SPENT_TODAY_SQL, (tenant,))
+            row = await cur.fetchone()
+        return float(row[0]) if row else 0.0
+
+    return fetch

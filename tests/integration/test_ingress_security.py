@@ -1,0 +1,266 @@
+"""The ingress's front door over the real stack: API keys (UNAUTHENTICATED / PERMISSION_DENIED), tenants
+from the key, user-scoped keys, revocation within the cache TTL, `mars tenant` commands, control characters
+(INVALID_ARGUMENT instead of a database error), per-tenant quotas (RESOURCE_EXHAUSTED with a retry hint) and
+the isolation property: two tenants' interleaved turns never see each other's (or another user's) data."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from conftest import REPO, api_key, ingress_stub, query, start_stack, wait_for
+from mars.auth import mint_key
+from mars.client import ingress_channel
+from mars.v1 import services_pb2 as svc
+from mars.v1 import services_pb2_grpc as svc_grpc
+from mars_stack import LocalStack
+
+pytestmark = pytest.mark.integration
+
+TTL_S = 1.0
+QUOTAS = {
+    "limited": {"turns_per_s": 0.05, "turn_burst": 2},
+    "wordy": {"tokens_per_min": 60},
+    "spender": {"usd_per_day": 1e-12},
+}
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
+    s = start_stack(
+        tmp_path_factory.mktemp("security"),
+        str(REPO / "config" / "models.standin.yaml"),
+        llm="standin",
+        service_env={
+            "ingress": {
+                "MARS_AUTH_CACHE_TTL_S": str(TTL_S),
+                "MARS_QUOTA_TENANTS": json.dumps(QUOTAS),
+                "MARS_QUOTA_SPEND_CACHE_S": "0",
+            }
+        },
+    )
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+def turn(user: str = "u1", text: str = "What is a good name for a cat?", tenant: str = "") -> svc.TurnRequest:
+    return svc.TurnRequest(tenant=tenant, user_id=user, session_id="s", text=text)
+
+
+def refused(call: object, *args: object, **kw: object) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as info:
+        call(*args, **kw)  # type: ignore[operator]
+    return info.value
+
+
+def mars(*args: str) -> subprocess.CompletedProcess[str]:
+    exe = str(Path(sys.executable).parent / "mars")
+    return subprocess.run([exe, *args], capture_output=True, text=True, timeout=120, check=False)
+
+
+def test_the_stack_made_a_demo_tenant_key(stack: LocalStack) -> None:
+    assert stack.env["MARS_TENANT"] == "demo" and stack.env["MARS_API_KEY"].startswith("mars_")
+    env_file = stack.workdir / "stack.env"
+    assert f"MARS_API_KEY={stack.env['MARS_API_KEY']}" in env_file.read_text()
+    assert env_file.stat().st_mode & 0o077 == 0  # the key is a secret: the file is the owner's only
+    run = mars(
+        "send", "Hello as the demo tenant", "--target", stack.addr("ingress"),
+        "--api-key", stack.env["MARS_API_KEY"], "--tenant", "demo",
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr
+
+
+def test_no_key_or_a_bad_key_is_unauthenticated(stack: LocalStack) -> None:
+    plain = svc_grpc.IngressStub(grpc.insecure_channel(stack.addr("ingress")))
+    err = refused(plain.SendTurn, turn(tenant="acme"), timeout=30)
+    assert err.code() == grpc.StatusCode.UNAUTHENTICATED and "missing API key" in (err.details() or "")
+    err = refused(
+        plain.SubmitFeedback, svc.FeedbackRequest(tenant="acme", user_id="u1", turn_id="x", rating=1)
+    )
+    assert err.code() == grpc.StatusCode.UNAUTHENTICATED
+    err = refused(lambda: list(plain.Converse(iter([turn(tenant="acme")]), timeout=30)))
+    assert err.code() == grpc.StatusCode.UNAUTHENTICATED
+    for bad in ("mars_" + "A" * 43, "not-a-key", api_key(stack, "acme")[:-1] + "?"):
+        stub = svc_grpc.IngressStub(ingress_channel(stack.addr("ingress"), bad))
+        err = refused(stub.SendTurn, turn(tenant="acme"), timeout=30)
+        assert err.code() == grpc.StatusCode.UNAUTHENTICATED, bad
+        assert bad not in (err.details() or "")  # the key is never echoed
+
+
+def test_good_key_is_answered_with_the_tenant_from_the_key(stack: LocalStack) -> None:
+    stub = ingress_stub(stack, "acme")
+    named = stub.SendTurn(turn(tenant="acme"), timeout=60)
+    filled = stub.SendTurn(turn(), timeout=60)  # no tenant in the body: the key's
+    assert named.text and filled.text and filled.seq == named.seq + 1
+    rows = query(
+        stack,
+        "SELECT DISTINCT tenant FROM ingress_turns WHERE turn_id = ANY(%s)",
+        ([named.turn_id, filled.turn_id],),
+    )
+    assert rows == [("acme",)]
+    err = refused(stub.SendTurn, turn(tenant="globex"), timeout=30)
+    assert err.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert "acts for tenant 'acme', not 'globex'" in (err.details() or "")
+    # Converse: the key once per stream, each request's tenant against it.
+    replies = list(stub.Converse(iter([turn(), turn(tenant="acme")]), timeout=120))
+    assert len(replies) == 2 and all(r.text for r in replies)
+    err = refused(lambda: list(stub.Converse(iter([turn(), turn(tenant="globex")]), timeout=120)))
+    assert err.code() == grpc.StatusCode.PERMISSION_DENIED
+
+
+def test_user_scoped_key_acts_for_its_user_only(stack: LocalStack) -> None:
+    stub = ingress_stub(stack, "acme", user="alice")
+    assert stub.SendTurn(turn(user="alice"), timeout=60).text
+    filled = stub.SendTurn(turn(user=""), timeout=60)  # no user in the body: the key's
+    assert query(stack, "SELECT user_id FROM ingress_turns WHERE turn_id = %s", (filled.turn_id,)) == [
+        ("alice",)
+    ]
+    err = refused(stub.SendTurn, turn(user="bob"), timeout=30)
+    assert err.code() == grpc.StatusCode.PERMISSION_DENIED and "'alice' only" in (err.details() or "")
+    # Its feedback: on alice's own turn, never on bob's.
+    bob_turn = ingress_stub(stack, "acme").SendTurn(turn(user="bob"), timeout=60)
+    fb = svc.FeedbackRequest(user_id="alice", turn_id=filled.turn_id, rating=0.8)
+    assert stub.SubmitFeedback(fb, timeout=10).accepted
+    err = refused(
+        stub.SubmitFeedback, svc.FeedbackRequest(user_id="bob", turn_id=bob_turn.turn_id, rating=0.1)
+    )
+    assert err.code() == grpc.StatusCode.PERMISSION_DENIED
+
+
+def test_feedback_needs_the_turns_tenant_key(stack: LocalStack) -> None:
+    reply = ingress_stub(stack, "acme").SendTurn(turn(user="carol"), timeout=60)
+    fb = svc.FeedbackRequest(tenant="acme", user_id="carol", turn_id=reply.turn_id, rating=0.9)
+    err = refused(ingress_stub(stack, "globex").SubmitFeedback, fb, timeout=10)
+    assert err.code() == grpc.StatusCode.PERMISSION_DENIED
+    other = svc.FeedbackRequest(user_id="carol", turn_id=reply.turn_id, rating=0.9)
+    err = refused(ingress_stub(stack, "globex").SubmitFeedback, other, timeout=10)
+    assert err.code() == grpc.StatusCode.PERMISSION_DENIED  # globex's key on acme's turn
+    assert ingress_stub(stack, "acme").SubmitFeedback(fb, timeout=10).accepted
+
+
+def test_tenant_commands_create_rotate_and_revoke(stack: LocalStack) -> None:
+    dsn = stack.env["MARS_POSTGRES_DSN"]
+    created = mars("tenant", "create", "initech", "--user", "milton", "--label", "ops", "--postgres-dsn", dsn)
+    assert created.returncode == 0, created.stdout + created.stderr
+    key = created.stdout.strip().splitlines()[-1]
+    key_id = key[5:13]
+    listed = mars("tenant", "list", "--tenant", "initech", "--postgres-dsn", dsn)
+    assert key_id in listed.stdout and "milton" in listed.stdout and key not in listed.stdout
+    stub = svc_grpc.IngressStub(ingress_channel(stack.addr("ingress"), key))
+    assert stub.SendTurn(turn(user="milton"), timeout=60).text
+
+    rotated = mars("tenant", "rotate", key_id, "--postgres-dsn", dsn)
+    assert rotated.returncode == 0, rotated.stdout + rotated.stderr
+    new_key = rotated.stdout.strip().splitlines()[-1]
+    new_stub = svc_grpc.IngressStub(ingress_channel(stack.addr("ingress"), new_key))
+    assert new_stub.SendTurn(turn(user="milton"), timeout=60).text  # same scope as the old one
+    assert (
+        refused(new_stub.SendTurn, turn(user="bob"), timeout=30).code() == grpc.StatusCode.PERMISSION_DENIED
+    )
+    time.sleep(TTL_S + 0.2)
+    assert refused(stub.SendTurn, turn(user="milton"), timeout=30).code() == grpc.StatusCode.UNAUTHENTICATED
+
+    assert mars("tenant", "revoke", new_key[5:13], "--postgres-dsn", dsn).returncode == 0
+    time.sleep(TTL_S + 0.2)  # revocation takes effect within the cache TTL
+    assert (
+        refused(new_stub.SendTurn, turn(user="milton"), timeout=30).code() == grpc.StatusCode.UNAUTHENTICATED
+    )
+    assert mars("tenant", "revoke", new_key[5:13], "--postgres-dsn", dsn).returncode == 1
+    everything = mars("tenant", "list", "--all", "--postgres-dsn", dsn)
+    assert f"-> {new_key[5:13]}" in everything.stdout
+
+
+def test_control_characters_are_invalid_argument_not_a_database_error(stack: LocalStack) -> None:
+    stub = ingress_stub(stack, "acme")
+    for req, field in [
+        (turn(text="nul \x00 in the text"), "text"),
+        (turn(text="escape \x1b[31m red"), "text"),
+        (turn(user="eve\x00"), "user_id"),
+        (svc.TurnRequest(user_id="u1", session_id="s\x07", text="hi"), "session_id"),
+        (turn(tenant="acme\x00"), "tenant"),
+    ]:
+        err = refused(stub.SendTurn, req, timeout=30)
+        if field == "tenant":  # a tenant that is not the key's is refused before it is read
+            assert err.code() == grpc.StatusCode.PERMISSION_DENIED
+            continue
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, (field, err.details())
+        assert f"{field} contains the control character" in (err.details() or "")
+    assert stub.SendTurn(turn(text="tabs\tand\nnewlines\r\nare fine"), timeout=60).text
+    reply = stub.SendTurn(turn(user="u1"), timeout=60)
+    fb = svc.FeedbackRequest(user_id="u1", turn_id=reply.turn_id, rating=0.5, comment="nul\x00")
+    err = refused(stub.SubmitFeedback, fb, timeout=10)
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "comment contains" in (err.details() or "")
+
+
+def _retry_after_ms(err: grpc.RpcError) -> int:
+    trailing = dict(err.trailing_metadata() or ())  # type: ignore[attr-defined]
+    return int(trailing["retry-after-ms"])
+
+
+def test_turn_rate_quota_is_resource_exhausted_with_a_retry_hint(stack: LocalStack) -> None:
+    stub = ingress_stub(stack, "limited")
+    assert stub.SendTurn(turn(), timeout=60).text and stub.SendTurn(turn(), timeout=60).text  # the burst
+    err = refused(stub.SendTurn, turn(), timeout=30)
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "over its quota of 0.05 turns/s" in (err.details() or "")
+    assert 0 < _retry_after_ms(err) <= 20_000
+    assert ingress_stub(stack, "acme").SendTurn(turn(), timeout=60).text  # other tenants unaffected
+
+
+def test_token_quota_counts_the_text(stack: LocalStack) -> None:
+    stub = ingress_stub(stack, "wordy")
+    long_text = "tell me about ferries " * 20  # ~126 estimated tokens: allowed from a full bucket, then debt
+    assert stub.SendTurn(turn(text=long_text), timeout=60).text
+    err = refused(stub.SendTurn, turn(text="short"), timeout=30)
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "60 text tokens/min" in (err.details() or "")
+    assert _retry_after_ms(err) > 1000
+
+
+def test_daily_spend_limit(stack: LocalStack) -> None:
+    stub = ingress_stub(stack, "spender")
+    first = stub.SendTurn(turn(), timeout=60)
+    assert first.cost_usd > 0
+    wait_for(
+        lambda: bool(query(stack, "SELECT 1 FROM judge_rewards WHERE turn_id = %s", (first.turn_id,))),
+        60,
+        "judged",
+    )
+    err = refused(stub.SendTurn, turn(), timeout=30)
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "daily limit" in (err.details() or "") and "00:00 UTC" in (err.details() or "")
+    assert _retry_after_ms(err) > 0
+
+
+def test_isolation_between_tenants_and_users(stack: LocalStack) -> None:
+    """The short version of `load-tests/isolation.py --turns 10000`: 150 seeded interleaved turns."""
+    sys.path.insert(0, str(REPO / "load-tests"))
+    import isolation
+
+    report = isolation.run(
+        stack.addr("ingress"),
+        stack.env["MARS_POSTGRES_DSN"],
+        stack.env["MARS_KAFKA_BOOTSTRAP"],
+        turns=150,
+        users=3,
+        seed=7,
+    )
+    isolation.print_report(report)
+    assert report.answered == 150 and not report.errors
+    assert report.views_checked >= 150 and report.generated_checked >= 150 and report.records_checked >= 150
+    assert report.views_recalling_own > 0  # memory did recall: the check is not vacuous
+    assert report.cross_tenant == 0 and report.cross_user == 0, report.leaks
+
+
+def test_keys_made_here_are_the_tenants(stack: LocalStack) -> None:
+    """mint_key (what the harnesses and `mars tenant create` use) issues keys the ingress accepts."""
+    key = mint_key(stack.env["MARS_POSTGRES_DSN"], "minted").key
+    with ingress_channel(stack.addr("ingress"), key) as channel:
+        assert svc_grpc.IngressStub(channel).SendTurn(turn(), timeout=60).text
