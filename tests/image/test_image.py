@@ -27,10 +27,13 @@ import httpx
 import pytest
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from mars import tls
 from mars.client import ingress_channel
+from mars.tls import ClientTls
 from mars.v1 import services_pb2 as svc
 from mars.v1 import services_pb2_grpc as svc_grpc
 from mars_stack import LocalStack, StackSettings, helm
+from mars_stack.certs import LocalCerts, make_local_ca
 from mars_stack.stack import GRPC_SERVICE, SERVICES, free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -40,6 +43,8 @@ IMAGE = os.environ.get("MARS_IMAGE", "localhost/mars:latest")
 POOL = REPO / "config" / "models.standin.yaml"
 #: Where the chart mounts its model-pool ConfigMap (MARS_MODEL_POOL points at models.yaml in it).
 POOL_DIR_IN_CONTAINER = "/etc/mars/pool"
+#: Where the chart mounts the tls Secret.
+TLS_DIR_IN_CONTAINER = "/etc/mars/tls"
 UID = "10001"
 #: The hardening the chart's securityContext asks for, in podman's words.
 HARDENED = [
@@ -98,15 +103,44 @@ def chart_values(stack: LocalStack) -> dict[str, Any]:
         "vllm": {"enabled": False},
         "state": {"qtmBackend": "openai", "qtmUrl": f"{llm}/v1", "qtmModel": "standin"},
         "modelPool": arms,
+        # Mutual TLS on every service, from a kubernetes.io/tls Secret (the test mounts a local CA's files).
+        "tls": {"enabled": True, "secretName": "mars-tls", "mutual": True},
     }
 
 
-def service_env(objects: list[dict[str, Any]], service: str, port: int, metrics_port: int) -> dict[str, str]:
+def service_env(
+    objects: list[dict[str, Any]], service: str, port: int, metrics_port: int, health_port: int
+) -> dict[str, str]:
     """The environment the chart renders for one service's container, as the pod would get it, with what host
     networking changes: each container listens on loopback, on ports of its own."""
     env = helm.service_env(objects, service, pod_name=f"mars-{service}-0")
-    env.update(MARS_GRPC_HOST="127.0.0.1", MARS_GRPC_PORT=str(port), MARS_METRICS_PORT=str(metrics_port))
+    assert env["MARS_TLS_CERT_FILE"].startswith(TLS_DIR_IN_CONTAINER), env
+    env.update(
+        MARS_GRPC_HOST="127.0.0.1",
+        MARS_GRPC_PORT=str(port),
+        MARS_METRICS_PORT=str(metrics_port),
+        MARS_HEALTH_PORT=str(health_port),
+    )
     return env
+
+
+def tls_secret(folder: Path) -> LocalCerts:
+    """A local CA's files, readable as a mounted Secret is (0644) by the containers' non-root user."""
+    certs = make_local_ca(folder)
+    folder.chmod(0o755)
+    for path in folder.iterdir():
+        path.chmod(0o644)
+    return certs
+
+
+def main_port_health(port: int, client_tls: ClientTls) -> int:
+    """grpc.health.v1 on a service's TLS port, as a caller with `client_tls` sees it (UNKNOWN if refused)."""
+    with tls.channel(f"127.0.0.1:{port}", client_tls) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        except grpc.RpcError:
+            return int(health_pb2.HealthCheckResponse.UNKNOWN)
+        return int(reply.status)
 
 
 def health(port: int, service: str) -> int:
@@ -171,9 +205,18 @@ def test_image_is_hardened(image: str) -> None:
     assert "Read-only file system" in out, out
 
 
-def test_six_services_serve_and_answer_a_turn(image: str, infra: LocalStack, tmp_path: Path) -> None:
-    """The containers get exactly the environment and model pool the Helm chart renders for their pods."""
+def test_six_services_serve_and_answer_a_turn(
+    image: str, infra: LocalStack, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The containers get exactly the environment, model pool and TLS files the Helm chart gives its pods:
+    mutual TLS on every gRPC port, health alone in plaintext on the probes' port."""
     objects = helm.render(chart_values(infra))
+    certs = tls_secret(tmp_path / "tls")
+    client = ClientTls(str(certs.ca), str(certs.client_cert), str(certs.client_key))
+    # The test's own calls (ingress_channel reads these) go over mutual TLS, as a caller's would.
+    monkeypatch.setenv("MARS_TLS_CA_FILE", client.ca_file)
+    monkeypatch.setenv("MARS_TLS_CLIENT_CERT_FILE", client.cert_file)
+    monkeypatch.setenv("MARS_TLS_CLIENT_KEY_FILE", client.key_file)
     pool_dir = tmp_path / "pool"
     pool_dir.mkdir()
     (pool_dir / "models.yaml").write_text(
@@ -182,15 +225,17 @@ def test_six_services_serve_and_answer_a_turn(image: str, infra: LocalStack, tmp
     run_id = uuid.uuid4().hex[:8]
     ports = {service: free_port() for service in SERVICES}
     metrics_ports = {service: free_port() for service in SERVICES}
+    health_ports = {service: free_port() for service in SERVICES}
     names = {service: f"mars-test-{service}-{run_id}" for service in SERVICES}
     started: list[str] = []
     try:
         for service in SERVICES:
-            env = service_env(objects, service, ports[service], metrics_ports[service])
+            env = service_env(objects, service, ports[service], metrics_ports[service], health_ports[service])
             env_args = [f"--env={k}={v}" for k, v in sorted(env.items())]
             podman(
                 "run", "--detach", f"--name={names[service]}", "--network=host", *HARDENED,
-                f"--volume={pool_dir}:{POOL_DIR_IN_CONTAINER}:ro", *env_args, image, service,
+                f"--volume={pool_dir}:{POOL_DIR_IN_CONTAINER}:ro",
+                f"--volume={certs.ca.parent}:{TLS_DIR_IN_CONTAINER}:ro", *env_args, image, service,
             )  # fmt: skip
             started.append(names[service])
 
@@ -202,7 +247,10 @@ def test_six_services_serve_and_answer_a_turn(image: str, infra: LocalStack, tmp
                 if state != "running":
                     logs = podman("logs", names[service], check=False)
                     pytest.fail(f"{service} container is {state}:\n{(logs.stdout + logs.stderr)[-4000:]}")
-                if health(ports[service], GRPC_SERVICE[service]) == health_pb2.HealthCheckResponse.SERVING:
+                if (
+                    health(health_ports[service], GRPC_SERVICE[service])
+                    == health_pb2.HealthCheckResponse.SERVING
+                ):
                     waiting.discard(service)
             time.sleep(0.5)
         if waiting:
@@ -213,9 +261,14 @@ def test_six_services_serve_and_answer_a_turn(image: str, infra: LocalStack, tmp
             )
         # The overall status too ("" = the server), and the memory service's dense retrieval: the embedder
         # loaded from the ONNX export baked into the image (its failure would leave lexical-only views).
+        serving = health_pb2.HealthCheckResponse.SERVING
         for service in SERVICES:
-            assert health(ports[service], "") == health_pb2.HealthCheckResponse.SERVING, service
-        assert health(ports["memory"], "mars.v1.Memory.dense") == health_pb2.HealthCheckResponse.SERVING
+            assert health(health_ports[service], "") == serving, service
+            # The gRPC port itself: mutual TLS only (no plaintext, no caller without a certificate).
+            assert main_port_health(ports[service], client) == serving, service
+            assert main_port_health(ports[service], ClientTls()) != serving, service
+            assert main_port_health(ports[service], ClientTls(ca_file=str(certs.ca))) != serving, service
+        assert health(health_ports["memory"], "mars.v1.Memory.dense") == serving
         # Each service's Prometheus endpoint, where the chart's ServiceMonitor scrapes it.
         for service in SERVICES:
             scrape = httpx.get(f"http://127.0.0.1:{metrics_ports[service]}/metrics", timeout=10)
@@ -229,7 +282,7 @@ def test_six_services_serve_and_answer_a_turn(image: str, infra: LocalStack, tmp
         )  # fmt: skip
         api_key = created.stdout.strip().splitlines()[-1]
         assert api_key.startswith("mars_"), created.stdout + created.stderr
-        with grpc.insecure_channel(f"127.0.0.1:{ports['ingress']}") as channel:
+        with ingress_channel(f"127.0.0.1:{ports['ingress']}", "") as channel:
             with pytest.raises(grpc.RpcError) as refused:  # the chart's ingress wants a key
                 svc_grpc.IngressStub(channel).SendTurn(
                     svc.TurnRequest(tenant="image", user_id="u1", text="no key"), timeout=30
@@ -247,7 +300,10 @@ def test_six_services_serve_and_answer_a_turn(image: str, infra: LocalStack, tmp
 
         # The CLI in the image (what the chart's hook Jobs run), hardened the same way: a second turn.
         cli = podman(
-            "run", "--rm", "--network=host", *HARDENED, image,
+            "run", "--rm", "--network=host", *HARDENED, f"--volume={certs.ca.parent}:/etc/mars/client-tls:ro",
+            "--env=MARS_TLS_CA_FILE=/etc/mars/client-tls/ca.crt",
+            "--env=MARS_TLS_CLIENT_CERT_FILE=/etc/mars/client-tls/client.crt",
+            "--env=MARS_TLS_CLIENT_KEY_FILE=/etc/mars/client-tls/client.key", image,
             "mars", "send", "--target", f"127.0.0.1:{ports['ingress']}", "--user", "u1", "--session", "s1",
             "--tenant", "image", "--api-key", api_key, "--timeout", "120", "And a second turn from the CLI",
         )  # fmt: skip
