@@ -234,6 +234,18 @@ class KeyVerifier:
             raise Unauthenticated(str(outcome))
         return outcome
 
+    def forget_user(self, tenant: str, user_id: str) -> int:
+        """Drop the remembered keys limited to one user (a forgotten user's keys are deleted: without this
+        they would keep working here for up to `ttl_s`). Returns how many were dropped."""
+        gone = [
+            d
+            for d, (_, outcome) in self._cache.items()
+            if isinstance(outcome, Principal) and (outcome.tenant, outcome.user_id) == (tenant, user_id)
+        ]
+        for digest in gone:
+            del self._cache[digest]
+        return len(gone)
+
     def _evict(self, now: float) -> None:
         for digest in [d for d, (expires, _) in self._cache.items() if expires <= now]:
             del self._cache[digest]

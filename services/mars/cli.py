@@ -298,6 +298,9 @@ def build_parser() -> argparse.ArgumentParser:
     from mars.tenant_cli import add_tenant_parser
 
     add_tenant_parser(sub)
+    from mars.forget_cli import add_forget_parser
+
+    add_forget_parser(sub)
     from mars.deploy.cli import add_deploy_parser
 
     add_deploy_parser(sub)

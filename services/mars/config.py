@@ -27,6 +27,9 @@ TOPIC_JUDGED = "mars.turn.judged"
 TOPIC_FEEDBACK = "mars.turn.feedback"
 TOPIC_MEMORY_COMMITTED = "mars.memory.committed"
 TOPIC_DEAD_LETTER = "mars.deadletter"
+#: Control events (mars.v1.UserForgotten), read by every replica of a service holding per-user state in
+#: memory (broadcast readers): not turn events, no stage consumes them in a group.
+TOPIC_CONTROL = "mars.control"
 #: The state stage's name in `stage_emitted` (ingress reads it to tell a turn that never left ingress).
 STATE_STAGE = "state"
 
@@ -41,6 +44,7 @@ ALL_TOPICS = (
     TOPIC_FEEDBACK,
     TOPIC_MEMORY_COMMITTED,
     TOPIC_DEAD_LETTER,
+    TOPIC_CONTROL,
 )
 
 #: Event schema versions this build understands (TurnEnvelope.schema_version).

@@ -12,12 +12,13 @@ from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 
 import grpc
-from mars import auth, consumer_groups, metrics
+from mars import auth, consumer_groups, forget, metrics
 from mars.auth import AuthError, KeyVerifier, PermissionDenied, Principal
 from mars.bus import EventProducer, StageConsumer, Subscription, is_transient
 from mars.config import (
     SCHEMA_VERSION,
     STATE_STAGE,
+    TOPIC_CONTROL,
     TOPIC_DEAD_LETTER,
     TOPIC_FEEDBACK,
     TOPIC_GENERATED,
@@ -314,6 +315,10 @@ class IngressServicer(svc_grpc.IngressServicer):
                     detail=detail,
                 )
             )
+
+    async def on_forgotten(self, event: ev.UserForgotten) -> None:
+        """Every replica: the forgotten user's keys (deleted) stop working here now, not after the cache TTL."""
+        self._keys.forget_user(event.tenant, event.user_id)
 
     async def _republish_unsent(self) -> None:
         async with self._pool.connection() as conn:
@@ -656,6 +661,57 @@ class IngressServicer(svc_grpc.IngressServicer):
         )
         return svc.FeedbackReply(accepted=True)
 
+    async def ForgetUser(
+        self, request: svc.ForgetUserRequest, context: grpc.aio.ServicerContext
+    ) -> svc.ForgetUserReply:
+        """Delete every row of the user (mars.forget) and tell every replica to drop what it caches of
+        them. An admin key of the user's tenant only; idempotent (a second call deletes 0 rows)."""
+        try:
+            principal = await self._authenticate(context.invocation_metadata())
+            request.tenant = admin_tenant(principal, request.tenant)
+            for field_name, value in (("tenant", request.tenant), ("user_id", request.user_id)):
+                check_no_control(field_name, value)
+                if not _ID.match(value):
+                    raise InvalidTurn(f"{field_name} must match {_ID.pattern}")
+        except AuthError as exc:
+            await _abort(context, auth_failure(exc))
+        except Exception as exc:
+            await _abort(context, exc)
+        event = forget.control_event(request.tenant, request.user_id)
+        try:
+            async with self._pool.connection() as conn:
+                counts = await forget.forget_user_async(conn, request.tenant, request.user_id)
+            await self._producer.send_raw(
+                TOPIC_CONTROL, event.SerializeToString(), forget.event_key(request.tenant, request.user_id)
+            )
+        except Exception as exc:
+            await _abort(context, exc)
+        log.warning(
+            "forget %s: user %s of tenant %s forgotten by key %s: %s",
+            event.forget_id,
+            request.user_id,
+            request.tenant,
+            principal.key_id if principal is not None else "-",
+            ", ".join(f"{t}={n}" for t, n in counts.items() if n),
+        )
+        return svc.ForgetUserReply(forget_id=event.forget_id, rows_deleted=counts)
+
+
+def admin_tenant(principal: Principal | None, tenant: str) -> str:
+    """The tenant an administrative call acts on: the key's (a request naming another is PermissionDenied),
+    and only with an admin key that is not limited to one user. No principal (auth off): the request's."""
+    if principal is None:
+        if not tenant:
+            raise InvalidTurn("tenant is required")
+        return tenant
+    if not principal.admin or principal.user_id is not None:
+        raise PermissionDenied(
+            f"API key {principal.key_id} is not an admin key of tenant {principal.tenant!r}; "
+            "forgetting a user takes one (`mars tenant create --admin`)"
+        )
+    tenant, _ = auth.authorize(principal, tenant, "")
+    return tenant
+
 
 async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
     """End the call with the status for `exc`: the caller's mistake, a refusal, or a failure (a plain
@@ -681,6 +737,7 @@ async def build(ctx: ServiceContext) -> ServiceParts:
             Subscription(TOPIC_GENERATED, ev.Generated, servicer.on_generated),
             Subscription(TOPIC_TOKENS, ev.TokenChunk, servicer.on_token),
             Subscription(TOPIC_DEAD_LETTER, ev.DeadLetter, servicer.on_dead_letter, requires_envelope=False),
+            Subscription(TOPIC_CONTROL, ev.UserForgotten, servicer.on_forgotten, requires_envelope=False),
         ],
         broadcast=True,
     )

@@ -14,6 +14,7 @@ import grpc
 from mars import consumer_groups
 from mars.bus import EventProducer, StageConsumer, StageOutput, Subscription
 from mars.config import (
+    TOPIC_CONTROL,
     TOPIC_GENERATED,
     TOPIC_MEMORY_COMMITTED,
     TOPIC_RECEIVED,
@@ -117,6 +118,16 @@ class MemoryStage:
         )
         await self._views.emit(out, turn)
 
+    async def on_forgotten(self, event: ev.UserForgotten) -> None:
+        held = await self._store.forget(event.tenant, event.user_id)
+        log.info(
+            "forget %s: dropped the index of %s/%s (%d records)",
+            event.forget_id,
+            event.tenant,
+            event.user_id,
+            held,
+        )
+
     async def on_generated(self, event: ev.Generated) -> None:
         turn = event.turn
         committed = await self._store.commit(event)
@@ -183,6 +194,18 @@ async def build(ctx: ServiceContext) -> ServiceParts:
         [Subscription(TOPIC_GENERATED, ev.Generated, stage.on_generated)],
     )
     consumers = [c for role, c in (("views", views), ("writer", writer)) if role in settings.roles]
+    # Every replica, whatever its roles, holds indexes (DescribeIndex, BuildView): each reads every control
+    # event (a broadcast reader, outside any group) and drops a forgotten user's index.
+    consumers.append(
+        StageConsumer(
+            settings,
+            ctx.producer,
+            "memory",
+            "memory-control",
+            [Subscription(TOPIC_CONTROL, ev.UserForgotten, stage.on_forgotten, requires_envelope=False)],
+            broadcast=True,
+        )
+    )
     return ServiceParts(
         bindings=[
             GrpcBinding(svc_grpc.add_MemoryServicer_to_server, MemoryServicer(store), "mars.v1.Memory")

@@ -169,6 +169,19 @@ class MemoryStore:
             index = self._indexes.setdefault(key, UserIndex(self._new_memory()))
         return index
 
+    async def forget(self, tenant: str, user_id: str) -> int:
+        """Drop the user's index and the query vectors of their texts (the user's rows are deleted from
+        Postgres already: a later use rebuilds the index from what is left, nothing). Returns the records
+        the index held."""
+        index = self._indexes.pop((tenant, user_id), None)
+        if index is None:
+            return 0
+        async with index.lock:  # a search in progress on it finishes first
+            texts = [r.user_text for r in index.records.values()]
+            if self._query_embedder is not None:
+                self._query_embedder.forget(texts)
+            return len(index.records)
+
     async def catch_up(self, tenant: str, user_id: str, index: UserIndex) -> None:
         """Load the records committed after the index's watermark (call with index.lock held).
 

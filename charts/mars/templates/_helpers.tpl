@@ -75,6 +75,7 @@ judge:
 - mars.turn.feedback
 - mars.memory.committed
 - mars.deadletter
+- mars.control
 {{- end -}}
 
 {{- define "mars.secretName" -}}

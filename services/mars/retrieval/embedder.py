@@ -92,6 +92,11 @@ class LruEmbedder:
     def dim(self) -> int:
         return self.inner.dim
 
+    def forget(self, texts: Sequence[str]) -> int:
+        """Drop these texts' vectors (a forgotten user's); returns how many were held."""
+        with self._lock:
+            return sum(self._cache.pop(t, None) is not None for t in texts)
+
     def encode(self, texts: Sequence[str]) -> np.ndarray:
         with self._lock:
             found = {t: self._cache[t] for t in dict.fromkeys(texts) if t in self._cache}

@@ -1,0 +1,297 @@
+"""Forgetting a user over the real stack (two memory replicas): after Ingress.ForgetUser (an admin key of
+the tenant) no table holds a row of the user (checked over information_schema, so a new table with a user
+column is covered without editing this test), no memory replica's index holds a vector of them (both had
+loaded it: the UserForgotten control event must evict it), the other users of the tenant and the same user
+id in another tenant are untouched, a non-admin key is refused, and the user can start afresh."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from conftest import REPO, STACK_ENV, api_key, ingress_stub, query, session_state, wait_for
+from mars import forget
+from mars.auth import mint_key
+from mars.client import ingress_channel
+from mars.v1 import services_pb2 as svc
+from mars.v1 import services_pb2_grpc as svc_grpc
+from mars_stack import LocalStack, StackSettings
+
+pytestmark = pytest.mark.integration
+
+TENANT, OTHER_TENANT = "fgt", "fgt2"
+GONE, KEPT = "gone", "kept"
+TURNS = [
+    "My ferry to the island leaves from pier 4 at 7:15 every Tuesday",
+    "Please remember I am allergic to peanuts",
+    "When does my ferry leave, and from which pier?",
+]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
+    tmp = tmp_path_factory.mktemp("forget")
+    settings = StackSettings(
+        workdir=tmp / "stack",
+        model_pool=REPO / "config" / "models.standin.yaml",
+        llm="standin",
+        replicas_of={"memory": 2},
+        extra_env=dict(STACK_ENV),
+    )
+    s = LocalStack(settings).start()
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+def _user_columns(stack: LocalStack) -> list[tuple[str, str]]:
+    rows = query(
+        stack,
+        "SELECT table_name, column_name FROM information_schema.columns "
+        "WHERE table_schema = current_schema() AND column_name = ANY(%s)",
+        (list(forget.USER_COLUMNS),),
+    )
+    return [(str(t), str(c)) for t, c in rows]
+
+
+def rows_of(stack: LocalStack, tenant: str, user: str, turn_ids: list[str]) -> dict[str, int]:
+    """Rows of (tenant, user) in every table with a per-user column, found through information_schema."""
+    by_table: dict[str, set[str]] = {}
+    for table, column in _user_columns(stack):
+        by_table.setdefault(table, set()).add(column)
+    counts: dict[str, int] = {}
+    for table, columns in sorted(by_table.items()):
+        preds, params = [], []
+        if "user_id" in columns:
+            preds.append("(tenant = %s AND user_id = %s)")
+            params += [tenant, user]
+        if "turn_id" in columns:  # router_ledger's feedback corrections: "<turn_id>#feedback-N"
+            preds.append("split_part(turn_id, '#', 1) = ANY(%s)")
+            params.append(turn_ids)
+        if "session_key" in columns:
+            preds.append("starts_with(session_key, %s)")
+            params.append(f"{tenant}/{user}/")
+        if "policy_id" in columns:
+            preds.append("starts_with(policy_id, %s)")
+            params.append(forget.user_policy_id(tenant, user))
+        sql = f"SELECT count(*) FROM {table} WHERE " + " OR ".join(preds)
+        counts[table] = int(query(stack, sql, tuple(params))[0][0])
+    return counts
+
+
+def describe_all(stack: LocalStack, tenant: str, user: str) -> list[svc.IndexDescription]:
+    out = []
+    for addr in stack.addrs("memory"):
+        with grpc.insecure_channel(addr) as channel:
+            out.append(
+                svc_grpc.MemoryStub(channel).DescribeIndex(
+                    svc.DescribeIndexRequest(tenant=tenant, user_id=user), timeout=30
+                )
+            )
+    return out
+
+
+def admin_stub(stack: LocalStack, tenant: str) -> svc_grpc.IngressStub:
+    key = mint_key(stack.env["MARS_POSTGRES_DSN"], tenant, admin=True, label="forget test").key
+    return svc_grpc.IngressStub(ingress_channel(stack.addr("ingress"), key))
+
+
+def _settled(stack: LocalStack, turn_ids: list[str]) -> bool:
+    """Every turn answered, stored in memory, judged and its reward applied: nothing more to write."""
+    n = len(turn_ids)
+    checks = (
+        "SELECT count(*) FROM ingress_turns WHERE status = 'ANSWERED' AND turn_id = ANY(%s)",
+        "SELECT count(*) FROM memory_records WHERE turn_id = ANY(%s)",
+        "SELECT count(*) FROM judge_rewards WHERE turn_id = ANY(%s)",
+        "SELECT count(*) FROM router_ledger WHERE turn_id = ANY(%s)",
+    )
+    return all(int(query(stack, sql, (turn_ids,))[0][0]) == n for sql in checks)
+
+
+def test_forget_user(stack: LocalStack) -> None:
+    assert len(stack.addrs("memory")) == 2
+    # Every table with a per-user column in the running schema is one mars.forget deletes from.
+    assert forget.uncovered(_user_columns(stack)) == []
+
+    people = [(TENANT, GONE), (TENANT, KEPT), (OTHER_TENANT, GONE)]
+    turn_ids: dict[tuple[str, str], list[str]] = {p: [] for p in people}
+    for tenant, user in people:
+        stub = ingress_stub(stack, tenant)
+        for text in TURNS:
+            reply = stub.SendTurn(svc.TurnRequest(user_id=user, session_id="s", text=text), timeout=60)
+            turn_ids[tenant, user].append(reply.turn_id)
+        stub.SubmitFeedback(
+            svc.FeedbackRequest(user_id=user, turn_id=turn_ids[tenant, user][0], thumbs=1), timeout=30
+        )
+    # A key limited to the user, which goes with them.
+    api_key(stack, TENANT, GONE)
+    everything = [t for ids in turn_ids.values() for t in ids]
+    wait_for(lambda: _settled(stack, everything), 90, "every turn stored, judged and applied")
+    wait_for(
+        lambda: all(rows_of(stack, t, u, turn_ids[t, u])["judge_feedback"] == 1 for t, u in people),
+        60,
+        "feedback recorded",
+    )
+
+    def corrections_applied() -> bool:
+        firsts = [ids[0] for ids in turn_ids.values()]
+        made = query(
+            stack,
+            "SELECT coalesce(sum(corrections), 0) FROM judge_rewards WHERE turn_id = ANY(%s)",
+            (firsts,),
+        )
+        ledgered = query(
+            stack,
+            "SELECT count(*) FROM router_ledger WHERE split_part(turn_id, '#', 1) = ANY(%s) AND turn_id LIKE '%%#%%'",
+            (firsts,),
+        )
+        return int(made[0][0]) == int(ledgered[0][0])
+
+    wait_for(corrections_applied, 60, "feedback corrections (if any) applied by the router")
+
+    before = {p: rows_of(stack, *p, turn_ids[p]) for p in people}
+    for table in ("ingress_turns", "memory_records", "judge_rewards", "router_decisions", "router_arms"):
+        assert before[TENANT, GONE][table] > 0, table
+    assert before[TENANT, GONE]["ingress_api_keys"] == 1
+    # Both replicas load the user's index (before the forget: only the control event can empty them).
+    for described in describe_all(stack, TENANT, GONE):
+        assert described.lexical_docs == len(TURNS) and described.dense_vectors >= len(TURNS)
+    kept_index = {d.replica: list(d.record_ids) for d in describe_all(stack, TENANT, KEPT)}
+
+    # Who may: not without a key, not a plain key, not a user's key, not another tenant's admin key.
+    request = svc.ForgetUserRequest(user_id=GONE)
+    no_key = svc_grpc.IngressStub(grpc.insecure_channel(stack.addr("ingress")))
+    for stub, code in (
+        (no_key, grpc.StatusCode.UNAUTHENTICATED),
+        (ingress_stub(stack, TENANT), grpc.StatusCode.PERMISSION_DENIED),
+        (ingress_stub(stack, TENANT, GONE), grpc.StatusCode.PERMISSION_DENIED),
+    ):
+        with pytest.raises(grpc.RpcError) as info:
+            stub.ForgetUser(request, timeout=30)
+        assert info.value.code() == code
+    with pytest.raises(grpc.RpcError) as info:
+        admin_stub(stack, OTHER_TENANT).ForgetUser(
+            svc.ForgetUserRequest(tenant=TENANT, user_id=GONE), timeout=30
+        )
+    assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert rows_of(stack, TENANT, GONE, turn_ids[TENANT, GONE]) == before[TENANT, GONE]
+
+    reply = admin_stub(stack, TENANT).ForgetUser(request, timeout=60)
+    assert reply.forget_id
+    assert reply.rows_deleted["ingress_turns"] == len(TURNS)
+    assert reply.rows_deleted["memory_records"] == len(TURNS)
+    assert reply.rows_deleted["ingress_api_keys"] == 1
+    assert sum(reply.rows_deleted.values()) == sum(before[TENANT, GONE].values())
+
+    # 0 rows of the user in any table; 0 vectors in every replica's index.
+    assert set(rows_of(stack, TENANT, GONE, turn_ids[TENANT, GONE]).values()) == {0}
+
+    def evicted() -> bool:
+        return all(
+            d.dense_vectors == 0 and d.lexical_docs == 0 and not d.record_ids
+            for d in describe_all(stack, TENANT, GONE)
+        )
+
+    wait_for(evicted, 30, "every memory replica to drop the forgotten user's index")
+
+    # The other user of the tenant and the same user id in another tenant: untouched.
+    for p in ((TENANT, KEPT), (OTHER_TENANT, GONE)):
+        assert rows_of(stack, *p, turn_ids[p]) == before[p], p
+    assert {d.replica: list(d.record_ids) for d in describe_all(stack, TENANT, KEPT)} == kept_index
+    for described in describe_all(stack, OTHER_TENANT, GONE):
+        assert described.lexical_docs == len(TURNS)
+    kept = ingress_stub(stack, TENANT).SendTurn(
+        svc.TurnRequest(user_id=KEPT, session_id="s", text="Which pier was it again?"), timeout=60
+    )
+    assert kept.seq == len(TURNS) + 1 and kept.text
+    for addr in stack.addrs("memory"):
+        with grpc.insecure_channel(addr) as channel:
+            view = svc_grpc.MemoryStub(channel).BuildView(
+                svc.BuildViewRequest(
+                    tenant=TENANT, user_id=KEPT, text="ferry pier time", state=session_state()
+                ),
+                timeout=30,
+            )
+            assert turn_ids[TENANT, KEPT][0] in {b.source_turn_id for b in view.blocks}
+    # The user's own key went with them (every ingress replica drops it from its key cache on the control
+    # event; SubmitFeedback of an unknown turn writes nothing while it is still cached).
+    gone_key = ingress_stub(stack, TENANT, GONE)
+
+    def key_refused() -> bool:
+        try:
+            gone_key.SubmitFeedback(svc.FeedbackRequest(user_id=GONE, turn_id="none", thumbs=1), timeout=30)
+        except grpc.RpcError as exc:
+            return exc.code() == grpc.StatusCode.UNAUTHENTICATED
+        return False
+
+    wait_for(key_refused, 15, "the forgotten user's key refused")
+
+    # Again: idempotent, nothing left to delete.
+    again = admin_stub(stack, TENANT).ForgetUser(request, timeout=60)
+    assert set(again.rows_deleted.values()) == {0} and again.forget_id != reply.forget_id
+
+    # Afresh: seq starts over and no old memory is seen.
+    fresh = ingress_stub(stack, TENANT).SendTurn(
+        svc.TurnRequest(user_id=GONE, session_id="s2", text="When does my ferry leave?"), timeout=60
+    )
+    assert fresh.seq == 1
+    wait_for(
+        lambda: (
+            len(
+                query(
+                    stack, "SELECT 1 FROM memory_records WHERE tenant = %s AND user_id = %s", (TENANT, GONE)
+                )
+            )
+            == 1
+        ),
+        60,
+        "the fresh turn stored",
+    )
+    old = set(turn_ids[TENANT, GONE])
+    for addr in stack.addrs("memory"):
+        with grpc.insecure_channel(addr) as channel:
+            memory = svc_grpc.MemoryStub(channel)
+            view = memory.BuildView(
+                svc.BuildViewRequest(
+                    tenant=TENANT, user_id=GONE, text="ferry pier peanuts", state=session_state()
+                ),
+                timeout=30,
+            )
+            assert not {b.source_turn_id for b in view.blocks} & old
+            described = memory.DescribeIndex(
+                svc.DescribeIndexRequest(tenant=TENANT, user_id=GONE), timeout=30
+            )
+            assert described.lexical_docs == 1
+
+
+def test_forget_user_cli(stack: LocalStack) -> None:
+    """`mars forget-user` (Postgres and Kafka directly, no key): the other tenant's user of the test above."""
+    people = query(
+        stack, "SELECT turn_id FROM ingress_turns WHERE tenant = %s AND user_id = %s", (OTHER_TENANT, GONE)
+    )
+    turn_ids = [str(r[0]) for r in people]
+    assert turn_ids, "runs after test_forget_user"
+    env = {**os.environ, **{k: v for k, v in stack.env.items() if k.startswith("MARS_")}}
+    run = subprocess.run(
+        [str(Path(sys.executable).parent / "mars"), "forget-user", OTHER_TENANT, GONE],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        check=False,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert f"ingress_turns: {len(turn_ids)} rows deleted" in run.stdout
+    assert set(rows_of(stack, OTHER_TENANT, GONE, turn_ids).values()) == {0}
+    wait_for(
+        lambda: all(d.lexical_docs == 0 for d in describe_all(stack, OTHER_TENANT, GONE)),
+        30,
+        "every memory replica to drop the index",
+    )
+    assert rows_of(stack, TENANT, KEPT, [])["memory_records"] >= len(TURNS)  # untouched
