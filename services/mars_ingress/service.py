@@ -141,15 +141,15 @@ def check_no_control(field_name: str, value: str) -> None:
         )
 
 
+def check_fields(**fields: str) -> None:
+    """`check_no_control` on each named field of a request."""
+    for field_name, value in fields.items():
+        check_no_control(field_name, value)
+
+
 def validate_turn(req: svc.TurnRequest, max_chars: int) -> dict[str, str]:
     """Bad input gets INVALID_ARGUMENT before anything is written."""
-    for field_name, value in (
-        ("tenant", req.tenant),
-        ("user_id", req.user_id),
-        ("session_id", req.session_id),
-        ("text", req.text),
-    ):
-        check_no_control(field_name, value)
+    check_fields(tenant=req.tenant, user_id=req.user_id, session_id=req.session_id, text=req.text)
     if not req.tenant.strip():
         raise InvalidTurn("tenant is required")
     if not req.user_id.strip():
@@ -614,13 +614,12 @@ class IngressServicer(svc_grpc.IngressServicer):
             principal = await self._authenticate(context.invocation_metadata())
             if principal is not None:
                 request.tenant, request.user_id = auth.authorize(principal, request.tenant, request.user_id)
-            for field_name, value in (
-                ("tenant", request.tenant),
-                ("user_id", request.user_id),
-                ("turn_id", request.turn_id),
-                ("comment", request.comment),
-            ):
-                check_no_control(field_name, value)
+            check_fields(
+                tenant=request.tenant,
+                user_id=request.user_id,
+                turn_id=request.turn_id,
+                comment=request.comment,
+            )
         except AuthError as exc:
             await _abort(context, auth_failure(exc))
         except Exception as exc:
