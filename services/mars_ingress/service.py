@@ -277,8 +277,11 @@ class IngressServicer(svc_grpc.IngressServicer):
             except AuthError as exc:
                 raise auth_failure(exc) from None
         options = validate_turn(req, self._settings.max_text_chars)
-        refusal = self._quotas.admit(req.tenant, self._count_tokens(req.text), time.monotonic())
-        limit_usd = self._quotas.limits(req.tenant).usd_per_day
+        limits = self._quotas.limits(req.tenant)
+        # Counting the text's tokens is work on the answer path: only when a token quota asks for it.
+        text_tokens = self._count_tokens(req.text) if limits.tokens_per_min > 0 else 0
+        refusal = self._quotas.admit(req.tenant, text_tokens, time.monotonic())
+        limit_usd = limits.usd_per_day
         if refusal is None and limit_usd > 0:
             refusal = spend_refusal(
                 req.tenant, await self._spend.spent(req.tenant), limit_usd, datetime.now(UTC)
