@@ -218,6 +218,7 @@ class LocalStack:
             if self.settings.start_postgres and self.settings.tenant and "ingress" in self.settings.services:
                 progress(f"creating tenant {self.settings.tenant} and its API key")
                 self._create_tenant(self.settings.tenant)
+            self._master_key()
             self._write_env()
             progress(f"starting services: {', '.join(n for n, _ in self.service_procs())}")
             self._start_services()
@@ -460,6 +461,17 @@ class LocalStack:
                 conn.execute("CREATE DATABASE mars")
         self.ports["postgres"] = port
         self.env["MARS_POSTGRES_DSN"] = f"postgresql://mars@127.0.0.1:{port}/mars"
+
+    def _master_key(self) -> None:
+        """The master key that wraps every user's data key (MARS_MASTER_KEY_FILE), made once per work
+        directory: a stack started again over the same Postgres data opens the keys it made before."""
+        from mars import sealing
+
+        path = self.workdir / "master.key"
+        if not path.exists():
+            path.touch(mode=0o600)
+            path.write_text(sealing.master_key_text())
+        self.env["MARS_MASTER_KEY_FILE"] = str(path)
 
     def _create_tenant(self, tenant: str) -> None:
         """Apply the ingress schema (the one `mars migrate` and the ingress apply, API keys included) and

@@ -40,7 +40,9 @@ from opentelemetry import trace
 
 from mars import metrics
 from mars.config import ALL_TOPICS, SCHEMA_VERSION, ServiceSettings
+from mars.data_keys import Forgotten, Keyring, is_sealed
 from mars.kafka_options import kafka_client_options
+from mars.sealing import SealError
 from mars.telemetry import context_from_headers, inject_headers, step
 from mars.v1 import events_pb2 as ev
 
@@ -258,9 +260,24 @@ class EventProducer:
             linger_ms=0,
             enable_idempotence=settings.kafka_idempotence,
         )
+        #: The data keys that seal user text (set by the service runtime when a master key is configured;
+        #: None: events are published as they are, and sealed events cannot be read).
+        self.keyring: Keyring | None = None
 
     async def start(self) -> None:
         await self._producer.start()
+
+    async def data_key_for(self, tenant: str, user_id: str) -> str:
+        """The id of the user's data key for a new turn or feedback ("" when events travel in plaintext)."""
+        if self.keyring is None:
+            return ""
+        with step("data key"):
+            return await self.keyring.for_user(tenant, user_id)
+
+    def forget_user(self, tenant: str, user_id: str) -> None:
+        """Drop the user's data keys from this process's cache (the user was forgotten)."""
+        if self.keyring is not None:
+            self.keyring.forget_user(tenant, user_id)
 
     async def stop(self) -> None:
         await self._producer.stop()
@@ -271,6 +288,8 @@ class EventProducer:
         headers = inject_headers()
         if resent:
             headers.append((RESENT_HEADER, b"1"))
+        if self.keyring is not None:
+            event = await self.keyring.seal(event, turn)  # Forgotten when the user's key is gone
         with step(f"publish {topic}"):
             await self._producer.send_and_wait(
                 self.topics.name(topic), event.SerializeToString(), key=event_key(turn), headers=headers
@@ -653,11 +672,27 @@ class StageConsumer:
             if (clash := wire_type_clash(event)) is not None:
                 kind = "undecodable"
                 raise PoisonEvent(f"cannot decode {sub.message_type.__name__}: {clash}")
+            if sub.requires_envelope and is_sealed(event):
+                kind = "unsealable"
+                if self._producer.keyring is None:
+                    raise PoisonEvent(
+                        "the event's text is sealed with a data key and this service has no master key "
+                        "(set MARS_MASTER_KEY_FILE as for the other services)"
+                    )
+                try:
+                    await self._producer.keyring.unseal(event)  # a database hiccup raises: retried
+                except SealError as exc:
+                    raise PoisonEvent(str(exc)) from exc
             if (oversized := oversized_text(event, self._settings.max_event_text_chars)) is not None:
                 kind = "oversized_text"
                 raise PoisonEvent(oversized)
         except PoisonEvent as exc:
             await self._dead_letter(record, str(exc), turn_id, kind)
+            return
+        except Forgotten:
+            # The user was forgotten: the event's text is gone with the key, and nothing is left to do.
+            log.info("turn %s on %s skipped: its user was forgotten", turn_id, record.topic)
+            self._timed(record.topic, "forgotten", time.perf_counter())
             return
 
         tp = TopicPartition(record.topic, record.partition)
@@ -687,6 +722,11 @@ class StageConsumer:
                     self._timed(record.topic, "dead_lettered", started)
                     span.record_exception(exc)
                     await self._dead_letter(record, str(exc), turn_id, "rejected")
+                    return
+                except Forgotten:
+                    # Forgotten while the stage worked on the turn: its output cannot be sealed any more.
+                    log.info("turn %s dropped by %s: its user was forgotten", turn_id, self._service)
+                    self._timed(record.topic, "forgotten", started)
                     return
                 except Exception as exc:
                     span.record_exception(exc)

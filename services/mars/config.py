@@ -199,6 +199,15 @@ class ServiceSettings(BaseSettings):
     #: A plaintext port serving grpc.health.v1 only, for probes that cannot speak TLS (Kubernetes' native
     #: gRPC probes); 0 serves none (health is on the main port too).
     health_port: int = Field(default=0, ge=0, le=65535)
+    #: The master key (32 bytes, base64; `mars keys master` makes one) that wraps every user's data key:
+    #: with it, the user text of turn events is sealed on Kafka and forgetting a user makes their text on
+    #: every topic unreadable (mars.sealing). A file (a mounted Kubernetes Secret) or the value itself;
+    #: neither set: events carry text in plaintext (a warning at start). Every service needs the same key.
+    master_key_file: str = ""
+    master_key: SecretStr = SecretStr("")
+    #: How long a process keeps a user's data key after reading it. A forgotten user's key stays usable
+    #: this long in processes that do not read the mars.control topic.
+    data_key_cache_s: float = Field(default=60.0, gt=0)
     #: Attempts at a handler before its event is dead-lettered.
     handler_attempts: int = 3
     #: Longest text (the turn's text, an answer, a feedback comment) a stage event may carry; a longer one

@@ -11,6 +11,8 @@ from psycopg import AsyncConnection, pq
 from psycopg_pool import AsyncConnectionPool
 from psycopg_pool.base import AttemptWithBackoff
 
+from mars.data_keys import DATA_KEYS_SCHEMA
+
 EMITTED_SCHEMA = """
 CREATE TABLE IF NOT EXISTS stage_emitted (
     stage TEXT NOT NULL,
@@ -19,6 +21,9 @@ CREATE TABLE IF NOT EXISTS stage_emitted (
     PRIMARY KEY (stage, turn_id)
 )
 """
+
+#: What every service creates besides its own tables: the emitted-event ledger and the users' data keys.
+SHARED_SCHEMAS = (EMITTED_SCHEMA, DATA_KEYS_SCHEMA)
 
 
 # Reconnect soon after Postgres comes back: the library's 1 s first wait doubling each time turned a 1 s
@@ -68,7 +73,7 @@ async def migrate(pool: AsyncConnectionPool, owner: str, statements: Sequence[st
     lock_key = zlib.crc32(b"mars-migrations")
     async with pool.connection() as conn, conn.transaction():
         await conn.execute("SELECT pg_advisory_xact_lock(%s)", (lock_key,))
-        for stmt in (EMITTED_SCHEMA, *statements):
+        for stmt in (*SHARED_SCHEMAS, *statements):
             await conn.execute(stmt)  # type: ignore[arg-type]
 
 

@@ -68,6 +68,8 @@ FORGET_TABLES: tuple[ForgetTable, ...] = (
     ForgetTable("ingress_user_seq", _USER),
     # Keys limited to this user (tenant-wide keys have user_id NULL and stay).
     ForgetTable("ingress_api_keys", _USER),
+    # The user's data key: without it their sealed text on every topic stays unreadable (mars.sealing).
+    ForgetTable("user_data_keys", _USER),
 )
 
 #: Tables with a per-user column that hold nothing of a user (none today; name the reason when adding one).

@@ -56,11 +56,12 @@ DURATION_BUCKETS_MS: tuple[float, ...] = (
 #: How a turn ended for its caller. Anything else is counted as "error".
 TURN_STATUSES = ("answered", "failed", "timed_out", "rejected", "invalid", "cancelled", "error")
 #: What became of one stage handler call: done, dead-lettered (the record's own fault, or out of
-#: attempts), or failed and to be tried again.
-STAGE_OUTCOMES = ("ok", "dead_lettered", "retried")
+#: attempts), failed and to be tried again, or dropped because its user was forgotten (data key gone).
+STAGE_OUTCOMES = ("ok", "dead_lettered", "retried", "forgotten")
 #: Why a record was dead-lettered, coarsely (the letter's reason has the details).
 DEAD_LETTER_KINDS = (
     "undecodable",  # not a protobuf of the topic's type
+    "unsealable",  # sealed text that does not open with its data key, or no master key to open it
     "invalid_envelope",  # envelope fields or the record key wrong
     "oversized_text",  # text over MARS_MAX_EVENT_TEXT_CHARS
     "rejected",  # the stage's handler refused the content (PoisonEvent)

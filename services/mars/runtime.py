@@ -18,7 +18,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from psycopg_pool import AsyncConnectionPool
 
-from mars import db, tls
+from mars import data_keys, db, tls
 from mars.bus import EventProducer, PoisonEvent, StageConsumer, ensure_topics, id_problem, is_transient
 from mars.config import ServiceSettings
 from mars.kafka_options import kafka_client_options
@@ -88,7 +88,10 @@ def rpc_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, InvalidRequest | PoisonEvent):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
     if isinstance(exc, psycopg.DataError | psycopg.errors.ProgramLimitExceeded):
-        return grpc.StatusCode.INVALID_ARGUMENT, f"the request holds data the database refuses ({type(exc).__name__})"
+        return (
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"the request holds data the database refuses ({type(exc).__name__})",
+        )
     if is_transient(exc):
         return grpc.StatusCode.UNAVAILABLE, f"temporarily unavailable ({type(exc).__name__}); try again"
     if isinstance(exc, TimeoutError):
@@ -136,6 +139,10 @@ def configure_logging(level: str, name: str) -> None:
 
 async def serve(name: str, settings: ServiceSettings, build: Builder, migrations: Sequence[str] = ()) -> None:
     configure_logging(settings.log_level, name)
+    try:
+        master = data_keys.master_key(settings)
+    except ValueError as exc:  # found at start, with the variable to fix
+        raise SystemExit(f"{name}: {exc}") from exc
     telemetry = setup_telemetry(name, settings)
     ensured = await ensure_topics(
         kafka_client_options(settings),
@@ -149,6 +156,14 @@ async def serve(name: str, settings: ServiceSettings, build: Builder, migrations
     await producer.start()
     pool = await db.open_pool(settings.postgres_dsn)
     await db.migrate(pool, name, migrations)
+    if master is not None:
+        producer.keyring = data_keys.Keyring(pool, master, settings.data_key_cache_s)
+    else:
+        log.warning(
+            "%s: no master key (MARS_MASTER_KEY_FILE): turn text travels on Kafka in plaintext, and forgetting "
+            "a user cannot make their past events unreadable",
+            name,
+        )
     ctx = ServiceContext(name=name, settings=settings, producer=producer, pool=pool)
     parts = await build(ctx)
 

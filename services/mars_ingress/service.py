@@ -322,6 +322,7 @@ class IngressServicer(svc_grpc.IngressServicer):
     async def on_forgotten(self, event: ev.UserForgotten) -> None:
         """Every replica: the forgotten user's keys (deleted) stop working here now, not after the cache TTL."""
         self._keys.forget_user(event.tenant, event.user_id)
+        self._producer.forget_user(event.tenant, event.user_id)
 
     async def _republish_unsent(self) -> None:
         async with self._pool.connection() as conn:
@@ -489,6 +490,7 @@ class IngressServicer(svc_grpc.IngressServicer):
             span.set_attribute("mars.turn_id", envelope.turn_id)
             span.set_attribute("mars.service", "ingress")
             with step("ingress accept"):
+                envelope.data_key_id = await self._producer.data_key_for(req.tenant, req.user_id)
                 received = await self._accept(envelope, req.text)
             envelope = received.turn
             seq = envelope.seq
@@ -655,6 +657,7 @@ class IngressServicer(svc_grpc.IngressServicer):
             seq=row[1],
             received_at_ms=int(time.time() * 1000),
             schema_version=SCHEMA_VERSION,
+            data_key_id=await self._producer.data_key_for(request.tenant, request.user_id),
         )
         await self._producer.publish(
             TOPIC_FEEDBACK,
@@ -683,6 +686,7 @@ class IngressServicer(svc_grpc.IngressServicer):
         try:
             async with self._pool.connection() as conn:
                 counts = await forget.forget_user_async(conn, request.tenant, request.user_id)
+            self._producer.forget_user(request.tenant, request.user_id)
             await self._producer.send_raw(
                 TOPIC_CONTROL, event.SerializeToString(), forget.event_key(request.tenant, request.user_id)
             )

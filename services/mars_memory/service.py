@@ -92,6 +92,7 @@ class MemorySettings(ServiceSettings):
 class MemoryStage:
     def __init__(self, store: MemoryStore, producer: EventProducer, pool: AsyncConnectionPool) -> None:
         self._store = store
+        self._producer = producer
         self._views = StageOutput(pool, producer, VIEW_STAGE, TOPIC_VIEW)
         self._commits = StageOutput(pool, producer, COMMIT_STAGE, TOPIC_MEMORY_COMMITTED)
 
@@ -119,6 +120,7 @@ class MemoryStage:
         await self._views.emit(out, turn)
 
     async def on_forgotten(self, event: ev.UserForgotten) -> None:
+        self._producer.forget_user(event.tenant, event.user_id)
         held = await self._store.forget(event.tenant, event.user_id)
         log.info(
             "forget %s: dropped the index of %s/%s (%d records)",

@@ -12,10 +12,30 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import asyncio
+import json
+
 import grpc
+import psycopg
 import pytest
 from conftest import REPO, STACK_ENV, api_key, ingress_stub, query, session_state, wait_for
-from mars import forget
+from google.protobuf.message import Message
+from mars import data_keys, forget
+from mars.config import (
+    ALL_TOPICS,
+    TOPIC_FEEDBACK,
+    TOPIC_GENERATED,
+    TOPIC_JUDGED,
+    TOPIC_MEMORY_COMMITTED,
+    TOPIC_RECEIVED,
+    TOPIC_ROUTED,
+    TOPIC_STATE,
+    TOPIC_TOKENS,
+    TOPIC_VIEW,
+)
+from mars.replay.cli import read_topics
+from mars.replay.traces import RawRecord, TraceBuilder, summarize
+from mars.v1 import events_pb2 as ev
 from mars.auth import mint_key
 from mars.client import ingress_channel
 from mars.v1 import services_pb2 as svc
@@ -83,6 +103,46 @@ def rows_of(stack: LocalStack, tenant: str, user: str, turn_ids: list[str]) -> d
         sql = f"SELECT count(*) FROM {table} WHERE " + " OR ".join(preds)
         counts[table] = int(query(stack, sql, tuple(params))[0][0])
     return counts
+
+
+#: Words of TURNS: with events sealed they appear in no record of any topic, whoever's turn it was.
+SECRETS = (b"pier 4", b"peanuts", b"ferry")
+TURN_EVENTS: dict[str, type[Message]] = {
+    TOPIC_RECEIVED: ev.TurnReceived,
+    TOPIC_STATE: ev.StateEstimated,
+    TOPIC_VIEW: ev.ViewBuilt,
+    TOPIC_ROUTED: ev.Routed,
+    TOPIC_GENERATED: ev.Generated,
+    TOPIC_TOKENS: ev.TokenChunk,
+    TOPIC_JUDGED: ev.Judged,
+    TOPIC_FEEDBACK: ev.Feedback,
+    TOPIC_MEMORY_COMMITTED: ev.MemoryCommitted,
+}
+
+
+def every_record(stack: LocalStack) -> list[RawRecord]:
+    """Every record of every topic of the stack (dead letters and control events included)."""
+
+    async def read() -> list[RawRecord]:
+        return [r async for r in read_topics(stack.env["MARS_KAFKA_BOOTSTRAP"], ALL_TOPICS, idle_s=1.5)]
+
+    return asyncio.run(read())
+
+
+def events_of(records: list[RawRecord], tenant: str, user: str) -> list[Message]:
+    out = []
+    for r in records:
+        if (cls := TURN_EVENTS.get(r.topic)) is not None:
+            event = cls.FromString(r.value)
+            if (event.turn.tenant, event.turn.user_id) == (tenant, user):  # type: ignore[attr-defined]
+                out.append(event)
+    return out
+
+
+def keyring(stack: LocalStack) -> data_keys.SyncKeyring:
+    """A fresh keyring (nothing cached) as a tool opens it: the stack's master key and Postgres."""
+    master = data_keys.sealing.parse_master_key(Path(stack.env["MARS_MASTER_KEY_FILE"]).read_text())
+    return data_keys.SyncKeyring(psycopg.connect(stack.env["MARS_POSTGRES_DSN"], autocommit=True), master)
 
 
 def describe_all(stack: LocalStack, tenant: str, user: str) -> list[svc.IndexDescription]:
@@ -164,6 +224,17 @@ def test_forget_user(stack: LocalStack) -> None:
         assert described.lexical_docs == len(TURNS) and described.dense_vectors >= len(TURNS)
     kept_index = {d.replica: list(d.record_ids) for d in describe_all(stack, TENANT, KEPT)}
 
+    # On the topics: every user's text sealed (no plaintext anywhere), and it opens with the user's key.
+    records = every_record(stack)
+    assert not [r for r in records for word in SECRETS if word in r.value]
+    sealed = [e for e in events_of(records, TENANT, GONE) if data_keys.is_sealed(e)]
+    assert {type(e) for e in sealed} >= {ev.TurnReceived, ev.ViewBuilt, ev.Generated, ev.Feedback}
+    keys = keyring(stack)
+    for event in sealed:
+        keys.unseal(event)
+    assert sorted(e.text for e in sealed if isinstance(e, ev.TurnReceived)) == sorted(TURNS)
+    assert all(e.turn.data_key_id for e in events_of(records, TENANT, GONE))  # type: ignore[attr-defined]
+
     # Who may: not without a key, not a plain key, not a user's key, not another tenant's admin key.
     request = svc.ForgetUserRequest(user_id=GONE)
     no_key = svc_grpc.IngressStub(grpc.insecure_channel(stack.addr("ingress")))
@@ -199,6 +270,46 @@ def test_forget_user(stack: LocalStack) -> None:
         )
 
     wait_for(evicted, 30, "every memory replica to drop the forgotten user's index")
+
+    # Crypto-shredded: the user's data key is gone, so none of their text on any topic opens any more;
+    # everyone else's still does, and replay reports the user's turns as forgotten.
+    after = every_record(stack)
+    assert not [r for r in after for word in SECRETS if word in r.value]
+    keys = keyring(stack)
+    gone_events = events_of(after, TENANT, GONE)
+    assert len(gone_events) >= len(sealed)
+    for event in gone_events:
+        assert keys.key(event.turn.data_key_id) is None  # type: ignore[attr-defined]
+        if data_keys.is_sealed(event):
+            with pytest.raises(data_keys.Forgotten):
+                keys.unseal(event)
+    for p in ((TENANT, KEPT), (OTHER_TENANT, GONE)):
+        received = [e for e in events_of(after, *p) if isinstance(e, ev.TurnReceived)]
+        for event in received:
+            keys.unseal(event)
+        assert sorted(e.text for e in received) == sorted(TURNS), p
+    builder = TraceBuilder(keys)
+    for r in after:
+        builder.add(r)
+    assert builder.forgotten == set(turn_ids[TENANT, GONE])
+    assert not builder.forgotten & builder.traces.keys()
+    kept_traces = [builder.traces[t] for t in turn_ids[TENANT, KEPT]]
+    assert [t.events["received"].text for t in kept_traces] == TURNS  # type: ignore[attr-defined]
+    assert all(t.missing is None for t in kept_traces)
+    summary = summarize(builder)
+    assert summary["forgotten_turns"] == len(TURNS) and summary["complete"] >= 2 * len(TURNS)
+    # The replay CLI, configured as the services are (stack.env), says the same.
+    out = Path(stack.workdir) / "replay-summary.json"
+    run = subprocess.run(
+        [str(Path(sys.executable).parent / "mars"), "replay", "read", "--summary", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **{k: v for k, v in stack.env.items() if k.startswith("MARS_")}},
+        check=False,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert json.loads(out.read_text())["forgotten_turns"] == len(TURNS)
 
     # The other user of the tenant and the same user id in another tenant: untouched.
     for p in ((TENANT, KEPT), (OTHER_TENANT, GONE)):

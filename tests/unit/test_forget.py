@@ -18,7 +18,7 @@ from mars_router.store import policy_id_for
 
 
 def _all_migrations() -> list[str]:
-    statements = [db.EMITTED_SCHEMA]
+    statements = list(db.SHARED_SCHEMAS)
     for service in MIGRATION_MODULES:
         statements += list(service_migrations(service))
     return statements
@@ -28,7 +28,14 @@ def test_every_table_with_a_user_column_is_forgotten() -> None:
     columns = forget.migration_columns(_all_migrations())
     tables = {t for t, _ in columns}
     # The parser sees the schema (a guard against a parser that finds nothing and passes vacuously).
-    assert {"ingress_turns", "memory_records", "router_arms", "stage_emitted", "ingress_api_keys"} <= tables
+    assert {
+        "ingress_turns",
+        "memory_records",
+        "router_arms",
+        "stage_emitted",
+        "ingress_api_keys",
+        "user_data_keys",
+    } <= tables
     assert ("memory_records", "user_id") in columns and ("router_decisions", "session_key") in columns
     assert forget.uncovered(columns) == []
     # Every listed table exists in some service's schema (no stale entry).
@@ -59,7 +66,7 @@ def test_predicates_match_the_ids_the_services_write() -> None:
     assert "acme/u1/s1".startswith(values["session_prefix"])
     assert not "acme/u10/s1".startswith(values["session_prefix"])
     statements = dict(forget.delete_statements())
-    assert list(statements)[-1] == "ingress_api_keys"
+    assert list(statements)[-2:] == ["ingress_api_keys", "user_data_keys"]
     # router_arms references router_policies: deleted first.
     order = list(statements)
     assert order.index("router_arms") < order.index("router_policies")

@@ -16,6 +16,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from rich.console import Console
 from rich.progress import Progress
 
+from mars import data_keys
 from mars.config import Topics, validate_topic_prefix
 from mars.kafka_options import env_kafka_options
 from mars.replay.traces import TOPICS, RawRecord, TraceBuilder, records_from_lines, summarize
@@ -87,7 +88,7 @@ def _print_summary(console: Console, summary: dict[str, object], seconds: float)
 def load_traces(args: argparse.Namespace, console: Console) -> tuple[TraceBuilder, int]:
     """Traces from `args.file` (an exported log) or from the topics (`args.bootstrap`, `since_ms`,
     `idle_s`, `topic_prefix`); the exit code is non-zero after an error was printed."""
-    builder = TraceBuilder()
+    builder = TraceBuilder(data_keys.tool_keyring(lambda msg: console.print(f"[yellow]{msg}[/]")))
     if args.file:
         path = Path(args.file)
         if not path.is_file():
@@ -198,7 +199,9 @@ def add_replay_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
         description="Reads the stage topics (or an exported log file), joins events by turn_id, writes one JSON "
         "trace per turn and prints turns, failures, fallbacks, stage latencies, the two cost views, rewards and "
         "routing shares by state slice. Missing stages, duplicates, unknown schema versions and unreadable "
-        "lines are counted, never fatal.",
+        "lines are counted, never fatal. Sealed user text is opened with the users' data keys when "
+        "MARS_MASTER_KEY_FILE and MARS_POSTGRES_DSN are set as for the services; turns of forgotten users "
+        "(their key deleted) are left out and counted as forgotten_turns.",
     )
     common(r)
     r.add_argument("--file", help="read this exported log file instead of the topics")

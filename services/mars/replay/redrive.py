@@ -34,7 +34,9 @@ import grpc
 from rich.console import Console
 from rich.progress import Progress
 
+from mars import data_keys
 from mars.client import TenantChannels, TenantKeys
+from mars.data_keys import SyncKeyring
 from mars.replay import presets
 from mars.replay.cli import topic_prefix_arg
 from mars.replay.compare import comparison_table, only, read_back
@@ -57,9 +59,12 @@ class RecordedTurn:
     answered_by: str
 
 
-def recorded_turns(records: list[RawRecord], counts: Counter[str]) -> list[RecordedTurn]:
-    """Complete recorded turns in log order (by user, then seq)."""
-    builder = TraceBuilder()
+def recorded_turns(
+    records: list[RawRecord], counts: Counter[str], keyring: SyncKeyring | None = None
+) -> list[RecordedTurn]:
+    """Complete recorded turns in log order (by user, then seq). A turn whose text is sealed and cannot be
+    opened here (no `keyring`) is skipped and counted: its text cannot be sent again."""
+    builder = TraceBuilder(keyring)
     for r in records:
         builder.add(r)
     counts.update(builder.counts)
@@ -72,6 +77,9 @@ def recorded_turns(records: list[RawRecord], counts: Counter[str]) -> list[Recor
         )
         if not isinstance(received, ev.TurnReceived) or not isinstance(routed, ev.Routed):
             counts["skipped_incomplete_turns"] += 1
+            continue
+        if t.sealed:
+            counts["skipped_sealed_turns"] += 1
             continue
         turn = received.turn
         out.append(
@@ -234,13 +242,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     counts: Counter[str] = Counter()
     with path.open(errors="replace") as fh:
         records = list(records_from_lines(fh, counts))
-    turns = recorded_turns(records, counts)
+    keyring = data_keys.tool_keyring(lambda msg: console.print(f"[yellow]{msg}[/]"))
+    turns = recorded_turns(records, counts, keyring)
     if args.limit:
         turns = turns[: args.limit]
     if not turns:
         console.print(f"[red]no complete recorded turns in {path}[/] ({dict(counts)})")
         return 2
-    original = TraceBuilder()
+    original = TraceBuilder(keyring)
     for r in records:
         original.add(r)
     original = only(original, [t.turn_id for t in turns])

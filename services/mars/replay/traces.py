@@ -31,6 +31,8 @@ from mars.config import (
     TOPIC_STATE,
     TOPIC_VIEW,
 )
+from mars.data_keys import SyncKeyring, is_sealed
+from mars.sealing import SealError
 from mars.v1 import events_pb2 as ev
 
 #: The stages of a turn in pipeline order, with their topic and event type.
@@ -90,6 +92,8 @@ class Trace:
     events: dict[str, Message] = field(default_factory=dict)
     timestamps: dict[str, int] = field(default_factory=dict)
     corrections: list[ev.Judged] = field(default_factory=list)
+    #: Some of its text is still sealed (read without the data keys).
+    sealed: bool = False
 
     @property
     def failed(self) -> bool:
@@ -120,9 +124,15 @@ class Trace:
 
 
 class TraceBuilder:
-    def __init__(self) -> None:
+    """`keyring` opens the sealed user text of events (mars.sealing); without one, text stays sealed
+    (counted as sealed_records) and everything else reads the same. With one, the turns of forgotten users
+    (their data key deleted) are left out and counted: `forgotten` holds their turn ids."""
+
+    def __init__(self, keyring: SyncKeyring | None = None) -> None:
         self.traces: dict[str, Trace] = {}
         self.counts: Counter[str] = Counter()
+        self.keyring = keyring
+        self.forgotten: set[str] = set()
 
     def add(self, record: RawRecord) -> None:
         stage = _BY_TOPIC.get(record.topic)
@@ -142,8 +152,11 @@ class TraceBuilder:
         if turn.schema_version != SCHEMA_VERSION:
             self.counts["unknown_schema_version"] += 1
             return
+        if not self._open(msg, turn):
+            return
         self.counts["records"] += 1
         trace = self.traces.setdefault(turn.turn_id, Trace(turn.turn_id))
+        trace.sealed = trace.sealed or (self.keyring is None and is_sealed(msg))
         if isinstance(msg, ev.Judged) and msg.correction:
             if any(c.correction_id == msg.correction_id for c in trace.corrections):
                 self.counts["duplicate_events"] += 1
@@ -155,6 +168,28 @@ class TraceBuilder:
             return
         trace.events[name] = msg
         trace.timestamps[name] = record.timestamp_ms
+
+    def _open(self, msg: Message, turn: ev.TurnEnvelope) -> bool:
+        """Unseal `msg` in place; False (counted) when it must be left out."""
+        if turn.turn_id in self.forgotten:
+            self.counts["forgotten_records"] += 1
+            return False
+        if self.keyring is None:
+            if is_sealed(msg):
+                self.counts["sealed_records"] += 1  # no keys here: text stays sealed, the rest reads
+            return True
+        if turn.data_key_id and self.keyring.key(turn.data_key_id) is None:
+            # Every event of the turn names the key, sealed or not (a judgement has no text): all go.
+            self.counts["forgotten_records"] += 1
+            self.forgotten.add(turn.turn_id)
+            self.traces.pop(turn.turn_id, None)
+            return False
+        try:
+            self.keyring.unseal(msg)
+        except SealError:
+            self.counts["unsealable_records"] += 1
+            return False
+        return True
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -189,6 +224,8 @@ def summarize(builder: TraceBuilder) -> dict[str, Any]:
     return {
         "turns": len(traces),
         "complete": len(complete),
+        # Turns of forgotten users (data key deleted): left out of everything below.
+        "forgotten_turns": len(builder.forgotten),
         "incomplete": dict(incomplete),
         "failed": sum(t.failed for t in complete),
         "fallbacks": fallbacks,

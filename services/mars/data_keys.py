@@ -1,0 +1,224 @@
+"""Per-user data keys for sealing event text (mars.sealing), kept in Postgres wrapped by the master key.
+
+One key per (tenant, user_id), made by the ingress at the user's first turn (or feedback) after the last
+forget; every stage reads it by id (cached for MARS_DATA_KEY_CACHE_S). `mars.forget` deletes the row: the
+user's sealed text on every topic is then unreadable, and a turn of the user still in flight is dropped by
+the first stage that cannot find the key. A key cached by a running process before the forget stays usable
+there until its cache entry expires (ingress and memory drop it at once, on the UserForgotten event).
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from google.protobuf.message import Message
+
+from mars import sealing
+from mars.config import ServiceSettings
+from mars.v1 import events_pb2 as ev
+
+DATA_KEYS_SCHEMA = """
+CREATE TABLE IF NOT EXISTS user_data_keys (
+    key_id TEXT PRIMARY KEY,
+    tenant TEXT NOT NULL,
+    user_id TEXT NOT NULL,
+    wrapped BYTEA NOT NULL,
+    created_at TIMESTAMPTZ NOT NULL DEFAULT now(),
+    UNIQUE (tenant, user_id)
+)
+"""
+
+_BY_ID = "SELECT tenant, user_id, wrapped FROM user_data_keys WHERE key_id = %s"
+_BY_USER = "SELECT key_id, wrapped FROM user_data_keys WHERE tenant = %s AND user_id = %s"
+_CREATE = (
+    "INSERT INTO user_data_keys (key_id, tenant, user_id, wrapped) VALUES (%s, %s, %s, %s) "
+    "ON CONFLICT (tenant, user_id) DO NOTHING"
+)
+
+
+class Forgotten(Exception):
+    """The event's data key is gone: its user was forgotten, and the event's text with them."""
+
+    def __init__(self, key_id: str) -> None:
+        super().__init__(f"data key {key_id} was deleted (its user was forgotten)")
+        self.key_id = key_id
+
+
+class MissingMasterKey(Exception):
+    """A sealed event reached a process that was given no master key."""
+
+
+def master_key(settings: ServiceSettings) -> bytes | None:
+    """The master key from MARS_MASTER_KEY_FILE or MARS_MASTER_KEY; None when neither is set (events then
+    travel in plaintext). ValueError names the variable when the key is malformed or the file unreadable."""
+    if settings.master_key_file:
+        try:
+            text = Path(settings.master_key_file).read_text()
+        except OSError as exc:
+            raise ValueError(f"MARS_MASTER_KEY_FILE {settings.master_key_file}: {exc.strerror}") from exc
+        try:
+            return sealing.parse_master_key(text)
+        except ValueError as exc:
+            raise ValueError(f"MARS_MASTER_KEY_FILE {settings.master_key_file}: {exc}") from exc
+    if secret := settings.master_key.get_secret_value():
+        try:
+            return sealing.parse_master_key(secret)
+        except ValueError as exc:
+            raise ValueError(f"MARS_MASTER_KEY: {exc}") from exc
+    return None
+
+
+@dataclass
+class _Entry:
+    key: AESGCM | None  # None: no such key (deleted)
+    tenant: str
+    user_id: str
+    at: float
+
+
+class _KeyCache:
+    """Keys by id and users' key ids, each kept `cache_s`; the part both keyrings share."""
+
+    def __init__(self, master: bytes, cache_s: float) -> None:
+        self._master = AESGCM(master)
+        self._cache_s = cache_s
+        self._by_id: dict[str, _Entry] = {}
+        self._by_user: dict[tuple[str, str], tuple[str, float]] = {}
+
+    def _cached(self, key_id: str) -> _Entry | None:
+        entry = self._by_id.get(key_id)
+        if entry is not None and time.monotonic() - entry.at < self._cache_s:
+            return entry
+        return None
+
+    def _cached_user(self, tenant: str, user_id: str) -> str | None:
+        hit = self._by_user.get((tenant, user_id))
+        if hit is not None and time.monotonic() - hit[1] < self._cache_s:
+            return hit[0]
+        return None
+
+    def _store(self, key_id: str, row: Any) -> _Entry:
+        if len(self._by_id) > 100_000:
+            self._by_id.clear()
+        if row is None:
+            entry = _Entry(None, "", "", time.monotonic())
+        else:
+            tenant, user_id, wrapped = str(row[0]), str(row[1]), bytes(row[2])
+            key = sealing.unwrap(self._master, key_id, tenant, user_id, wrapped)
+            entry = _Entry(AESGCM(key), tenant, user_id, time.monotonic())
+            self._by_user[tenant, user_id] = (key_id, entry.at)
+        self._by_id[key_id] = entry
+        return entry
+
+    def _new_row(self, tenant: str, user_id: str) -> tuple[str, str, str, bytes]:
+        key_id = secrets.token_hex(12)
+        return key_id, tenant, user_id, sealing.wrap(self._master, key_id, tenant, user_id, sealing.new_key())
+
+    def forget_user(self, tenant: str, user_id: str) -> None:
+        """Drop the user's keys from this process (a UserForgotten event or this process's own forget)."""
+        self._by_user.pop((tenant, user_id), None)
+        for key_id in [k for k, e in self._by_id.items() if (e.tenant, e.user_id) == (tenant, user_id)]:
+            del self._by_id[key_id]
+
+
+class Keyring(_KeyCache):
+    """The data keys of a service (async, over its connection pool)."""
+
+    def __init__(self, pool: Any, master: bytes, cache_s: float = 60.0) -> None:
+        super().__init__(master, cache_s)
+        self._pool = pool
+
+    async def key(self, key_id: str) -> AESGCM | None:
+        entry = self._cached(key_id)
+        if entry is None:
+            async with self._pool.connection() as conn:
+                cur = await conn.execute(_BY_ID, (key_id,))
+                entry = self._store(key_id, await cur.fetchone())
+        return entry.key
+
+    async def for_user(self, tenant: str, user_id: str) -> str:
+        """The id of the user's data key, made now if the user has none (the ingress, before publishing)."""
+        if (key_id := self._cached_user(tenant, user_id)) is not None:
+            return key_id
+        async with self._pool.connection() as conn:
+            for _ in range(3):  # a concurrent first turn of the same user may win the insert
+                cur = await conn.execute(_BY_USER, (tenant, user_id))
+                row = await cur.fetchone()
+                if row is not None:
+                    self._store(str(row[0]), (tenant, user_id, row[1]))
+                    return str(row[0])
+                await conn.execute(_CREATE, self._new_row(tenant, user_id))
+        raise RuntimeError(f"no data key could be made for {tenant}/{user_id}")
+
+    async def seal(self, event: Message, turn: ev.TurnEnvelope) -> Message:
+        """`event` as it goes on the topic: sealed with the key its envelope names (as is when it names none
+        or holds no user text). Forgotten when that key is gone."""
+        if not turn.data_key_id or not sealing.has_user_text(type(event)):
+            return event
+        key = await self.key(turn.data_key_id)
+        if key is None:
+            raise Forgotten(turn.data_key_id)
+        return sealing.seal(event, turn, turn.data_key_id, key)
+
+    async def unseal(self, event: Message) -> None:
+        """Open a consumed event in place. Forgotten when its key is gone, SealError when it does not open."""
+        turn: ev.TurnEnvelope = event.turn  # type: ignore[attr-defined]
+        if not turn.data_key_id or not sealing.has_user_text(type(event)):
+            return
+        key = await self.key(turn.data_key_id)
+        if key is None:
+            raise Forgotten(turn.data_key_id)
+        sealing.unseal(event, key)
+
+
+class SyncKeyring(_KeyCache):
+    """The data keys for tools reading topics (replay, eval), over one psycopg connection."""
+
+    def __init__(self, conn: Any, master: bytes, cache_s: float = 300.0) -> None:
+        super().__init__(master, cache_s)
+        self._conn = conn
+
+    def key(self, key_id: str) -> AESGCM | None:
+        entry = self._cached(key_id)
+        if entry is None:
+            entry = self._store(key_id, self._conn.execute(_BY_ID, (key_id,)).fetchone())
+        return entry.key
+
+    def unseal(self, event: Message) -> None:
+        turn: ev.TurnEnvelope = event.turn  # type: ignore[attr-defined]
+        if not turn.data_key_id or not sealing.has_user_text(type(event)):
+            return
+        key = self.key(turn.data_key_id)
+        if key is None:
+            raise Forgotten(turn.data_key_id)
+        sealing.unseal(event, key)
+
+
+def is_sealed(event: Message) -> bool:
+    turn: ev.TurnEnvelope = event.turn  # type: ignore[attr-defined]
+    return bool(turn.data_key_id) and sealing.has_user_text(type(event))
+
+
+def tool_keyring(warn: Callable[[str], None], settings: ServiceSettings | None = None) -> SyncKeyring | None:
+    """The data keys for a tool reading topics or exported logs (replay, redrive), from the MARS_*
+    environment (MARS_MASTER_KEY_FILE and MARS_POSTGRES_DSN, as the services have them). None when no master
+    key is configured, or (after `warn` says why) when the keys cannot be reached: sealed text then stays
+    sealed and forgotten users' turns cannot be told apart."""
+    import psycopg
+
+    settings = settings or ServiceSettings()
+    try:
+        master = master_key(settings)
+        if master is None:
+            return None
+        conn = psycopg.connect(settings.postgres_dsn, autocommit=True, connect_timeout=5)
+    except (ValueError, psycopg.Error) as exc:
+        warn(f"cannot open the users' data keys ({exc}); sealed text stays sealed")
+        return None
+    return SyncKeyring(conn, master)

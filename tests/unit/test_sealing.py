@@ -1,0 +1,149 @@
+"""Sealing user text in events (mars.sealing): which fields, round trips, what refuses to open."""
+
+from __future__ import annotations
+
+import base64
+
+import pytest
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from google.protobuf.descriptor import FieldDescriptor
+from mars import sealing
+from mars.config import ServiceSettings
+from mars.data_keys import master_key
+from mars.v1 import events_pb2 as ev
+
+SECRET = "my account number is 4242"
+
+
+def _generated() -> ev.Generated:
+    turn = ev.TurnEnvelope(turn_id="t1", tenant="acme", user_id="u1", session_id="s", seq=3)
+    return ev.Generated(
+        turn=turn,
+        status=ev.OK,
+        model="small",
+        text=f"you said {SECRET}",
+        query=SECRET,
+        state=ev.SessionState(lens_reason=f"user mentions {SECRET}"),
+        packed_blocks=[
+            ev.MemoryBlock(block_id="b1", text=f"earlier: {SECRET}"),
+            ev.MemoryBlock(block_id="b2", text=""),
+        ],
+        attempts=[ev.GenerationAttempt(arm="small", ok=True)],
+        policy_id="user:acme/u1",
+    )
+
+
+def _texts(msg: ev.Generated) -> list[str]:
+    return [msg.text, msg.query, msg.state.lens_reason, *(b.text for b in msg.packed_blocks)]
+
+
+def test_every_string_field_of_every_turn_event_is_classified() -> None:
+    """A string field of a turn event is user text or an id/label we name here: a new free-text field
+    must be marked (user_text) or added to this list knowingly."""
+    not_text = {
+        "turn_id", "tenant", "user_id", "session_id", "data_key_id", "backend", "fallback_reason",
+        "prompt_version", "clamped_fields", "risk_flags", "block_id", "source_turn_id", "source_session_id",
+        "policy", "arm", "chosen_arm", "policy_id", "fallback_order", "previous_arm", "model", "error",
+        "packed_block_ids", "judge", "failed_arms", "judge_fallback_reason", "correction_id",
+        "reward_source", "record_id", "thread_id", "source_topic", "reason", "consumer", "forget_id",
+    }  # fmt: skip
+    seen: set[str] = set()
+
+    def walk(desc: object, path: str) -> None:
+        for field in desc.fields:  # type: ignore[attr-defined]
+            if field.type == FieldDescriptor.TYPE_MESSAGE and not field.message_type.GetOptions().map_entry:
+                walk(field.message_type, f"{path}.{field.name}")
+            elif field.type == FieldDescriptor.TYPE_STRING:
+                marked = field.GetOptions().Extensions[ev.user_text]
+                seen.add(field.name)
+                assert marked or field.name in not_text, f"{path}.{field.name}: user text or not?"
+                assert not (marked and field.name in not_text), f"{path}.{field.name} is marked user text"
+
+    for name in ev.DESCRIPTOR.message_types_by_name:
+        walk(ev.DESCRIPTOR.message_types_by_name[name], name)
+    assert {"text", "query", "comment", "lens_reason"} <= seen
+
+
+def test_seal_hides_every_text_field_and_unseal_brings_it_back() -> None:
+    key = AESGCM(sealing.new_key())
+    plain = _generated()
+    sealed = sealing.seal(plain, plain.turn, "k1", key)
+    assert plain.turn.data_key_id == "" and plain.query == SECRET  # the original is untouched
+    assert sealed.turn.data_key_id == "k1"
+    wire = sealed.SerializeToString()
+    assert SECRET.encode() not in wire and b"4242" not in wire
+    # Ids, numbers and labels stay readable (routing, replay and OPE use them).
+    assert sealed.policy_id == "user:acme/u1" and sealed.model == "small" and sealed.turn.seq == 3
+    assert sealed.packed_blocks[1].text == ""  # empty stays empty
+    opened = ev.Generated.FromString(wire)
+    sealing.unseal(opened, key)
+    assert _texts(opened) == _texts(plain)
+    assert opened.turn.data_key_id == "k1"  # what a stage publishes from it is sealed again
+
+
+def test_the_same_text_seals_differently_each_time() -> None:
+    key = AESGCM(sealing.new_key())
+    a = sealing.seal(_generated(), _generated().turn, "k1", key)
+    b = sealing.seal(_generated(), _generated().turn, "k1", key)
+    assert a.query != b.query  # a fresh nonce per field: equal texts are not linkable
+
+
+def test_a_wrong_key_a_moved_value_or_tampering_does_not_open() -> None:
+    key = AESGCM(sealing.new_key())
+    sealed = sealing.seal(_generated(), _generated().turn, "k1", key)
+    wrong = ev.Generated()
+    wrong.CopyFrom(sealed)
+    with pytest.raises(sealing.SealError, match="does not open"):
+        sealing.unseal(wrong, AESGCM(sealing.new_key()))
+    moved = ev.Generated()
+    moved.CopyFrom(sealed)
+    moved.turn.turn_id = "t2"  # a sealed value bound to t1 carried into another turn's event
+    with pytest.raises(sealing.SealError):
+        sealing.unseal(moved, key)
+    tampered = ev.Generated()
+    tampered.CopyFrom(sealed)
+    raw = bytearray(base64.b64decode(tampered.text))
+    raw[-1] ^= 1
+    tampered.text = base64.b64encode(bytes(raw)).decode()
+    with pytest.raises(sealing.SealError):
+        sealing.unseal(tampered, key)
+    garbage = ev.Generated()
+    garbage.CopyFrom(sealed)
+    garbage.query = "not base64 at all!"
+    with pytest.raises(sealing.SealError):
+        sealing.unseal(garbage, key)
+
+
+def test_events_without_user_text_are_not_sealed() -> None:
+    assert not sealing.has_user_text(ev.Judged)
+    assert not sealing.has_user_text(ev.MemoryCommitted)
+    assert sealing.has_user_text(ev.Feedback) and sealing.has_user_text(ev.TokenChunk)
+    assert sealing.has_user_text(ev.Routed)  # through its view's blocks and state's lens_reason
+
+
+def test_wrapped_data_keys_open_only_with_their_master_key_and_owner() -> None:
+    master = AESGCM(sealing.new_key())
+    data = sealing.new_key()
+    wrapped = sealing.wrap(master, "k1", "acme", "u1", data)
+    assert data not in wrapped
+    assert sealing.unwrap(master, "k1", "acme", "u1", wrapped) == data
+    with pytest.raises(sealing.SealError, match="master key"):
+        sealing.unwrap(AESGCM(sealing.new_key()), "k1", "acme", "u1", wrapped)
+    with pytest.raises(sealing.SealError):
+        sealing.unwrap(master, "k1", "acme", "u2", wrapped)  # another user's row
+
+
+def test_master_key_from_file_or_variable_with_clear_errors(tmp_path: pytest.TempPathFactory) -> None:
+    path = tmp_path / "master.key"  # type: ignore[operator]
+    path.write_text(sealing.master_key_text())
+    assert len(master_key(ServiceSettings(master_key_file=str(path))) or b"") == 32
+    assert master_key(ServiceSettings()) is None
+    text = path.read_text().strip()
+    assert master_key(ServiceSettings(master_key=text)) == base64.b64decode(text)
+    with pytest.raises(ValueError, match=r"MARS_MASTER_KEY_FILE .*No such file"):
+        master_key(ServiceSettings(master_key_file=str(path) + ".missing"))
+    path.write_text(base64.b64encode(b"short").decode())
+    with pytest.raises(ValueError, match="32 bytes"):
+        master_key(ServiceSettings(master_key_file=str(path)))
+    with pytest.raises(ValueError, match=r"MARS_MASTER_KEY: .*base64"):
+        master_key(ServiceSettings(master_key="not base64 !!"))
