@@ -6,14 +6,13 @@ id in another tenant are untouched, a non-admin key is refused, and the user can
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-
-import asyncio
-import json
 
 import grpc
 import psycopg
@@ -21,6 +20,8 @@ import pytest
 from conftest import REPO, STACK_ENV, api_key, ingress_stub, query, session_state, wait_for
 from google.protobuf.message import Message
 from mars import data_keys, forget
+from mars.auth import mint_key
+from mars.client import ingress_channel
 from mars.config import (
     ALL_TOPICS,
     TOPIC_FEEDBACK,
@@ -36,8 +37,6 @@ from mars.config import (
 from mars.replay.cli import read_topics
 from mars.replay.traces import RawRecord, TraceBuilder, summarize
 from mars.v1 import events_pb2 as ev
-from mars.auth import mint_key
-from mars.client import ingress_channel
 from mars.v1 import services_pb2 as svc
 from mars.v1 import services_pb2_grpc as svc_grpc
 from mars_stack import LocalStack, StackSettings
