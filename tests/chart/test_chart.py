@@ -310,7 +310,11 @@ def test_passwords_come_from_secrets_never_from_config_maps() -> None:
     assert "sslmode=verify-full" in env["MARS_POSTGRES_DSN"]
     assert not helm.find(objects, "Secret", "mars-secrets"), "existing Secrets are used, none is generated"
     own = helm.find(render(PROFILES["hpa-no-vllm"]), "Secret")
-    assert {s["metadata"]["name"] for s in own} == {"mars-secrets", "mars-secrets-api-keys"}
+    assert {s["metadata"]["name"] for s in own} == {
+        "mars-secrets",
+        "mars-secrets-api-keys",
+        "mars-master-key",
+    }
 
 
 @pytest.mark.parametrize("profile", sorted(PROFILES))
@@ -603,3 +607,36 @@ def test_tls_mounts_the_secret_and_probes_health_in_plaintext() -> None:
     assert not {k for k in plain if k.startswith("MARS_TLS_") or k == "MARS_HEALTH_PORT"}
     with pytest.raises(helm.ChartError, match=r"tls\.secretName is required"):
         helm.install_dry_run(merged(BASE, {"tls": {"enabled": True}}))
+
+
+def test_every_service_and_job_opens_sealed_events_with_one_master_key() -> None:
+    """Crypto-shredding: one master key, made by the chart once (kept on uninstall) or an existing Secret,
+    mounted read-only in every pod, its path the services' MARS_MASTER_KEY_FILE."""
+    import base64
+
+    objects = render(BASE)
+    (secret,) = [s for s in helm.find(objects, "Secret") if s["metadata"]["name"] == "mars-master-key"]
+    assert secret["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    assert len(base64.b64decode(base64.b64decode(secret["data"]["master.key"]))) == 32
+    for name, pod in pod_specs(objects):
+        if name.endswith("-vllm"):
+            continue
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert volumes["master-key"]["secret"]["secretName"] == "mars-master-key", name
+        for container in pod["containers"]:
+            mounts = {m["name"]: m for m in container["volumeMounts"]}
+            assert mounts["master-key"] == {
+                "name": "master-key",
+                "mountPath": "/etc/mars/master-key",
+                "readOnly": True,
+            }, name
+    for service in SERVICES:
+        assert helm.service_env(objects, service)["MARS_MASTER_KEY_FILE"] == "/etc/mars/master-key/master.key"
+    own = render(merged(BASE, {"eventSealing": {"existingSecret": "vault-mars", "key": "kek"}}))
+    assert not [s for s in helm.find(own, "Secret") if "master" in s["metadata"]["name"]]
+    pod = by_component(own, "Deployment")["judge"]["spec"]["template"]["spec"]
+    assert {v["name"]: v for v in pod["volumes"]}["master-key"]["secret"]["secretName"] == "vault-mars"
+    assert helm.service_env(own, "judge")["MARS_MASTER_KEY_FILE"] == "/etc/mars/master-key/kek"
+    off = render(merged(BASE, {"eventSealing": {"enabled": False}}))
+    assert "MARS_MASTER_KEY_FILE" not in helm.service_env(off, "ingress")
+    assert not [s for s in helm.find(off, "Secret") if "master" in s["metadata"]["name"]]

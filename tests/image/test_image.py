@@ -29,7 +29,11 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from mars import tls
 from mars.client import ingress_channel
+from mars.config import TOPIC_RECEIVED
+from mars.replay.cli import read_topics
+from mars.replay.traces import RawRecord
 from mars.tls import ClientTls
+from mars.v1 import events_pb2 as ev
 from mars.v1 import services_pb2 as svc
 from mars.v1 import services_pb2_grpc as svc_grpc
 from mars_stack import LocalStack, StackSettings, helm
@@ -45,6 +49,8 @@ POOL = REPO / "config" / "models.standin.yaml"
 POOL_DIR_IN_CONTAINER = "/etc/mars/pool"
 #: Where the chart mounts the tls Secret.
 TLS_DIR_IN_CONTAINER = "/etc/mars/tls"
+#: Where the chart mounts the master key of the users' data keys (eventSealing).
+MASTER_KEY_DIR_IN_CONTAINER = "/etc/mars/master-key"
 UID = "10001"
 #: The hardening the chart's securityContext asks for, in podman's words.
 HARDENED = [
@@ -133,6 +139,28 @@ def tls_secret(folder: Path) -> LocalCerts:
     return certs
 
 
+def read_records(bootstrap: str, topic: str) -> list[RawRecord]:
+    import asyncio
+
+    async def read() -> list[RawRecord]:
+        return [r async for r in read_topics(bootstrap, (topic,), idle_s=1.5)]
+
+    return asyncio.run(read())
+
+
+def master_key_secret(objects: list[dict[str, Any]], folder: Path) -> Path:
+    """The master-key Secret the chart made, written out as Kubernetes mounts it (readable files)."""
+    import base64
+
+    (secret,) = helm.find(objects, "Secret", "mars-master-key")
+    folder.mkdir()
+    for name, value in secret["data"].items():
+        (folder / name).write_bytes(base64.b64decode(value))
+        (folder / name).chmod(0o644)
+    folder.chmod(0o755)
+    return folder
+
+
 def main_port_health(port: int, client_tls: ClientTls) -> int:
     """grpc.health.v1 on a service's TLS port, as a caller with `client_tls` sees it (UNKNOWN if refused)."""
     with tls.channel(f"127.0.0.1:{port}", client_tls) as channel:
@@ -217,6 +245,7 @@ def test_six_services_serve_and_answer_a_turn(
     monkeypatch.setenv("MARS_TLS_CA_FILE", client.ca_file)
     monkeypatch.setenv("MARS_TLS_CLIENT_CERT_FILE", client.cert_file)
     monkeypatch.setenv("MARS_TLS_CLIENT_KEY_FILE", client.key_file)
+    master_dir = master_key_secret(objects, tmp_path / "master-key")
     pool_dir = tmp_path / "pool"
     pool_dir.mkdir()
     (pool_dir / "models.yaml").write_text(
@@ -235,7 +264,8 @@ def test_six_services_serve_and_answer_a_turn(
             podman(
                 "run", "--detach", f"--name={names[service]}", "--network=host", *HARDENED,
                 f"--volume={pool_dir}:{POOL_DIR_IN_CONTAINER}:ro",
-                f"--volume={certs.ca.parent}:{TLS_DIR_IN_CONTAINER}:ro", *env_args, image, service,
+                f"--volume={certs.ca.parent}:{TLS_DIR_IN_CONTAINER}:ro",
+                f"--volume={master_dir}:{MASTER_KEY_DIR_IN_CONTAINER}:ro", *env_args, image, service,
             )  # fmt: skip
             started.append(names[service])
 
@@ -308,6 +338,10 @@ def test_six_services_serve_and_answer_a_turn(
             "--tenant", "image", "--api-key", api_key, "--timeout", "120", "And a second turn from the CLI",
         )  # fmt: skip
         assert "standin-" in cli.stdout, cli.stdout + cli.stderr
+        # The turns' text went over Kafka sealed with the user's data key (the chart's master key wraps it).
+        received = read_records(infra.env["MARS_KAFKA_BOOTSTRAP"], TOPIC_RECEIVED)
+        assert len(received) >= 2 and not [r for r in received if b"from the image test" in r.value]
+        assert all(ev.TurnReceived.FromString(r.value).turn.data_key_id for r in received)
 
         # Nothing died along the way (a write outside /tmp on the read-only root would have crashed it).
         for service in SERVICES:

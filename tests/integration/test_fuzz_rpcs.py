@@ -44,8 +44,14 @@ def test_no_request_ends_internal_or_unknown(rpc_stack: LocalStack, rpc: Any) ->
     fuzz.fuzz_rpc(rpc_stack, rpc, PER_METHOD, report, rng_seed=16, strict=True)
     assert report.bad == []
     assert report.requests >= min(PER_METHOD, 2)
-    assert set(report.codes) <= {"OK", "INVALID_ARGUMENT", "NOT_FOUND", "FAILED_PRECONDITION",
-                                 "RESOURCE_EXHAUSTED", "UNAVAILABLE"}, report.codes
+    assert set(report.codes) <= {
+        "OK",
+        "INVALID_ARGUMENT",
+        "NOT_FOUND",
+        "FAILED_PRECONDITION",
+        "RESOURCE_EXHAUSTED",
+        "UNAVAILABLE",
+    }, report.codes
     # Valid requests still get answers.
     assert report.codes.get("OK", 0) > 0, report.codes
 

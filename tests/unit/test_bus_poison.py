@@ -79,7 +79,9 @@ def test_another_message_type_with_a_clashing_field_is_detected() -> None:
 def test_oversized_text_names_the_field_and_the_setting() -> None:
     assert oversized_text(ev.TurnReceived(turn=turn(), text="x" * 10), 10) is None
     reason = oversized_text(ev.Generated(turn=turn(), query="q" * 11), 10)
-    assert reason is not None and "query has 11 characters" in reason and "MARS_MAX_EVENT_TEXT_CHARS" in reason
+    assert (
+        reason is not None and "query has 11 characters" in reason and "MARS_MAX_EVENT_TEXT_CHARS" in reason
+    )
 
 
 def test_data_errors_and_records_too_large_are_poison_not_transient() -> None:

@@ -86,6 +86,11 @@ judge:
 {{- default (include "mars.secretName" .) .Values.kafka.sasl.existingSecret -}}
 {{- end -}}
 
+{{/* The Secret holding the master key that wraps users' data keys (eventSealing). */}}
+{{- define "mars.masterKeySecret" -}}
+{{- default (printf "%s-master-key" (include "mars.fullname" .)) .Values.eventSealing.existingSecret -}}
+{{- end -}}
+
 {{- define "mars.postgresPasswordSecret" -}}
 {{- default (include "mars.secretName" .) .Values.postgres.existingSecret -}}
 {{- end -}}
@@ -119,6 +124,9 @@ MARS_KAFKA_SSL_CAFILE: /etc/mars/kafka-tls/{{ .Values.kafka.tls.caKey }}
 MARS_POSTGRES_DSN: {{ printf "postgresql://%s@%s:%d/%s?sslmode=%s" .Values.postgres.user (required "postgres.host is required: the external Postgres server's host name" .Values.postgres.host) (int .Values.postgres.port) .Values.postgres.database .Values.postgres.sslMode | quote }}
 MARS_GRPC_HOST: "0.0.0.0"
 MARS_METRICS_PORT: {{ .Values.metrics.port | quote }}
+{{- if .Values.eventSealing.enabled }}
+MARS_MASTER_KEY_FILE: /etc/mars/master-key/{{ .Values.eventSealing.key }}
+{{- end }}
 {{- if .Values.tls.enabled }}
 MARS_TLS_CERT_FILE: /etc/mars/tls/tls.crt
 MARS_TLS_KEY_FILE: /etc/mars/tls/tls.key
@@ -177,6 +185,14 @@ MARS_TLS_CLIENT_CA_FILE: /etc/mars/tls/ca.crt
   secret:
     secretName: {{ .Values.kafka.tls.caSecret }}
 {{- end }}
+{{- if .Values.eventSealing.enabled }}
+- name: master-key
+  secret:
+    secretName: {{ include "mars.masterKeySecret" . }}
+    items:
+      - key: {{ .Values.eventSealing.key }}
+        path: {{ .Values.eventSealing.key }}
+{{- end }}
 {{- if .Values.tls.enabled }}
 - name: tls
   secret:
@@ -193,6 +209,11 @@ MARS_TLS_CLIENT_CA_FILE: /etc/mars/tls/ca.crt
 {{- if include "mars.kafkaUsesTls" . }}
 - name: kafka-tls
   mountPath: /etc/mars/kafka-tls
+  readOnly: true
+{{- end }}
+{{- if .Values.eventSealing.enabled }}
+- name: master-key
+  mountPath: /etc/mars/master-key
   readOnly: true
 {{- end }}
 {{- if .Values.tls.enabled }}
