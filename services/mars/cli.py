@@ -301,6 +301,9 @@ def build_parser() -> argparse.ArgumentParser:
     from mars.forget_cli import add_forget_parser
 
     add_forget_parser(sub)
+    from mars.keys_cli import add_keys_parser
+
+    add_keys_parser(sub)
     from mars.deploy.cli import add_deploy_parser
 
     add_deploy_parser(sub)

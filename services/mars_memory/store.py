@@ -410,9 +410,7 @@ class MemoryStore:
                     (Jsonb(thread_to_json(thread_state)), out.thread_id),
                 )
                 out.record_id = uuid.uuid4().hex
-                record = MemoryRecord(
-                    out.record_id, turn.session_id, turn.turn_id, turn.seq, query, answer
-                )
+                record = MemoryRecord(out.record_id, turn.session_id, turn.turn_id, turn.seq, query, answer)
                 vectors = await asyncio.to_thread(self._embed_record, record)
                 await conn.execute(
                     "INSERT INTO memory_records (record_id, turn_id, tenant, user_id, session_id, thread_id, seq, "

@@ -405,3 +405,25 @@ def test_forget_user_cli(stack: LocalStack) -> None:
         "every memory replica to drop the index",
     )
     assert rows_of(stack, TENANT, KEPT, [])["memory_records"] >= len(TURNS)  # untouched
+
+
+def test_keys_check_tells_the_right_master_key_from_another(stack: LocalStack, tmp_path: Path) -> None:
+    """`mars keys check`: the stack's master key opens every stored data key; another key opens none."""
+    env = {**os.environ, **{k: v for k, v in stack.env.items() if k.startswith("MARS_")}}
+    mars = str(Path(sys.executable).parent / "mars")
+    stored = int(query(stack, "SELECT count(*) FROM user_data_keys")[0][0])
+    assert stored >= 2, "runs after test_forget_user"
+    ok = subprocess.run([mars, "keys", "check"], capture_output=True, text=True, timeout=60, env=env)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert f"{stored} data keys open with this master key, 0 do not" in ok.stdout
+    other = tmp_path / "other.key"
+    made = subprocess.run([mars, "keys", "master", "--out", str(other)], capture_output=True, timeout=60)
+    assert made.returncode == 0
+    wrong = subprocess.run(
+        [mars, "keys", "check"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**env, "MARS_MASTER_KEY_FILE": str(other)},
+    )
+    assert wrong.returncode == 1 and f"0 data keys open with this master key, {stored} do not" in wrong.stdout

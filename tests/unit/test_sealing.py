@@ -147,3 +147,39 @@ def test_master_key_from_file_or_variable_with_clear_errors(tmp_path: pytest.Tem
         master_key(ServiceSettings(master_key_file=str(path)))
     with pytest.raises(ValueError, match=r"MARS_MASTER_KEY: .*base64"):
         master_key(ServiceSettings(master_key="not base64 !!"))
+
+
+def test_keys_master_writes_a_new_private_file_and_never_overwrites(
+    tmp_path: pytest.TempPathFactory, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from mars.cli import build_parser
+
+    out = tmp_path / "master.key"  # type: ignore[operator]
+    args = build_parser().parse_args(["keys", "master", "--out", str(out)])
+    assert args.func(args) == 0
+    assert out.stat().st_mode & 0o777 == 0o600
+    first = out.read_text()
+    assert len(sealing.parse_master_key(first)) == 32
+    assert args.func(args) == 1 and out.read_text() == first  # a master key is never replaced
+    printed = build_parser().parse_args(["keys", "master"])
+    capsys.readouterr()
+    assert printed.func(printed) == 0
+    assert len(sealing.parse_master_key(capsys.readouterr().out)) == 32
+
+
+def test_sealing_benchmark_short_run() -> None:
+    """load-tests/sealing_bench.py, a few turns: it seals and opens real turn-shaped events and says so."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "load-tests" / "sealing_bench.py"
+    run = subprocess.run(
+        [sys.executable, str(script), "--turns", "20"], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout)
+    assert out["turns"] == 20 and out["events_per_turn"] == 6
+    assert out["bytes_per_turn"]["sealed"] > out["bytes_per_turn"]["plaintext"] > 5000
+    assert out["sealed_serialize_parse_us"]["p50"] > out["plaintext_serialize_parse_us"]["p50"] > 0
