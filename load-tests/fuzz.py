@@ -10,8 +10,10 @@ routed, generated, judged, feedback; a few on the dead-letter topic that ingress
 truncated protobufs, another message type on the topic, invalid UTF-8 in a string field, NUL characters
 in ids and in text, huge text fields (up to ~1 MB, the broker's record limit), unknown schema_version,
 seq <= 0, missing tenant / user / turn id, a record key that disagrees with the envelope, non-finite or
-out-of-range numbers, bodies fuzzed field by field behind a valid envelope, and replays of turns that were
-already answered. Checked afterwards:
+out-of-range numbers, bodies fuzzed field by field behind a valid envelope, replays of turns that were
+already answered, events naming a real user's data key whose text is not that key's ciphertext (dead-lettered
+as unsealable), and events naming a data key that does not exist (a forgotten user's: dropped). Checked
+afterwards:
   crashes              service processes that exited (the launcher restarts them; each exit counts)
   not_dead_lettered    malformed events without a dead letter from every consumer group of their topic
   vague_reasons        dead letters of malformed events whose reason does not name the problem
@@ -336,11 +338,27 @@ def _clashes(source: Message, target_type: type[Message]) -> bool:
     return False
 
 
+def _has_text_to_open(event: Message) -> bool:
+    """Whether a sealed `event` has a non-empty user-text field (one that must open with the key)."""
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+    from mars import sealing
+
+    copy = type(event)()
+    copy.CopyFrom(event)
+    try:
+        sealing.unseal(copy, AESGCM(sealing.new_key()))
+    except sealing.SealError:
+        return True
+    return False
+
+
 @dataclass
 class Context:
     """What the generator draws from: earlier answered turns (for replays) and fresh user names."""
 
     replays: list[tuple[str, bytes | None, bytes, str]] = field(default_factory=list)
+    #: A real user's data key (from the warm-up turns' envelopes); "" where events travel unsealed.
+    data_key_id: str = ""
 
     def user(self) -> str:
         # Of one length: what the strategy draws (a cut inside the envelope) must not depend on it.
@@ -363,6 +381,8 @@ KINDS = (
     "fuzzed_body",
     "replay",
     "deadletter_garbage",
+    "bad_seal",
+    "unknown_key",
 )
 
 
@@ -484,6 +504,15 @@ def cases(draw: st.DrawFn, ctx: Context, kind: str) -> Case:
     if kind == "replay":
         r_topic, r_key, r_payload, r_turn = draw(st.sampled_from(ctx.replays))
         return Case(kind, r_topic, r_key, r_payload, False, (), r_turn)
+    if kind == "bad_seal":
+        # Claims a real data key, but its text fields are not that key's ciphertext (plaintext, or another
+        # value's): dead-lettered as unsealable wherever the event has text to open.
+        event.turn.data_key_id = ctx.data_key_id  # type: ignore[attr-defined]
+        return case(event.SerializeToString(), _has_text_to_open(event), ("does not open",))
+    if kind == "unknown_key":
+        # A key that does not exist is a forgotten user's: the event is dropped, nothing to dead-letter.
+        event.turn.data_key_id = draw(st.sampled_from(["", uuid.uuid4().hex[:24], "x" * 200]))  # type: ignore[attr-defined]
+        return case(event.SerializeToString(), False)
     # deadletter_garbage: ingress reads the dead-letter topic; it must shrug off anything there.
     letter = draw(messages(ev.DeadLetter.DESCRIPTOR, huge=False))
     payload = draw(st.one_of(st.just(letter.SerializeToString()), st.binary(max_size=256)))
@@ -513,7 +542,7 @@ def draw_cases(n: int, ctx: Context, rng_seed: int) -> list[Case]:
     """n cases drawn by hypothesis, about as many of each kind (generation only: the checks run after all
     of them were sent). A kind with few distinct shapes is drawn again under another seed until it has its
     share (every case has fresh ids anyway)."""
-    kinds = [k for k in KINDS if k != "replay" or ctx.replays]
+    kinds = [k for k in KINDS if (k != "replay" or ctx.replays) and (k != "bad_seal" or ctx.data_key_id)]
     out: list[Case] = []
     for k, kind in enumerate(kinds):
         share = n // len(kinds) + (1 if k < n % len(kinds) else 0)
@@ -694,6 +723,7 @@ def fuzz_consumers(
             turn_id = parsed.turn.turn_id if parsed is not None else ""  # type: ignore[attr-defined]
             if turn_id in warm_ids:
                 ctx.replays.append((topic, r.key, r.value, turn_id))
+                ctx.data_key_id = ctx.data_key_id or parsed.turn.data_key_id  # type: ignore[union-attr]
 
     log(f"drawing {n} fuzz events")
     fuzz = draw_cases(n, ctx, rng_seed)

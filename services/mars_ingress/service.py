@@ -29,6 +29,7 @@ from mars.config import (
     TOPIC_VIEW,
     ServiceSettings,
 )
+from mars.data_keys import Forgotten
 from mars.domain.feedback import rating_from
 from mars.quota import Quotas, Refusal, SpendCache, TenantLimits, pool_spend, spend_refusal
 from mars.runtime import GrpcBinding, ServiceContext, ServiceParts, run
@@ -336,7 +337,10 @@ class IngressServicer(svc_grpc.IngressServicer):
             rows = await cur.fetchall()
         for turn_id, raw in rows:
             event = ev.TurnReceived.FromString(bytes(raw))
-            await self._producer.publish(TOPIC_RECEIVED, event, event.turn, resent=True)
+            try:
+                await self._producer.publish(TOPIC_RECEIVED, event, event.turn, resent=True)
+            except Forgotten:  # its user was forgotten since: nothing to send (their rows are going too)
+                log.info("turn %s not published again: its user was forgotten", turn_id)
             async with self._pool.connection() as conn:
                 await conn.execute(
                     "UPDATE ingress_turns SET republished_at = now() WHERE turn_id = %s", (turn_id,)
