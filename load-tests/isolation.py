@@ -143,9 +143,13 @@ def check(
     dsn: str,
     since_ms: int,
     prefix: str = "",
+    keyring: Any = None,
 ) -> None:
+    """`keyring` (a mars.data_keys.SyncKeyring) opens the sealed text of views and answers; without one a
+    sealed event stops the check, which would otherwise find no secret in ciphertext and pass vacuously."""
     import psycopg
     from mars.config import TOPIC_GENERATED, TOPIC_VIEW
+    from mars.data_keys import is_sealed
     from mars.replay.cli import read_topics
     from mars.v1 import events_pb2 as ev
 
@@ -153,12 +157,21 @@ def check(
     for tenant, user, _, reply in replies:
         _check(report, "answer", (tenant, user), reply.text, owner)
 
+    def opened(event: Any) -> Any:
+        if is_sealed(event):
+            if keyring is None:
+                raise RuntimeError(
+                    "events are sealed and no data keys were given: the check would be vacuous"
+                )
+            keyring.unseal(event)
+        return event
+
     async def read() -> None:
         async for record in read_topics(
             bootstrap, (TOPIC_VIEW, TOPIC_GENERATED), since_ms, 3.0, prefix=prefix
         ):
             if record.topic == TOPIC_VIEW:
-                built = ev.ViewBuilt.FromString(record.value)
+                built = opened(ev.ViewBuilt.FromString(record.value))
                 if built.turn.tenant not in TENANTS:
                     continue
                 reader = (built.turn.tenant, built.turn.user_id)
@@ -168,7 +181,7 @@ def check(
                 if _check(report, "view", reader, shown, owner):
                     report.views_recalling_own += 1
             else:
-                gen = ev.Generated.FromString(record.value)
+                gen = opened(ev.Generated.FromString(record.value))
                 if gen.turn.tenant not in TENANTS:
                     continue
                 report.generated_checked += 1
@@ -211,6 +224,7 @@ def run(
     seed: int,
     prefix: str = "",
     timeout_s: float = 60.0,
+    keyring: Any = None,
 ) -> Report:
     """Mint a key per tenant in `dsn`, send `turns` interleaved turns to `target`, check what was shown."""
     from mars.auth import mint_key
@@ -222,7 +236,7 @@ def run(
     replies, errors = asyncio.run(send_all(target, keys, planned, timeout_s))
     report = Report(turns=turns, answered=len(replies), errors=dict(errors))
     wait_stored(dsn, len(replies), 120.0)  # the memory writer stores turns off the answer path
-    check(report, planned, replies, bootstrap, dsn, since_ms, prefix)
+    check(report, planned, replies, bootstrap, dsn, since_ms, prefix, keyring)
     report.wall_s = time.monotonic() - started
     return report
 
@@ -272,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
             args.users,
             args.seed,
             timeout_s=args.timeout_s,
+            keyring=stack.keyring(),
         )
     finally:
         stack.stop()

@@ -23,9 +23,12 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mars_stack import kafka
+
+if TYPE_CHECKING:
+    from mars.data_keys import SyncKeyring
 
 SERVICES = ("state", "memory", "router", "dispatch", "judge", "ingress")
 #: The gRPC service each process serves; readiness asks for it by name, so a port taken by some other
@@ -180,6 +183,7 @@ class LocalStack:
         self._lock = threading.RLock()
         self._stopping = threading.Event()
         self._supervisor: threading.Thread | None = None
+        self._keyring: SyncKeyring | None = None
 
     # --- lifecycle --------------------------------------------------------------------------------
 
@@ -472,6 +476,25 @@ class LocalStack:
             path.touch(mode=0o600)
             path.write_text(sealing.master_key_text())
         self.env["MARS_MASTER_KEY_FILE"] = str(path)
+
+    def keyring(self) -> SyncKeyring | None:
+        """The users' data keys of this stack, to open sealed event text as its services do (tests and
+        harnesses reading topics); None when the stack runs without a master key (plaintext events)."""
+        if self._keyring is None and self.env.get("MARS_MASTER_KEY_FILE"):
+            from mars.config import ServiceSettings
+            from mars.data_keys import tool_keyring
+
+            def fail(message: str) -> None:
+                raise StackError(message)
+
+            self._keyring = tool_keyring(
+                fail,
+                ServiceSettings(
+                    postgres_dsn=self.env["MARS_POSTGRES_DSN"],
+                    master_key_file=self.env["MARS_MASTER_KEY_FILE"],
+                ),
+            )
+        return self._keyring
 
     def _create_tenant(self, tenant: str) -> None:
         """Apply the ingress schema (the one `mars migrate` and the ingress apply, API keys included) and

@@ -10,19 +10,22 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from google.protobuf.message import Message
 from mars.auth import mint_key
 from mars.client import ingress_channel
+from mars.data_keys import Forgotten
 from mars.replay.presets import check as check_settings
 from mars.v1 import events_pb2 as ev
 from mars.v1 import services_pb2_grpc as svc_grpc
 from mars_stack import LocalStack, StackSettings
 from mars_stack.kafka import choose_broker
 
+M = TypeVar("M", bound=Message)
 HERE = Path(__file__).parent
 REPO = HERE.parents[1]
 #: Settings every test stack gets. Answers take seconds here; ingress's turn bound (turn_timeout_s) only
@@ -131,6 +134,31 @@ def read_topic(bootstrap: str, topic: str, idle_s: float = 1.5) -> list[Any]:
             await consumer.stop()
 
     return asyncio.run(_read())
+
+
+def keys_env(stack: LocalStack) -> dict[str, str]:
+    """The environment of a tool run beside `stack` that opens its sealed event text (as `mars replay` is
+    run with the stack's stack.env): the master key file and the Postgres holding the data keys."""
+    import os
+
+    keys = {k: stack.env[k] for k in ("MARS_MASTER_KEY_FILE", "MARS_POSTGRES_DSN") if k in stack.env}
+    return {**os.environ, **keys}
+
+
+def read_events(stack: LocalStack, topic: str, cls: type[M], idle_s: float = 1.5) -> list[M]:
+    """The events of a stage topic, their user text opened with the stack's data keys (as a stage sees
+    them); a forgotten user's events are left out."""
+    keys = stack.keyring()
+    out: list[M] = []
+    for record in read_topic(stack.env["MARS_KAFKA_BOOTSTRAP"], topic, idle_s):
+        event = cls.FromString(record.value)
+        if keys is not None:
+            try:
+                keys.unseal(event)
+            except Forgotten:
+                continue
+        out.append(event)
+    return out
 
 
 def produce_raw(bootstrap: str, topic: str, payload: bytes, key: bytes) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import grpc
 import pytest
-from conftest import ingress_stub, read_topic
+from conftest import ingress_stub, read_events
 from mars.config import TOPIC_ROUTED, TOPIC_VIEW
 from mars.domain.features import FEATURE_NAMES, RECENT_TURNS, featurize
 from mars.v1 import events_pb2 as ev
@@ -61,9 +61,8 @@ def turns(stack: LocalStack) -> dict[str, tuple[ev.ViewBuilt, ev.Routed]]:
         except grpc.RpcError as exc:
             failed.append(f"{text!r}: {exc.code()} {exc.details()}")
     assert len(failed) <= len(SCRIPT) // 2, failed
-    bootstrap = stack.env["MARS_KAFKA_BOOTSTRAP"]
-    views = [ev.ViewBuilt.FromString(r.value) for r in read_topic(bootstrap, TOPIC_VIEW)]
-    routed = [ev.Routed.FromString(r.value) for r in read_topic(bootstrap, TOPIC_ROUTED)]
+    views = read_events(stack, TOPIC_VIEW, ev.ViewBuilt)
+    routed = read_events(stack, TOPIC_ROUTED, ev.Routed)
     by_id = {r.turn.turn_id: r for r in routed if r.turn.tenant == TENANT}
     out = {v.turn.turn_id: (v, by_id[v.turn.turn_id]) for v in views if v.turn.tenant == TENANT}
     assert sorted((v.turn.session_id, v.text) for v, _ in out.values()) == sorted(SCRIPT)

@@ -251,6 +251,7 @@ def test_isolation_between_tenants_and_users(stack: LocalStack) -> None:
         turns=150,
         users=3,
         seed=7,
+        keyring=stack.keyring(),
     )
     isolation.print_report(report)
     assert report.answered == 150 and not report.errors

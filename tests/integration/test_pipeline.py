@@ -10,7 +10,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from conftest import ingress_stub, produce_raw, query, read_topic, wait_for
+from conftest import ingress_stub, produce_raw, query, read_events, read_topic, wait_for
 from mars.config import (
     TOPIC_DEAD_LETTER,
     TOPIC_GENERATED,
@@ -137,14 +137,7 @@ def test_costs_are_exact_token_arithmetic(
     monkeypatch.setenv("MARS_LOCAL_LLM_URL", stack.env["MARS_LOCAL_LLM_URL"])  # the pool file refers to it
     pool = load_pool(Path(__file__).parent / "models.test.yaml")
     turns = all_turn_ids(conversation)
-    generated = [
-        g
-        for g in (
-            ev.Generated.FromString(r.value)
-            for r in read_topic(stack.env["MARS_KAFKA_BOOTSTRAP"], TOPIC_GENERATED)
-        )
-        if g.turn.turn_id in turns
-    ]
+    generated = [g for g in read_events(stack, TOPIC_GENERATED, ev.Generated) if g.turn.turn_id in turns]
     assert len({g.turn.turn_id for g in generated}) == len(turns)
     for g in generated:
         expected = pool.get(g.model).cost_usd(g.usage.input_tokens, g.usage.output_tokens)
@@ -219,8 +212,7 @@ def test_view_never_contains_another_users_memory(
     turns = all_turn_ids(conversation)
     codeword = {"user-zebra": "zebra", "user-quokka": "quokka"}
     saw_memory = 0
-    for record in read_topic(stack.env["MARS_KAFKA_BOOTSTRAP"], TOPIC_VIEW):
-        view = ev.ViewBuilt.FromString(record.value)
+    for view in read_events(stack, TOPIC_VIEW, ev.ViewBuilt):
         user = turns.get(view.turn.turn_id)
         if user is None:
             continue
@@ -238,8 +230,7 @@ def test_read_your_writes_view_includes_previous_turn(
 ) -> None:
     turns = all_turn_ids(conversation)
     seq_of = {r.turn_id: r.seq for rs in conversation.values() for r in rs}
-    for record in read_topic(stack.env["MARS_KAFKA_BOOTSTRAP"], TOPIC_VIEW):
-        view = ev.ViewBuilt.FromString(record.value)
+    for view in read_events(stack, TOPIC_VIEW, ev.ViewBuilt):
         if view.turn.turn_id in turns:
             assert not view.view.possibly_stale
             for block in view.view.blocks:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from conftest import ingress_stub, start_stack
+from conftest import ingress_stub, keys_env, start_stack
 from mars.v1 import services_pb2 as svc
 from mars.v1 import services_pb2_grpc as svc_grpc
 from mars_stack import LocalStack
@@ -53,9 +53,11 @@ def seeded_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStac
         s.stop()
 
 
-def mars(*args: str) -> subprocess.CompletedProcess[str]:
+def mars(*args: str, stack: LocalStack | None = None) -> subprocess.CompletedProcess[str]:
+    """The CLI; with `stack`, able to open that stack's sealed event text (keys_env)."""
     exe = str(Path(sys.executable).parent / "mars")
-    return subprocess.run([exe, *args], capture_output=True, text=True, timeout=600, check=False)
+    env = keys_env(stack) if stack is not None else None
+    return subprocess.run([exe, *args], capture_output=True, text=True, timeout=600, check=False, env=env)
 
 
 # One recorded run and two strict re-drives of it: three times the turns of one run.
@@ -77,7 +79,8 @@ def test_two_strict_redrives_of_a_thompson_log_decide_identically(
             "--router", seeded_stack.addr("router"), "--strict", f"--tenant-suffix={suffix}",
             "--postgres-dsn", seeded_stack.env["MARS_POSTGRES_DSN"],
             "--out", str(out),
-        )  # fmt: skip
+        stack=seeded_stack,
+    )  # fmt: skip
         assert run.returncode == 0, run.stderr[-2000:]
         summary = json.loads(run.stderr[run.stderr.index("{") :])
         assert summary["answered"] == TURNS

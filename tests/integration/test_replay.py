@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import ingress_stub, start_stack
+from conftest import ingress_stub, keys_env, start_stack
 from mars.v1 import events_pb2 as ev
 from mars.v1 import services_pb2 as svc
 from mars_stack import LocalStack
@@ -57,9 +57,11 @@ def replay_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStac
         s.stop()
 
 
-def mars(*args: str) -> subprocess.CompletedProcess[str]:
+def mars(*args: str, stack: LocalStack | None = None) -> subprocess.CompletedProcess[str]:
+    """The CLI; with `stack`, able to open that stack's sealed event text (keys_env)."""
     exe = str(Path(sys.executable).parent / "mars")
-    return subprocess.run([exe, *args], capture_output=True, text=True, timeout=300, check=False)
+    env = keys_env(stack) if stack is not None else None
+    return subprocess.run([exe, *args], capture_output=True, text=True, timeout=300, check=False, env=env)
 
 
 def export(stack: LocalStack, path: Path) -> None:
@@ -164,11 +166,17 @@ def test_strict_redrive_is_deterministic(replay_stack: LocalStack, tmp_path: Pat
             "replay", "run", "--file", str(log), "--ingress", replay_stack.addr("ingress"),
             "--router", replay_stack.addr("router"), "--strict", "--limit", "8", f"--tenant-suffix={suffix}",
             "--postgres-dsn", replay_stack.env["MARS_POSTGRES_DSN"], "--out", str(out),
-        )  # fmt: skip
+        stack=replay_stack,
+    )  # fmt: skip
         assert run.returncode == 0, run.stderr[-2000:]
         assert json.loads(run.stderr[run.stderr.index("{") :])["answered"] == 8
         runs.append([json.loads(line) for line in out.read_text().splitlines()])
     a, b = runs
+    # Without the data keys the recorded text cannot be read, so nothing is sent again (and it says why).
+    blind = mars(
+        "replay", "run", "--file", str(log), "--ingress", replay_stack.addr("ingress"), "--limit", "8"
+    )
+    assert blind.returncode == 2 and "skipped_sealed_turns" in blind.stdout + blind.stderr
     assert [r["recorded_turn_id"] for r in a] == [r["recorded_turn_id"] for r in b]
     assert len({r["user_id"] for r in a}) == 1 and [r["seq"] for r in a] == list(range(1, 9))
     # Same log, same configuration, strict order: the same decisions and the same answers.

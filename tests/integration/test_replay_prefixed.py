@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from aiokafka.admin import AIOKafkaAdminClient
-from conftest import HERE, ingress_stub, start_stack
+from conftest import HERE, ingress_stub, keys_env, start_stack
 from mars.config import ALL_TOPICS, Topics
 from mars.v1 import services_pb2 as svc
 from mars_stack import LocalStack
@@ -43,9 +43,11 @@ def prefixed_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSt
         s.stop()
 
 
-def mars(*args: str) -> subprocess.CompletedProcess[str]:
+def mars(*args: str, stack: LocalStack | None = None) -> subprocess.CompletedProcess[str]:
+    """The CLI; with `stack`, able to open that stack's sealed event text (keys_env)."""
     exe = str(Path(sys.executable).parent / "mars")
-    return subprocess.run([exe, *args], capture_output=True, text=True, timeout=540, check=False)
+    env = keys_env(stack) if stack is not None else None
+    return subprocess.run([exe, *args], capture_output=True, text=True, timeout=540, check=False, env=env)
 
 
 def list_topics(bootstrap: str) -> set[str]:
@@ -92,6 +94,7 @@ def test_replay_run_with_a_preset_on_a_stack_of_its_own(prefixed_stack: LocalSta
         "--config", "lambda-0.5", "--config", "fixed:smollm2-135m-short", "--set", "MARS_DEFAULT_MAX_TOKENS=8",
         "--topic-prefix", "rerun.", "--strict", "--summary", str(tmp_path / "compare.json"),
         "--traces", str(tmp_path / "traces"),
+        stack=prefixed_stack,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     assert "recorded run vs re-drive" in run.stdout and "mean reward" in run.stdout

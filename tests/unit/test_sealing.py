@@ -176,7 +176,11 @@ def test_sealing_benchmark_short_run() -> None:
 
     script = Path(__file__).resolve().parents[2] / "load-tests" / "sealing_bench.py"
     run = subprocess.run(
-        [sys.executable, str(script), "--turns", "20"], capture_output=True, text=True, timeout=120, check=False
+        [sys.executable, str(script), "--turns", "20"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
     assert run.returncode == 0, run.stderr
     out = json.loads(run.stdout)
