@@ -723,8 +723,9 @@ def fuzz_consumers(
             turn_id = parsed.turn.turn_id if parsed is not None else ""  # type: ignore[attr-defined]
             if turn_id in warm_ids:
                 ctx.replays.append((topic, r.key, r.value, turn_id))
-                ctx.data_key_id = ctx.data_key_id or parsed.turn.data_key_id  # type: ignore[union-attr]
 
+    if (keys := stack.keyring()) is not None:  # a real user's data key, for events that misuse it
+        ctx.data_key_id = keys.for_user(TENANT, "fz-key-owner")
     log(f"drawing {n} fuzz events")
     fuzz = draw_cases(n, ctx, rng_seed)
     report.events = len(fuzz)
