@@ -39,7 +39,20 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 from opentelemetry import trace
 
 from mars import metrics
-from mars.config import ALL_TOPICS, SCHEMA_VERSION, ServiceSettings
+from mars.config import (
+    ALL_TOPICS,
+    SCHEMA_VERSION,
+    TOPIC_FEEDBACK,
+    TOPIC_GENERATED,
+    TOPIC_JUDGED,
+    TOPIC_MEMORY_COMMITTED,
+    TOPIC_RECEIVED,
+    TOPIC_ROUTED,
+    TOPIC_STATE,
+    TOPIC_TOKENS,
+    TOPIC_VIEW,
+    ServiceSettings,
+)
 from mars.data_keys import Forgotten, Keyring, is_sealed
 from mars.kafka_options import kafka_client_options
 from mars.sealing import SealError
@@ -63,6 +76,20 @@ class PoisonEvent(Exception):
 
 #: Kafka's refusals of a record for its size: retrying the same record can never get it through.
 TOO_LARGE = (MessageSizeTooLargeError, RecordTooLargeError, RecordListTooLargeError)
+
+
+#: The event type on each turn-event topic (base names): every topic whose events carry a TurnEnvelope.
+TOPIC_EVENTS: dict[str, type[Message]] = {
+    TOPIC_RECEIVED: ev.TurnReceived,
+    TOPIC_STATE: ev.StateEstimated,
+    TOPIC_VIEW: ev.ViewBuilt,
+    TOPIC_ROUTED: ev.Routed,
+    TOPIC_GENERATED: ev.Generated,
+    TOPIC_TOKENS: ev.TokenChunk,
+    TOPIC_JUDGED: ev.Judged,
+    TOPIC_FEEDBACK: ev.Feedback,
+    TOPIC_MEMORY_COMMITTED: ev.MemoryCommitted,
+}
 
 
 def is_transient(exc: BaseException) -> bool:
@@ -773,6 +800,7 @@ class StageConsumer:
 
 
 __all__ = [
+    "TOPIC_EVENTS",
     "EventProducer",
     "PoisonEvent",
     "StageConsumer",

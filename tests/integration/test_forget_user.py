@@ -21,19 +21,9 @@ from conftest import REPO, STACK_ENV, api_key, ingress_stub, query, session_stat
 from google.protobuf.message import Message
 from mars import data_keys, forget
 from mars.auth import mint_key
+from mars.bus import TOPIC_EVENTS
 from mars.client import ingress_channel
-from mars.config import (
-    ALL_TOPICS,
-    TOPIC_FEEDBACK,
-    TOPIC_GENERATED,
-    TOPIC_JUDGED,
-    TOPIC_MEMORY_COMMITTED,
-    TOPIC_RECEIVED,
-    TOPIC_ROUTED,
-    TOPIC_STATE,
-    TOPIC_TOKENS,
-    TOPIC_VIEW,
-)
+from mars.config import ALL_TOPICS
 from mars.replay.cli import read_topics
 from mars.replay.traces import RawRecord, TraceBuilder, summarize
 from mars.v1 import events_pb2 as ev
@@ -106,17 +96,6 @@ def rows_of(stack: LocalStack, tenant: str, user: str, turn_ids: list[str]) -> d
 
 #: Words of TURNS: with events sealed they appear in no record of any topic, whoever's turn it was.
 SECRETS = (b"pier 4", b"peanuts", b"ferry")
-TURN_EVENTS: dict[str, type[Message]] = {
-    TOPIC_RECEIVED: ev.TurnReceived,
-    TOPIC_STATE: ev.StateEstimated,
-    TOPIC_VIEW: ev.ViewBuilt,
-    TOPIC_ROUTED: ev.Routed,
-    TOPIC_GENERATED: ev.Generated,
-    TOPIC_TOKENS: ev.TokenChunk,
-    TOPIC_JUDGED: ev.Judged,
-    TOPIC_FEEDBACK: ev.Feedback,
-    TOPIC_MEMORY_COMMITTED: ev.MemoryCommitted,
-}
 
 
 def every_record(stack: LocalStack) -> list[RawRecord]:
@@ -131,7 +110,7 @@ def every_record(stack: LocalStack) -> list[RawRecord]:
 def events_of(records: list[RawRecord], tenant: str, user: str) -> list[Message]:
     out = []
     for r in records:
-        if (cls := TURN_EVENTS.get(r.topic)) is not None:
+        if (cls := TOPIC_EVENTS.get(r.topic)) is not None:
             event = cls.FromString(r.value)
             if (event.turn.tenant, event.turn.user_id) == (tenant, user):  # type: ignore[attr-defined]
                 out.append(event)
