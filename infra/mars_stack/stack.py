@@ -126,10 +126,17 @@ class StackSettings:
     #: A tenant created with an API key once Postgres and the ingress schema exist (MARS_TENANT and
     #: MARS_API_KEY in stack.env and `env`); "" creates none.
     tenant: str = "demo"
+    #: Mutual TLS on every service's gRPC port, from a local CA made in the work directory (tls/): health
+    #: alone in plaintext on a port of its own per process (the readiness checks use it), and the callers'
+    #: settings (MARS_TLS_CA_FILE, MARS_TLS_CLIENT_CERT_FILE / _KEY_FILE) in stack.env and `env`.
+    tls: bool = False
 
     def replica_count(self, service: str) -> int:
         return max(1, self.replicas_of.get(service, self.replicas))
 
+
+#: What a caller of a TLS stack needs (mars.tls.ClientTls.from_env): the CA and the client certificate.
+CALLER_TLS_VARS = ("MARS_TLS_CA_FILE", "MARS_TLS_CLIENT_CERT_FILE", "MARS_TLS_CLIENT_KEY_FILE")
 
 #: Restart backoff: first wait, cap, and how long a process must have been up for the wait to reset.
 BACKOFF_FIRST_S = 0.5
@@ -177,6 +184,8 @@ class LocalStack:
         self.procs: list[Proc] = []
         self.env: dict[str, str] = {}
         self.ports: dict[str, int] = {}
+        #: With TLS: each service process's plaintext health-only port (MARS_HEALTH_PORT).
+        self.health_ports: dict[str, int] = {}
         #: The broker this stack runs: "kafka" or "tansu" (set by start()).
         self.broker = ""
         self.events: list[ProcEvent] = []
@@ -223,6 +232,9 @@ class LocalStack:
                 progress(f"creating tenant {self.settings.tenant} and its API key")
                 self._create_tenant(self.settings.tenant)
             self._master_key()
+            if self.settings.tls:
+                progress("making a local CA and mutual TLS certificates")
+                self._local_tls()
             self._write_env()
             progress(f"starting services: {', '.join(n for n, _ in self.service_procs())}")
             self._start_services()
@@ -359,8 +371,15 @@ class LocalStack:
         if proc.service not in GRPC_SERVICE:
             raise KeyError(f"{name} is not a MARS service")
         wait_until(
-            functools.partial(grpc_serving, self.ports[name], GRPC_SERVICE[proc.service]), timeout_s, name
+            functools.partial(grpc_serving, self.health_port(name), GRPC_SERVICE[proc.service]),
+            timeout_s,
+            name,
         )
+
+    def health_port(self, name: str) -> int:
+        """Where a service process answers grpc.health.v1 in plaintext: its health-only port with TLS, else
+        its gRPC port."""
+        return self.health_ports.get(name, self.ports[name])
 
     # --- pieces -----------------------------------------------------------------------------------
 
@@ -465,6 +484,22 @@ class LocalStack:
                 conn.execute("CREATE DATABASE mars")
         self.ports["postgres"] = port
         self.env["MARS_POSTGRES_DSN"] = f"postgresql://mars@127.0.0.1:{port}/mars"
+
+    def _local_tls(self) -> None:
+        """Certificates from a local CA: every service serves with the server certificate and asks callers
+        for one the CA signed; callers (the tools, tests, other services) trust the CA and present the
+        client certificate."""
+        from mars_stack.certs import make_local_ca
+
+        certs = make_local_ca(self.workdir / "tls")
+        self.env.update(
+            MARS_TLS_CERT_FILE=str(certs.server_cert),
+            MARS_TLS_KEY_FILE=str(certs.server_key),
+            MARS_TLS_CLIENT_CA_FILE=str(certs.ca),
+            MARS_TLS_CA_FILE=str(certs.ca),
+            MARS_TLS_CLIENT_CERT_FILE=str(certs.client_cert),
+            MARS_TLS_CLIENT_KEY_FILE=str(certs.client_key),
+        )
 
     def _master_key(self) -> None:
         """The master key that wraps every user's data key (MARS_MASTER_KEY_FILE), made once per work
@@ -649,6 +684,8 @@ class LocalStack:
         self.env.update(self.settings.extra_env)
         for name, _ in self.service_procs():
             self.ports[name] = free_port()
+            if self.settings.tls:
+                self.health_ports[name] = free_port()
         self.env["MARS_INGRESS_ADDR"] = self.addr("ingress") if "ingress" in self.settings.services else ""
         lines = [f"{k}={v}" for k, v in sorted(self.env.items())]
         lines += [
@@ -666,6 +703,8 @@ class LocalStack:
         for name, service in self.service_procs():
             env = {**os.environ, **self.env, "MARS_GRPC_PORT": str(self.ports[name]), "PYTHONUNBUFFERED": "1"}
             env["MARS_REPLICA"] = name
+            if name in self.health_ports:
+                env["MARS_HEALTH_PORT"] = str(self.health_ports[name])
             if self.broker == "kafka":
                 env["MARS_KAFKA_GROUP_INSTANCE_ID"] = name
             env.update(self.settings.service_env.get(service, {}))
@@ -678,7 +717,7 @@ class LocalStack:
         # Consumer-group joins take a while (seconds on Tansu): all start together, then we wait for all.
         for proc in procs:
             wait_until(
-                functools.partial(grpc_serving, self.ports[proc.name], GRPC_SERVICE[proc.service]),
+                functools.partial(grpc_serving, self.health_port(proc.name), GRPC_SERVICE[proc.service]),
                 120,
                 f"service {proc.name}",
                 proc.popen,

@@ -52,6 +52,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def _start_stack(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from mars_stack import LocalStack, StackSettings
+    from mars_stack.stack import CALLER_TLS_VARS
 
     settings = StackSettings(
         workdir=Path(args.workdir) if args.workdir else None,
@@ -61,6 +62,7 @@ def _start_stack(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         broker=args.broker,
         replicas=args.replicas,
         replicas_of=dict(args.replicas_of or []),
+        tls=args.tls,
     )
     stack = LocalStack(settings)
     with console.status("starting the local stack") as status:
@@ -74,6 +76,10 @@ def _start_stack(args: argparse.Namespace):  # type: ignore[no-untyped-def]
             f"  tenant {stack.env['MARS_TENANT']}: API key in stack.env (MARS_API_KEY); "
             f"`set -a; . {stack.workdir / 'stack.env'}` and `mars send` uses it"
         )
+    if args.tls:
+        # This process's own calls (the demo) are callers too: the client certificate settings.
+        os.environ.update({k: stack.env[k] for k in CALLER_TLS_VARS})
+        console.print("  mutual TLS on every service (local CA in tls/); health in plaintext on its own port")
     return stack
 
 
@@ -204,6 +210,12 @@ def build_parser() -> argparse.ArgumentParser:
             "--topic-prefix",
             default=os.environ.get("MARS_TOPIC_PREFIX", ""),
             help="put in front of every topic name, e.g. run7. (default: none)",
+        )
+        p.add_argument(
+            "--tls",
+            action="store_true",
+            help="mutual TLS on every service's gRPC port, from a local CA made in the work directory; the "
+            "callers' certificate settings (MARS_TLS_*) go to stack.env",
         )
 
     p = sub.add_parser(
