@@ -520,3 +520,6 @@ def add_probe_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     b.add_argument("--limit", type=int, help="score only the first N boundaries")
     b.add_argument("--out", help="write the results as JSON here")
     b.set_defaults(func=cmd_probe_boundaries)
+    from mars.probe.qtm_labels import add_labels_parser
+
+    add_labels_parser(probe_sub, config_help)

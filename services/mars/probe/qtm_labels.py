@@ -1,0 +1,214 @@
+"""`mars probe qtm-labels`: how often each QTM backend gets each Table 5 field right on a hand-labelled set
+of user turns (services/mars/qtm/labels/turns.jsonl, labelled by its GUIDE.md).
+
+Each turn is estimated with the active context the state service would hold if the earlier turns had been
+labelled right: the user turns of the same session since the last gold NEW_TOPIC, newest last (at most
+CONTEXT_TURNS). So a field's accuracy measures that field, not the consequences of an earlier mistake.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import Progress
+
+from mars.v1 import events_pb2 as ev
+
+#: The labelled set kept in the repository.
+DEFAULT_LABELS = Path(__file__).resolve().parents[1] / "qtm" / "labels" / "turns.jsonl"
+#: Earlier user turns shown as active context (the state service's default MARS_CONTEXT_TURNS).
+CONTEXT_TURNS = 6
+
+#: Field -> the allowed gold values (Table 5).
+FIELDS: dict[str, tuple[str, ...]] = {
+    "action": ("MATCH", "NEW_TOPIC"),
+    "query_type": ("STATIC", "DYNAMIC", "TEMPORAL", "PROACTIVE"),
+    "phase": ("EXPLORE", "CONSTRAIN", "REVISE", "SYNTHESIZE", "VERIFY"),
+    "need_memory": ("0", "1"),
+    "memory_span": ("NONE", "ACTIVE_THREAD", "CROSS_SESSION"),
+    "retrieval_scope": ("LOCAL", "GLOBAL"),
+    "ambiguity": ("LOW", "MEDIUM", "HIGH"),
+}
+
+
+class LabelError(ValueError):
+    """A labelled-set line that is not usable, with its line number."""
+
+
+@dataclass(frozen=True)
+class LabelledTurn:
+    persona: str
+    session: str
+    index: int
+    text: str
+    labels: dict[str, str]
+    #: Earlier user turns of the gold active thread (same session, since the last gold NEW_TOPIC).
+    context: tuple[str, ...]
+
+
+def load_labelled(lines: Iterable[str]) -> list[LabelledTurn]:
+    """The labelled turns in file order, each with its gold active context. LabelError names the line of
+    the first problem (bad JSON, a missing field, a value outside Table 5)."""
+    raw: list[tuple[int, dict[str, Any]]] = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+            labels = {k: str(obj["labels"][k]) for k in FIELDS}
+            persona, session, text = str(obj["persona"]), str(obj["session"]), str(obj["text"])
+            index = int(obj["index"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise LabelError(f"line {number}: {type(exc).__name__}: {exc}") from exc
+        for field, value in labels.items():
+            if value not in FIELDS[field]:
+                raise LabelError(f"line {number}: {field}={value!r} is not one of {', '.join(FIELDS[field])}")
+        raw.append(
+            (number, {"persona": persona, "session": session, "index": index, "text": text, "labels": labels})
+        )
+    out: list[LabelledTurn] = []
+    thread: dict[str, list[str]] = {}
+    for _, item in sorted(raw, key=lambda r: (r[1]["session"], r[1]["index"], r[0])):
+        session = item["session"]
+        if item["labels"]["action"] == "NEW_TOPIC":
+            thread[session] = []
+        context = tuple(thread.get(session, [])[-CONTEXT_TURNS:])
+        out.append(
+            LabelledTurn(item["persona"], session, item["index"], item["text"], item["labels"], context)
+        )
+        thread.setdefault(session, []).append(item["text"])
+    return out
+
+
+def predicted_labels(state: ev.SessionState) -> dict[str, str]:
+    """A controller's state in the labelled set's terms."""
+    return {
+        "action": ev.Action.Name(state.action),
+        "query_type": ev.QueryType.Name(state.query_type),
+        "phase": ev.Phase.Name(state.phase),
+        "need_memory": str(state.taxonomy.need_memory),
+        "memory_span": ev.MemorySpan.Name(state.taxonomy.memory_span),
+        "retrieval_scope": ev.RetrievalScope.Name(state.retrieval_scope),
+        "ambiguity": ev.Ambiguity.Name(state.taxonomy.ambiguity),
+    }
+
+
+@dataclass
+class FieldScore:
+    right: int = 0
+    total: int = 0
+
+    @property
+    def accuracy(self) -> float:
+        return self.right / self.total if self.total else 0.0
+
+
+def score(gold: Sequence[dict[str, str]], predicted: Sequence[dict[str, str]]) -> dict[str, Any]:
+    """Accuracy per field, and per field the confusion counts "gold->predicted"."""
+    fields = {f: FieldScore() for f in FIELDS}
+    confusion: dict[str, Counter[str]] = {f: Counter() for f in FIELDS}
+    for g, p in zip(gold, predicted, strict=True):
+        for f in FIELDS:
+            fields[f].total += 1
+            fields[f].right += g[f] == p[f]
+            confusion[f][f"{g[f]}->{p[f]}"] += 1
+    return {
+        "accuracy": {f: s.accuracy for f, s in fields.items()},
+        "confusion": {f: dict(c.most_common()) for f, c in confusion.items()},
+    }
+
+
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
+
+
+async def _run_config(
+    config: Any, llm_url: str, turns: Sequence[LabelledTurn], console: Console
+) -> dict[str, Any]:
+    est = config.estimator(llm_url)
+    predicted: list[dict[str, str]] = []
+    latencies: list[float] = []
+    try:
+        with Progress(console=console, transient=True) as progress:
+            task = progress.add_task(config.label(), total=len(turns))
+            for t in turns:
+                started = time.perf_counter()
+                state = await est.estimate(t.text, list(t.context))
+                latencies.append((time.perf_counter() - started) * 1000)
+                predicted.append(predicted_labels(state))
+                progress.advance(task)
+    finally:
+        await est.aclose()
+    result = score([t.labels for t in turns], predicted)
+    result["latency_ms"] = {"p50": _pct(latencies, 0.5), "p99": _pct(latencies, 0.99)}
+    result["outcomes"] = dict(est.counts)
+    return result
+
+
+def cmd_probe_labels(args: argparse.Namespace) -> int:
+    from mars.probe.qtm import ControllerConfig, _LocalLlm
+
+    console = Console(soft_wrap=True)
+    path = Path(args.labels)
+    try:
+        configs = [ControllerConfig.parse(spec) for spec in args.configs]
+        turns = load_labelled(path.read_text().splitlines())
+    except OSError as exc:
+        console.print(f"[red]cannot read {path}: {exc.strerror}[/]")
+        return 2
+    except ValueError as exc:
+        console.print(f"[red]{exc}[/]")
+        return 2
+    if args.personas:
+        turns = [t for t in turns if t.persona in set(args.personas)]
+    if not turns:
+        console.print(f"[red]no labelled turns in {path}{' for those personas' if args.personas else ''}[/]")
+        return 2
+    report: dict[str, Any] = {}
+    with _LocalLlm(configs, console) as llm:
+        for config in configs:
+            report[config.label()] = asyncio.run(_run_config(config, llm.url, turns, console))
+    personas = len({t.persona for t in turns})
+    console.print(f"{len(turns)} labelled turns of {personas} personas ({path})")
+    short = {"action": "action", "query_type": "qtype", "phase": "phase", "need_memory": "need",
+             "memory_span": "span", "retrieval_scope": "scope", "ambiguity": "ambig"}  # fmt: skip
+    console.print(
+        f"{'backend':<28}" + "".join(f"{short[f]:>8}" for f in FIELDS) + f"{'p50 ms':>9}{'p99 ms':>9}"
+    )
+    for label, r in report.items():
+        console.print(
+            f"{label:<28}"
+            + "".join(f"{r['accuracy'][f]:>8.3f}" for f in FIELDS)
+            + f"{r['latency_ms']['p50']:>9.2f}{r['latency_ms']['p99']:>9.2f}"
+        )
+    if args.out:
+        Path(args.out).write_text(json.dumps({"turns": len(turns), "personas": personas, **report}, indent=2))
+        console.print(f"results written to {args.out}")
+    return 0
+
+
+def add_labels_parser(probe_sub: argparse._SubParsersAction, config_help: str) -> None:  # type: ignore[type-arg]
+    p = probe_sub.add_parser(
+        "qtm-labels",
+        help="accuracy of each QTM backend per Table 5 field on the hand-labelled turn set",
+        description="Estimates every turn of a labelled set (default: the repository's, with its GUIDE.md) "
+        "with each controller config, given the gold active thread as context, and prints the accuracy of "
+        "action, query type, phase, memory need, memory span, retrieval scope and ambiguity, with latency.",
+    )
+    p.add_argument(
+        "--labels", default=str(DEFAULT_LABELS), help="labelled turns as JSON lines (default: %(default)s)"
+    )
+    p.add_argument("--configs", nargs="+", default=["rules"], help=config_help)
+    p.add_argument("--personas", nargs="*", help="only these personas of the set")
+    p.add_argument("--out", help="write accuracies, confusions and latencies as JSON here")
+    p.set_defaults(func=cmd_probe_labels)
