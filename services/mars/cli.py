@@ -316,6 +316,9 @@ def build_parser() -> argparse.ArgumentParser:
     from mars.keys_cli import add_keys_parser
 
     add_keys_parser(sub)
+    from mars.qtm.train_cli import add_train_parser
+
+    add_train_parser(sub)
     from mars.deploy.cli import add_deploy_parser
 
     add_deploy_parser(sub)

@@ -4,6 +4,7 @@ estimates the Table 5 session state for every received turn through the guarded 
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 
@@ -15,6 +16,7 @@ from mars.db import pg_text
 from mars.llm_json import TokenPrices, endpoint_url
 from mars.qtm.controllers import make_controller
 from mars.qtm.guard import GuardedEstimator
+from mars.qtm.learned import ModelFileError
 from mars.runtime import GrpcBinding, ServiceContext, ServiceParts, rpc_errors, run
 from mars.v1 import events_pb2 as ev
 from mars.v1 import services_pb2 as svc
@@ -24,6 +26,7 @@ from psycopg_pool import AsyncConnectionPool
 from pydantic import Field
 
 STAGE = STATE_STAGE
+log = logging.getLogger(__name__)
 
 MIGRATIONS = [
     # The active context the controller reads: the user turns of the active thread, newest last.
@@ -62,23 +65,39 @@ class StateSettings(ServiceSettings):
     qtm_price_output_per_m: float = 0.10
     #: Set by the local stack launcher: its llama.cpp server.
     local_llm_url: str = ""
+    #: learned backend: the model file (`mars train qtm` writes one); "" = the one shipped in the package.
+    #: A missing or corrupt file leaves the rules answering, with health entry
+    #: mars.v1.StateEstimator.learned_model NOT_SERVING.
+    qtm_learned_model: str = ""
+    #: learned backend: folder of the embedder's ONNX exports (the memory service's setting of that name).
+    embedding_cache_dir: str | None = None
 
 
 def make_estimator(settings: StateSettings) -> GuardedEstimator:
+    """The guarded controller of the settings. A learned backend whose model file cannot be loaded leaves
+    the rules answering (the estimator's `model_error` says why; the health entry reports it)."""
     url = endpoint_url(settings.qtm_url, settings.qtm_backend, settings.local_llm_url)
     deadline_s = settings.qtm_deadline_ms / 1000
-    controller = make_controller(
-        settings.qtm_backend,
-        base_url=url,
-        model=settings.qtm_model,
-        prompt=settings.qtm_prompt,
-        api_key=os.environ.get(settings.qtm_api_key_env) or None,
-        timeout_s=deadline_s + 1.0,
-        max_tokens=settings.qtm_max_tokens,
-        max_in_flight=settings.qtm_max_in_flight,
-    )
+    model_error = ""
+    try:
+        controller = make_controller(
+            settings.qtm_backend,
+            base_url=url,
+            model=settings.qtm_learned_model if settings.qtm_backend == "learned" else settings.qtm_model,
+            prompt=settings.qtm_prompt,
+            api_key=os.environ.get(settings.qtm_api_key_env) or None,
+            timeout_s=deadline_s + 1.0,
+            max_tokens=settings.qtm_max_tokens,
+            max_in_flight=settings.qtm_max_in_flight,
+            embedding_cache_dir=settings.embedding_cache_dir,
+        )
+    except ModelFileError as exc:
+        log.error("learned QTM model not loaded (%s); the rules answer every turn", exc)
+        controller, model_error = None, str(exc)
     pricing = TokenPrices(settings.qtm_price_input_per_m, settings.qtm_price_output_per_m)
-    return GuardedEstimator(controller, deadline_s, pricing)
+    estimator = GuardedEstimator(controller, deadline_s, pricing)
+    estimator.model_error = model_error
+    return estimator
 
 
 class StateEstimatorServicer(svc_grpc.StateEstimatorServicer):
@@ -170,6 +189,12 @@ async def build(ctx: ServiceContext) -> ServiceParts:
         consumers=[consumer],
         # NOT_SERVING while the controller keeps failing: turns still get states, from the rules.
         health_probes={"mars.v1.StateEstimator.controller": lambda: estimator.healthy},
+        # The learned backend's model file did not load: the rules answer instead.
+        health=(
+            {"mars.v1.StateEstimator.learned_model": not estimator.model_error}
+            if settings.qtm_backend == "learned"
+            else {}
+        ),
         on_stop=[estimator.aclose],
     )
 

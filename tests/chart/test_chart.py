@@ -640,3 +640,12 @@ def test_every_service_and_job_opens_sealed_events_with_one_master_key() -> None
     off = render(merged(BASE, {"eventSealing": {"enabled": False}}))
     assert "MARS_MASTER_KEY_FILE" not in helm.service_env(off, "ingress")
     assert not [s for s in helm.find(off, "Secret") if "master" in s["metadata"]["name"]]
+
+
+def test_learned_controller_needs_no_llm_endpoint() -> None:
+    """state.qtmBackend=learned: the packaged model, no vLLM URL or model name asked for."""
+    objects = render(merged(BASE, {"vllm": {"enabled": False}, "state": {"qtmBackend": "learned"}}))
+    container = by_component(objects, "Deployment")["state"]["spec"]["template"]["spec"]["containers"][0]
+    env = {v["name"]: v.get("value") for v in container["env"]}
+    assert env["MARS_QTM_BACKEND"] == "learned"
+    assert "MARS_QTM_URL" not in env and "MARS_QTM_MODEL" not in env

@@ -303,6 +303,16 @@ CONTINUITY_OVERLAP = 0.2
 _STRONG_FAMILIES = ("revision", "finalization", "verification", "temporal")
 
 
+def cue_flags(text: str) -> dict[str, bool]:
+    """Every lexical cue the rules read, by name: the cue families, plus proactive requests, anaphora ("it",
+    "that") and recency words (the learned controller takes them as features)."""
+    flags = {name: bool(rx.search(text)) for name, rx in CUE_FAMILIES.items()}
+    flags["proactive"] = bool(_PROACTIVE.search(text))
+    flags["anaphora"] = bool(_ANAPHORA.search(text))
+    flags["recency"] = bool(_RECENCY.search(text))
+    return flags
+
+
 def detect_cues(text: str) -> list[str]:
     """Cue families present in `text`, in the fixed order of CUE_FAMILIES (stable for logging)."""
     return [name for name, rx in CUE_FAMILIES.items() if rx.search(text)]

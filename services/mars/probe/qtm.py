@@ -75,7 +75,8 @@ class ControllerConfig:
         return config
 
     def label(self) -> str:
-        return self.backend if self.backend == "rules" else f"{self.backend}:{self.prompt}"
+        # Rules and the learned model take no prompt.
+        return self.backend if self.backend in ("rules", "learned") else f"{self.backend}:{self.prompt}"
 
     def estimator(self, local_llm_url: str) -> GuardedEstimator:
         url = endpoint_url(self.url, self.backend, local_llm_url)

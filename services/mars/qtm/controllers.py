@@ -23,8 +23,8 @@ from mars.qtm.prompts import SYSTEM_ROLE, PromptTemplate
 from mars.qtm.schema import qtm_json_schema
 from mars.qtm.serial_engine import SerialEngine
 
-Backend = Literal["rules", "openai", "llamacpp", "vllm"]
-BACKENDS: tuple[str, ...] = ("rules", "openai", "llamacpp", "vllm")
+Backend = Literal["rules", "learned", "openai", "llamacpp", "vllm"]
+BACKENDS: tuple[str, ...] = ("rules", "learned", "openai", "llamacpp", "vllm")
 
 
 ControllerUnavailable = EndpointError
@@ -173,14 +173,25 @@ def make_controller(
     timeout_s: float = 10.0,
     max_tokens: int = 200,
     max_in_flight: int = 4,
+    embedding_cache_dir: str | None = None,
 ) -> Controller | None:
     """The configured controller, or None for `rules` (the guard answers from rules alone).
 
-    `max_in_flight` caps the in-process vllm backend's admitted calls (running and queued)."""
+    `max_in_flight` caps the in-process vllm backend's admitted calls (running and queued). `learned`
+    loads its model file (`model`, default the packaged one; mars.qtm.learned.ModelFileError when it is
+    missing or corrupt) and the MiniLM embedder (ONNX exports under `embedding_cache_dir`)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown QTM backend {backend!r}; known: {', '.join(BACKENDS)}")
     if backend == "rules":
         return None
+    if backend == "learned":
+        from pathlib import Path
+
+        from mars.qtm.learned import DEFAULT_MODEL, LearnedController, LearnedModel
+        from mars.retrieval.embedder import LruEmbedder, load_embedder
+
+        learned = LearnedModel.load(Path(model) if model else DEFAULT_MODEL)
+        return LearnedController(learned, LruEmbedder(load_embedder(cache_dir=embedding_cache_dir)).encode)
     template = PromptTemplate.load(prompt)
     if backend == "vllm":
         if not model:

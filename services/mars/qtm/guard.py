@@ -45,6 +45,8 @@ class GuardedEstimator:
         self.pricing = pricing
         self.counts: Counter[str] = Counter()
         self._consecutive_failures = 0
+        #: Why the configured controller could not be made ("" when it could); the rules answer then.
+        self.model_error = ""
 
     @property
     def backend(self) -> str:
@@ -97,7 +99,8 @@ class GuardedEstimator:
                 self._count("revision_guard")
         assert self.controller is not None
         state.usage.backend = self.controller.name
-        state.usage.llm_called = True
+        # The learned controller answers without a model call (and without tokens or cost).
+        state.usage.llm_called = getattr(self.controller, "calls_llm", True)
         state.usage.prompt_version = self.controller.prompt_version
         state.usage.input_tokens = reply.input_tokens
         state.usage.output_tokens = reply.output_tokens

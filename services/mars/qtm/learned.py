@@ -1,0 +1,283 @@
+"""The learned QTM controller (`MARS_QTM_BACKEND=learned`): one small softmax model per Table 5 decision
+over features the service already has, no LLM call.
+
+Features of a turn (`featurize`):
+  - the turn's MiniLM embedding (the memory service's embedder, cached),
+  - its cosine similarity to the active thread's centroid, to the closest and to the last thread turn,
+  - the thread's length, and lexical overlap with it,
+  - the rules' lexical cues (revision, finalization, verification, constraint, temporal, quantity,
+    proactive, anaphora, recency), the turn's length and a question mark,
+  - the rules backend's own state, one-hot (so the model learns where the rules are right).
+
+Heads: action, query_type, phase, need_memory, retrieval_scope, ambiguity. memory_span follows from need
+and scope as in the rules (NONE without memory, CROSS_SESSION for GLOBAL, else ACTIVE_THREAD); top-k,
+recency and lens follow the rules' budget logic. The state then goes through the same guardrails as any
+controller's (`mars.qtm.guard`). The model is a small .npz file (`mars train qtm` writes it), loaded at start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import zipfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mars.domain.state_rules import cue_flags, estimate_state
+from mars.domain.text import overlap, tokenize
+from mars.llm_json import JsonReply
+from mars.v1 import events_pb2 as ev
+
+#: Bumped whenever `featurize` changes: a model trained on other features is refused at load.
+FEATURES_VERSION = "qtm-learned-features-v1"
+#: The model shipped in the package.
+DEFAULT_MODEL = Path(__file__).resolve().parent / "models" / "qtm-learned-v1.npz"
+#: Earlier turns of the active thread the features look at (the state service's default).
+CONTEXT_TURNS = 6
+
+#: Decision heads and their classes, in the labelled set's terms.
+HEADS: dict[str, tuple[str, ...]] = {
+    "action": ("MATCH", "NEW_TOPIC"),
+    "query_type": ("STATIC", "DYNAMIC", "TEMPORAL", "PROACTIVE"),
+    "phase": ("EXPLORE", "CONSTRAIN", "REVISE", "SYNTHESIZE", "VERIFY"),
+    "need_memory": ("0", "1"),
+    "retrieval_scope": ("LOCAL", "GLOBAL"),
+    "ambiguity": ("LOW", "MEDIUM", "HIGH"),
+}
+
+Embed = Callable[[Sequence[str]], np.ndarray]
+
+
+class ModelFileError(ValueError):
+    """The model file is missing, unreadable or for other features."""
+
+
+def _unit(v: np.ndarray) -> np.ndarray:
+    n = float(np.linalg.norm(v))
+    return v / n if n > 0 else v
+
+
+def _one_hot(value: str, classes: Sequence[str]) -> list[float]:
+    return [1.0 if value == c else 0.0 for c in classes]
+
+
+def rules_labels(state: ev.SessionState) -> dict[str, str]:
+    return {
+        "action": ev.Action.Name(state.action),
+        "query_type": ev.QueryType.Name(state.query_type),
+        "phase": ev.Phase.Name(state.phase),
+        "need_memory": str(state.taxonomy.need_memory),
+        "retrieval_scope": ev.RetrievalScope.Name(state.retrieval_scope),
+        "ambiguity": ev.Ambiguity.Name(state.taxonomy.ambiguity),
+    }
+
+
+def featurize(text: str, context: Sequence[str], embed: Embed) -> np.ndarray:
+    """The feature vector of a turn given its active thread (earlier user turns, newest last)."""
+    context = [c for c in context if c.strip()][-CONTEXT_TURNS:]
+    vectors = embed([text, *context])
+    turn = _unit(np.asarray(vectors[0], dtype=np.float64))
+    if context:
+        thread = np.stack([_unit(np.asarray(v, dtype=np.float64)) for v in vectors[1:]])
+        sims = thread @ turn
+        centroid = float(_unit(thread.mean(axis=0)) @ turn)
+        similarity = [centroid, float(sims.max()), float(sims[-1]), 1.0]
+        lexical = overlap(text, "\n".join(context))
+    else:
+        similarity, lexical = [0.0, 0.0, 0.0, 0.0], 0.0
+    cues = [1.0 if on else 0.0 for on in cue_flags(text).values()]
+    words = len(tokenize(text))
+    shape = [math.log1p(words) / 4.0, 1.0 if "?" in text else 0.0, len(context) / CONTEXT_TURNS, lexical]
+    rules = rules_labels(estimate_state(text, context))
+    rule_hot = [x for head, classes in HEADS.items() for x in _one_hot(rules[head], classes)]
+    return np.concatenate([turn, np.asarray(similarity + shape + cues + rule_hot, dtype=np.float64)])
+
+
+@dataclass
+class SoftmaxHead:
+    """Multinomial logistic regression on standardised features."""
+
+    classes: tuple[str, ...]
+    weights: np.ndarray  # (features, classes)
+    bias: np.ndarray  # (classes,)
+
+    def probabilities(self, x: np.ndarray) -> np.ndarray:
+        z = x @ self.weights + self.bias
+        z = z - z.max(axis=-1, keepdims=True)
+        e = np.exp(z)
+        return np.asarray(e / e.sum(axis=-1, keepdims=True))
+
+    @classmethod
+    def fit(
+        cls,
+        x: np.ndarray,
+        labels: Sequence[str],
+        classes: tuple[str, ...],
+        l2: float = 1e-2,
+        steps: int = 400,
+        lr: float = 0.5,
+    ) -> SoftmaxHead:
+        """Full-batch gradient descent from zero weights (deterministic: no sampling), classes weighted by
+        inverse frequency so a rare value (NEW_TOPIC, HIGH ambiguity) is not drowned out."""
+        n, d = x.shape
+        y = np.zeros((n, len(classes)))
+        index = {c: i for i, c in enumerate(classes)}
+        for row, label in enumerate(labels):
+            y[row, index[label]] = 1.0
+        counts = y.sum(axis=0)
+        class_weight = np.where(counts > 0, n / (len(classes) * np.maximum(counts, 1.0)), 0.0)
+        sample_weight = (y * class_weight).sum(axis=1, keepdims=True)
+        sample_weight /= sample_weight.mean()
+        w = np.zeros((d, len(classes)))
+        b = np.zeros(len(classes))
+        head = cls(classes, w, b)
+        for _ in range(steps):
+            grad = (head.probabilities(x) - y) * sample_weight / n
+            w -= lr * (x.T @ grad + l2 * w)
+            b -= lr * grad.sum(axis=0)
+        return head
+
+
+@dataclass
+class LearnedModel:
+    """Standardisation plus one head per decision; saved as one .npz file."""
+
+    mean: np.ndarray
+    scale: np.ndarray
+    heads: dict[str, SoftmaxHead]
+    meta: dict[str, Any]
+
+    @classmethod
+    def fit(
+        cls, x: np.ndarray, labels: Sequence[dict[str, str]], meta: dict[str, Any] | None = None, **kw: Any
+    ) -> LearnedModel:
+        mean = x.mean(axis=0)
+        scale = x.std(axis=0)
+        scale[scale < 1e-6] = 1.0
+        z = (x - mean) / scale
+        heads = {
+            head: SoftmaxHead.fit(z, [lab[head] for lab in labels], classes, **kw)
+            for head, classes in HEADS.items()
+        }
+        return cls(mean, scale, heads, {"features": FEATURES_VERSION, **(meta or {})})
+
+    def predict(self, features: np.ndarray) -> dict[str, tuple[str, float]]:
+        """Per head: the most probable class and its probability."""
+        z = (features - self.mean) / self.scale
+        out = {}
+        for name, head in self.heads.items():
+            p = head.probabilities(z[None, :])[0]
+            best = int(p.argmax())
+            out[name] = (head.classes[best], float(p[best]))
+        return out
+
+    def save(self, path: Path) -> None:
+        arrays: dict[str, np.ndarray] = {
+            "mean": self.mean.astype(np.float32),
+            "scale": self.scale.astype(np.float32),
+        }
+        for name, head in self.heads.items():
+            arrays[f"{name}.weights"] = head.weights.astype(np.float32)
+            arrays[f"{name}.bias"] = head.bias.astype(np.float32)
+        meta = {**self.meta, "classes": {n: list(h.classes) for n, h in self.heads.items()}}
+        arrays["meta"] = np.frombuffer(json.dumps(meta, sort_keys=True).encode(), dtype=np.uint8)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("wb") as fh:
+            np.savez_compressed(fh, **arrays)  # type: ignore[arg-type]
+
+    @classmethod
+    def load(cls, path: Path) -> LearnedModel:
+        try:
+            with np.load(path, allow_pickle=False) as data:
+                meta = json.loads(bytes(data["meta"]).decode())
+                if meta.get("features") != FEATURES_VERSION:
+                    raise ModelFileError(
+                        f"{path} was trained on features {meta.get('features')!r}; this build computes "
+                        f"{FEATURES_VERSION!r} (retrain with `mars train qtm`)"
+                    )
+                heads = {
+                    name: SoftmaxHead(
+                        tuple(meta["classes"][name]),
+                        data[f"{name}.weights"].astype(np.float64),
+                        data[f"{name}.bias"].astype(np.float64),
+                    )
+                    for name in HEADS
+                }
+                mean, scale = data["mean"].astype(np.float64), data["scale"].astype(np.float64)
+        except ModelFileError:
+            raise
+        except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile, UnicodeDecodeError) as exc:
+            raise ModelFileError(f"cannot load the QTM model {path}: {type(exc).__name__}: {exc}") from exc
+        for name, head in heads.items():
+            if head.weights.shape != (mean.shape[0], len(head.classes)) or tuple(head.classes) != HEADS[name]:
+                raise ModelFileError(f"{path}: head {name} does not fit the features or Table 5")
+        return cls(mean, scale, heads, meta)
+
+
+def state_json(predicted: dict[str, tuple[str, float]], text: str, context: Sequence[str]) -> dict[str, Any]:
+    """The controller's answer in the QTM JSON schema: the heads' decisions, and the memory budget derived
+    from them as the rules derive theirs."""
+    action = predicted["action"][0]
+    query_type = predicted["query_type"][0]
+    phase = predicted["phase"][0]
+    need = int(predicted["need_memory"][0])
+    scope = predicted["retrieval_scope"][0] if need else "LOCAL"
+    span = "NONE" if not need else ("CROSS_SESSION" if scope == "GLOBAL" else "ACTIVE_THREAD")
+    if phase == "SYNTHESIZE" or query_type == "TEMPORAL":
+        top_k = 8
+    elif action == "MATCH":
+        top_k = 5
+    else:
+        top_k = 3
+    flags = cue_flags(text)
+    prefer_recent = int(phase in ("REVISE", "VERIFY") or (query_type == "TEMPORAL" and flags["recency"]))
+    confidence = min(p for _, p in predicted.values())
+    return {
+        "action": action,
+        "query_type": query_type,
+        "phase": phase,
+        "taxonomy": {
+            "need_memory": need,
+            "memory_span": span,
+            "ambiguity": predicted["ambiguity"][0],
+            "risk_flags": [
+                name for name in ("revision", "finalization", "temporal", "quantity") if flags[name]
+            ],
+        },
+        "lens_recommendation": 3 if need else 0,
+        "top_k_hint": top_k,
+        "prefer_recent": prefer_recent,
+        "retrieval_scope": scope,
+        "lens_confidence": round(confidence, 4),
+        "lens_reason": f"learned: {phase.lower()} {query_type.lower()} turn, {'memory on' if need else 'no memory'}",
+    }
+
+
+class LearnedController:
+    """The Controller interface (mars.qtm.controllers) over a LearnedModel: no endpoint, no tokens."""
+
+    name = "learned"
+    calls_llm = False
+
+    def __init__(self, model: LearnedModel, embed: Embed) -> None:
+        self.model = model
+        self.prompt_version = str(model.meta.get("version", "learned"))
+        self._embed = embed
+
+    def answer(self, text: str, active_context: Sequence[str]) -> dict[str, Any]:
+        return state_json(
+            self.model.predict(featurize(text, active_context, self._embed)), text, active_context
+        )
+
+    async def call(self, text: str, active_context: Sequence[str]) -> JsonReply:
+        # The embedding runs off the event loop (a few ms for a text not embedded before).
+        state = await asyncio.to_thread(self.answer, text, active_context)
+        return JsonReply(json.dumps(state), 0, 0, False)
+
+    async def aclose(self) -> None:
+        return None

@@ -1,0 +1,118 @@
+"""The learned QTM controller (mars.qtm.learned, `mars train qtm`): features, deterministic training, the
+model file (round trip, and refusal of a missing, corrupt or foreign one), the guarded state it answers,
+and the state service falling back to the rules when the model cannot load."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import pytest
+from mars.probe.qtm_labels import DEFAULT_LABELS, load_labelled
+from mars.qtm.guard import GuardedEstimator
+from mars.qtm.learned import (
+    DEFAULT_MODEL,
+    FEATURES_VERSION,
+    HEADS,
+    LearnedController,
+    LearnedModel,
+    ModelFileError,
+    featurize,
+)
+from mars.qtm.train_cli import train
+from mars.v1 import events_pb2 as ev
+from mars_state.service import StateSettings, make_estimator
+
+DIM = 16
+
+
+def fake_embed(texts: Sequence[str]) -> np.ndarray:
+    """A stand-in embedder for pure-logic tests: a fixed pseudo-random unit vector per text."""
+    rows = []
+    for t in texts:
+        seed = int.from_bytes(hashlib.sha256(t.encode()).digest()[:8], "little")
+        v = np.random.default_rng(seed).standard_normal(DIM)
+        rows.append(v / np.linalg.norm(v))
+    return np.stack(rows).astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def small_set():  # type: ignore[no-untyped-def]
+    turns = load_labelled(DEFAULT_LABELS.read_text().splitlines())
+    keep = {"p01", "p02", "p03", "p04"}
+    return [t for t in turns if t.persona in keep]
+
+
+def test_features_have_one_shape_with_and_without_context() -> None:
+    a = featurize("Make day 2 less busy and add a tea ceremony", ["Plan 3 days in Kyoto"], fake_embed)
+    b = featurize("How do I descale a kettle?", [], fake_embed)
+    assert a.shape == b.shape and a.shape[0] > DIM
+    assert np.isfinite(a).all() and np.isfinite(b).all()
+    assert a[DIM + 3] == 1.0 and b[DIM + 3] == 0.0  # has-context flag
+
+
+def test_training_is_deterministic_and_learns(small_set) -> None:  # type: ignore[no-untyped-def]
+    m1, r1 = train(small_set, fake_embed, lopo=True, steps=150)
+    m2, r2 = train(small_set, fake_embed, lopo=True, steps=150)
+    for head in HEADS:
+        assert np.array_equal(m1.heads[head].weights, m2.heads[head].weights)
+    assert r1 == r2
+    # On its own training turns it fits well beyond the majority class of every head.
+    for field, acc in r1["train"]["accuracy"].items():
+        majority = max(
+            sum(t.labels[field] == v for t in small_set) for v in {t.labels[field] for t in small_set}
+        ) / len(small_set)
+        assert acc >= majority, field
+    assert set(r1["lopo"]["accuracy"]) == set(r1["train"]["accuracy"])
+
+
+def test_model_file_round_trip_and_refusals(small_set, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    model, _ = train(small_set, fake_embed, lopo=False, steps=50)
+    path = tmp_path / "m.npz"
+    model.save(path)
+    loaded = LearnedModel.load(path)
+    x = featurize(small_set[3].text, small_set[3].context, fake_embed)
+    assert loaded.predict(x).keys() == model.predict(x).keys()
+    assert {h: loaded.predict(x)[h][0] for h in HEADS} == {h: model.predict(x)[h][0] for h in HEADS}
+    with pytest.raises(ModelFileError, match="cannot load"):
+        LearnedModel.load(tmp_path / "missing.npz")
+    corrupt = tmp_path / "corrupt.npz"
+    corrupt.write_bytes(path.read_bytes()[:200])
+    with pytest.raises(ModelFileError):
+        LearnedModel.load(corrupt)
+    model.meta["features"] = "some-other-features"
+    model.save(tmp_path / "foreign.npz")
+    with pytest.raises(ModelFileError, match=FEATURES_VERSION):
+        LearnedModel.load(tmp_path / "foreign.npz")
+
+
+def test_guarded_learned_state_is_valid_and_costs_nothing(small_set) -> None:  # type: ignore[no-untyped-def]
+    model, _ = train(small_set, fake_embed, lopo=False, steps=50)
+    guard = GuardedEstimator(LearnedController(model, fake_embed), deadline_s=5.0)
+    state = asyncio.run(guard.estimate("Rewrite the intro to be shorter", ["Draft my thesis intro"]))
+    assert state.usage.backend == "learned" and not state.usage.llm_called
+    assert state.usage.cost_usd == 0 and state.usage.fallback_reason == ""
+    assert state.action in (ev.MATCH, ev.NEW_TOPIC) and state.top_k_hint in (3, 5, 8)
+    if state.taxonomy.need_memory == 0:
+        assert state.taxonomy.memory_span == ev.NONE and state.lens_recommendation == 0
+
+
+def test_state_service_falls_back_to_rules_without_a_model(tmp_path: Path) -> None:
+    missing = make_estimator(
+        StateSettings(qtm_backend="learned", qtm_learned_model=str(tmp_path / "none.npz"))
+    )
+    assert missing.controller is None and "cannot load" in missing.model_error
+    state = asyncio.run(missing.estimate("Plan a trip to Kyoto", []))
+    assert state.usage.backend == "" or state.usage.backend == "rules" or not state.usage.llm_called
+    (tmp_path / "bad.npz").write_bytes(b"not a model")
+    bad = make_estimator(StateSettings(qtm_backend="learned", qtm_learned_model=str(tmp_path / "bad.npz")))
+    assert bad.controller is None and bad.model_error
+
+
+def test_the_packaged_model_is_for_these_features() -> None:
+    model = LearnedModel.load(DEFAULT_MODEL)
+    assert model.meta["features"] == FEATURES_VERSION and model.meta["version"] == "qtm-learned-v1"
+    assert model.meta["turns"] >= 300
