@@ -116,3 +116,21 @@ def test_the_packaged_model_is_for_these_features() -> None:
     model = LearnedModel.load(DEFAULT_MODEL)
     assert model.meta["features"] == FEATURES_VERSION and model.meta["version"] == "qtm-learned-v1"
     assert model.meta["turns"] >= 300
+
+
+def test_session_starts_train_the_action_head_and_are_scored_per_held_out_persona(small_set) -> None:  # type: ignore[no-untyped-def]
+    from mars.qtm.train_cli import SessionStart
+
+    starts = [
+        SessionStart(
+            f"rm{p}", f"new project {p}-{i}: plan the launch", ("old notes on the budget",), i % 2 == 0
+        )
+        for p in range(3)
+        for i in range(4)
+    ]
+    model, report = train(small_set, fake_embed, lopo=True, starts=starts, steps=50)
+    r = report["realmem_lopo"]
+    assert r["starts"] == 12 and r["new_topic"] == 6
+    assert 0.0 <= r["precision"] <= 1.0 and 0.0 <= r["recall"] <= 1.0
+    # The starts label the action head only: the other heads saw the labelled turns alone.
+    assert set(model.heads) == set(HEADS)

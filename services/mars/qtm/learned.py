@@ -160,10 +160,11 @@ class LearnedModel:
         scale = x.std(axis=0)
         scale[scale < 1e-6] = 1.0
         z = (x - mean) / scale
-        heads = {
-            head: SoftmaxHead.fit(z, [lab[head] for lab in labels], classes, **kw)
-            for head, classes in HEADS.items()
-        }
+        heads = {}
+        for head, classes in HEADS.items():
+            # A row may label some heads only (a RealMem session start labels the action alone).
+            rows = [i for i, lab in enumerate(labels) if head in lab]
+            heads[head] = SoftmaxHead.fit(z[rows], [labels[i][head] for i in rows], classes, **kw)
         return cls(mean, scale, heads, {"features": FEATURES_VERSION, **(meta or {})})
 
     def predict(self, features: np.ndarray) -> dict[str, tuple[str, float]]:

@@ -9,6 +9,7 @@ import json
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,9 @@ console = Console(width=None if sys.stdout.isatty() else 160)
 MODEL_VERSION = "qtm-learned-v1"
 
 
-def features_of(turns: Sequence[LabelledTurn], embed: Embed, progress: Progress | None = None) -> np.ndarray:
+def features_of(
+    turns: Sequence[LabelledTurn | SessionStart], embed: Embed, progress: Progress | None = None
+) -> np.ndarray:
     task = progress.add_task("features", total=len(turns)) if progress is not None else None
     rows = []
     for t in turns:
@@ -56,29 +59,90 @@ def predicted_fields(
     return out
 
 
-def leave_one_persona_out(x: np.ndarray, turns: Sequence[LabelledTurn], **fit: Any) -> list[dict[str, str]]:
-    """Each persona's turns predicted by a model that never saw that persona."""
+def leave_one_persona_out(
+    x: np.ndarray,
+    turns: Sequence[LabelledTurn],
+    extra: tuple[np.ndarray, Sequence[dict[str, str]]] | None = None,
+    **fit: Any,
+) -> list[dict[str, str]]:
+    """Each persona's turns predicted by a model that never saw that persona (`extra`: more training rows,
+    e.g. RealMem session starts, in every fold)."""
     predicted: list[dict[str, str] | None] = [None] * len(turns)
     for persona in sorted({t.persona for t in turns}):
         held = [i for i, t in enumerate(turns) if t.persona == persona]
         train = [i for i, t in enumerate(turns) if t.persona != persona]
-        model = LearnedModel.fit(x[train], [turns[i].labels for i in train], **fit)
+        rows, labels = x[train], [turns[i].labels for i in train]
+        if extra is not None and len(extra[1]):
+            rows, labels = np.concatenate([rows, extra[0]]), [*labels, *extra[1]]
+        model = LearnedModel.fit(rows, labels, **fit)
         for i, p in zip(held, predicted_fields(model, x[held], [turns[i] for i in held]), strict=True):
             predicted[i] = p
     return [p for p in predicted if p is not None]
 
 
+@dataclass(frozen=True)
+class SessionStart:
+    """A RealMem project session's first user turn after the previous project session (action only)."""
+
+    persona: str
+    text: str
+    context: tuple[str, ...]
+    new_topic: bool
+
+
+def realmem_starts(data: Path) -> list[SessionStart]:
+    """Every project-session start of the RealMem persona files in `data` (mars probe qtm-boundaries')."""
+    from mars.probe.qtm import _persona_files, project_boundaries
+
+    return [
+        SessionStart(b.persona, b.first_user_turn, b.previous_turns, b.new_task)
+        for f in _persona_files(data, None)
+        for b in project_boundaries(f)
+    ]
+
+
+def _boundary_scores(gold: Sequence[bool], predicted: Sequence[bool]) -> dict[str, float]:
+    tp = sum(g and p for g, p in zip(gold, predicted, strict=True))
+    fp = sum(p and not g for g, p in zip(gold, predicted, strict=True))
+    fn = sum(g and not p for g, p in zip(gold, predicted, strict=True))
+    precision = tp / (tp + fp) if tp + fp else 0.0
+    recall = tp / (tp + fn) if tp + fn else 0.0
+    f1 = 2 * precision * recall / (precision + recall) if precision + recall else 0.0
+    return {"precision": precision, "recall": recall, "f1": f1, "starts": len(gold), "new_topic": sum(gold)}
+
+
 def train(
-    turns: Sequence[LabelledTurn], embed: Embed, lopo: bool, **fit: Any
+    turns: Sequence[LabelledTurn],
+    embed: Embed,
+    lopo: bool,
+    starts: Sequence[SessionStart] = (),
+    **fit: Any,
 ) -> tuple[LearnedModel, dict[str, Any]]:
-    """The model fitted on every turn, and the report: leave-one-persona-out accuracy (when `lopo`)."""
+    """The model fitted on every turn (and every RealMem session start, for the action head), and the report:
+    leave-one-persona-out accuracy on the labelled set and, with `starts`, NEW_TOPIC precision/recall/F1 at
+    the session starts of each RealMem persona by a model that never saw that persona."""
     with Progress(console=console, transient=True) as progress:
         x = features_of(turns, embed, progress)
+        xs = features_of(starts, embed, progress) if starts else np.zeros((0, x.shape[1]))
+    labels = [t.labels for t in turns]
+    start_labels = [{"action": "NEW_TOPIC" if s.new_topic else "MATCH"} for s in starts]
     report: dict[str, Any] = {"turns": len(turns), "personas": len({t.persona for t in turns})}
     if lopo:
-        report["lopo"] = score([t.labels for t in turns], leave_one_persona_out(x, turns, **fit))
-    model = LearnedModel.fit(x, [t.labels for t in turns], **fit)
-    report["train"] = score([t.labels for t in turns], predicted_fields(model, x, turns))
+        report["lopo"] = score(labels, leave_one_persona_out(x, turns, extra=(xs, start_labels), **fit))
+    if starts and lopo:
+        predicted: list[bool] = []
+        gold: list[bool] = []
+        for persona in sorted({s.persona for s in starts}):
+            held = [i for i, s in enumerate(starts) if s.persona == persona]
+            kept = [i for i, s in enumerate(starts) if s.persona != persona]
+            model = LearnedModel.fit(
+                np.concatenate([x, xs[kept]]), [*labels, *(start_labels[i] for i in kept)], **fit
+            )
+            predicted += [model.predict(xs[i])["action"][0] == "NEW_TOPIC" for i in held]
+            gold += [starts[i].new_topic for i in held]
+        report["realmem_lopo"] = _boundary_scores(gold, predicted)
+    model = LearnedModel.fit(np.concatenate([x, xs]), [*labels, *start_labels], **fit)
+    report["train"] = score(labels, predicted_fields(model, x, turns))
     return model, report
 
 
@@ -98,13 +162,21 @@ def cmd_train_qtm(args: argparse.Namespace) -> int:
     if len({t.persona for t in turns}) < 2 and args.lopo:
         console.print("[red]leave-one-persona-out needs turns of at least two personas[/]")
         return 2
+    starts: list[SessionStart] = []
+    if args.realmem:
+        try:
+            starts = realmem_starts(Path(args.realmem))
+        except (OSError, ValueError) as exc:
+            console.print(f"[red]cannot read RealMem from {args.realmem}: {exc}[/]")
+            return 2
     started = time.perf_counter()
     embed = LruEmbedder(load_embedder(cache_dir=args.embedding_cache_dir)).encode
-    model, report = train(turns, embed, args.lopo, steps=args.steps, l2=args.l2)
+    model, report = train(turns, embed, args.lopo, starts, steps=args.steps, l2=args.l2)
     model.meta.update(
         version=MODEL_VERSION,
         labels_sha256=hashlib.sha256(raw).hexdigest(),
         turns=len(turns),
+        realmem_starts=len(starts),
         steps=args.steps,
         l2=args.l2,
     )
@@ -122,6 +194,12 @@ def cmd_train_qtm(args: argparse.Namespace) -> int:
         if name in report:
             label = "leave-one-persona-out" if name == "lopo" else "on the training turns"
             console.print(f"{label:<28}" + "".join(f"{report[name]['accuracy'][f]:>8.3f}" for f in FIELDS))
+    if "realmem_lopo" in report:
+        r = report["realmem_lopo"]
+        console.print(
+            f"NEW_TOPIC at {r['starts']} RealMem project-session starts ({r['new_topic']} new), "
+            f"leave-one-persona-out: precision {r['precision']:.3f} recall {r['recall']:.3f} F1 {r['f1']:.3f}"
+        )
     if args.report:
         Path(args.report).write_text(json.dumps(report, indent=2))
     return 0
@@ -142,6 +220,11 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
         "--labels", default=str(DEFAULT_LABELS), help="labelled turns as JSON lines (default: %(default)s)"
     )
     p.add_argument("--out", default=str(DEFAULT_MODEL), help="model file to write (default: %(default)s)")
+    p.add_argument(
+        "--realmem",
+        help="folder of RealMem persona files: their project-session starts also train the action head, and "
+        "the report scores NEW_TOPIC there leave-one-persona-out",
+    )
     p.add_argument(
         "--no-lopo", dest="lopo", action="store_false", help="skip the leave-one-persona-out report"
     )
