@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 from mars.cli import build_parser
-from mars.probe.qtm_labels import FIELDS, LabelError, load_labelled, predicted_labels, score
+from mars.probe.qtm_labels import predicted_labels, score
+from mars.qtm.labelled import FIELDS, LabelError, load_labelled
 from mars.v1 import events_pb2 as ev
 
 BASE = {

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from mars.probe.qtm_labels import DEFAULT_LABELS, load_labelled
 from mars.qtm.guard import GuardedEstimator
+from mars.qtm.labelled import DEFAULT_LABELS, load_labelled
 from mars.qtm.learned import (
     DEFAULT_MODEL,
     FEATURES_VERSION,

@@ -13,7 +13,7 @@ import asyncio
 import json
 import time
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,72 +21,8 @@ from typing import Any
 from rich.console import Console
 from rich.progress import Progress
 
+from mars.qtm.labelled import DEFAULT_LABELS, FIELDS, LabelledTurn, read_labelled
 from mars.v1 import events_pb2 as ev
-
-#: The labelled set kept in the repository.
-DEFAULT_LABELS = Path(__file__).resolve().parents[1] / "qtm" / "labels" / "turns.jsonl"
-#: Earlier user turns shown as active context (the state service's default MARS_CONTEXT_TURNS).
-CONTEXT_TURNS = 6
-
-#: Field -> the allowed gold values (Table 5).
-FIELDS: dict[str, tuple[str, ...]] = {
-    "action": ("MATCH", "NEW_TOPIC"),
-    "query_type": ("STATIC", "DYNAMIC", "TEMPORAL", "PROACTIVE"),
-    "phase": ("EXPLORE", "CONSTRAIN", "REVISE", "SYNTHESIZE", "VERIFY"),
-    "need_memory": ("0", "1"),
-    "memory_span": ("NONE", "ACTIVE_THREAD", "CROSS_SESSION"),
-    "retrieval_scope": ("LOCAL", "GLOBAL"),
-    "ambiguity": ("LOW", "MEDIUM", "HIGH"),
-}
-
-
-class LabelError(ValueError):
-    """A labelled-set line that is not usable, with its line number."""
-
-
-@dataclass(frozen=True)
-class LabelledTurn:
-    persona: str
-    session: str
-    index: int
-    text: str
-    labels: dict[str, str]
-    #: Earlier user turns of the gold active thread (same session, since the last gold NEW_TOPIC).
-    context: tuple[str, ...]
-
-
-def load_labelled(lines: Iterable[str]) -> list[LabelledTurn]:
-    """The labelled turns in file order, each with its gold active context. LabelError names the line of
-    the first problem (bad JSON, a missing field, a value outside Table 5)."""
-    raw: list[tuple[int, dict[str, Any]]] = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-            labels = {k: str(obj["labels"][k]) for k in FIELDS}
-            persona, session, text = str(obj["persona"]), str(obj["session"]), str(obj["text"])
-            index = int(obj["index"])
-        except (ValueError, KeyError, TypeError) as exc:
-            raise LabelError(f"line {number}: {type(exc).__name__}: {exc}") from exc
-        for field, value in labels.items():
-            if value not in FIELDS[field]:
-                raise LabelError(f"line {number}: {field}={value!r} is not one of {', '.join(FIELDS[field])}")
-        raw.append(
-            (number, {"persona": persona, "session": session, "index": index, "text": text, "labels": labels})
-        )
-    out: list[LabelledTurn] = []
-    thread: dict[str, list[str]] = {}
-    for _, item in sorted(raw, key=lambda r: (r[1]["session"], r[1]["index"], r[0])):
-        session = item["session"]
-        if item["labels"]["action"] == "NEW_TOPIC":
-            thread[session] = []
-        context = tuple(thread.get(session, [])[-CONTEXT_TURNS:])
-        out.append(
-            LabelledTurn(item["persona"], session, item["index"], item["text"], item["labels"], context)
-        )
-        thread.setdefault(session, []).append(item["text"])
-    return out
 
 
 def predicted_labels(state: ev.SessionState) -> dict[str, str]:
@@ -162,11 +98,8 @@ def cmd_probe_labels(args: argparse.Namespace) -> int:
     path = Path(args.labels)
     try:
         configs = [ControllerConfig.parse(spec) for spec in args.configs]
-        turns = load_labelled(path.read_text().splitlines())
-    except OSError as exc:
-        console.print(f"[red]cannot read {path}: {exc.strerror}[/]")
-        return 2
-    except ValueError as exc:
+        _, turns = read_labelled(path)
+    except ValueError as exc:  # LabelError too
         console.print(f"[red]{exc}[/]")
         return 2
     if args.personas:

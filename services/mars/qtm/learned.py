@@ -31,23 +31,17 @@ import numpy as np
 from mars.domain.state_rules import cue_flags, estimate_state
 from mars.domain.text import overlap, tokenize
 from mars.llm_json import JsonReply
+from mars.qtm.labelled import CONTEXT_TURNS, FIELDS
 from mars.v1 import events_pb2 as ev
 
 #: Bumped whenever `featurize` changes: a model trained on other features is refused at load.
 FEATURES_VERSION = "qtm-learned-features-v1"
 #: The model shipped in the package.
 DEFAULT_MODEL = Path(__file__).resolve().parent / "models" / "qtm-learned-v1.npz"
-#: Earlier turns of the active thread the features look at (the state service's default).
-CONTEXT_TURNS = 6
-
-#: Decision heads and their classes, in the labelled set's terms.
+#: Decision heads and their classes, in the labelled set's terms: every Table 5 field of the set but the
+#: memory span, which follows from need and scope.
 HEADS: dict[str, tuple[str, ...]] = {
-    "action": ("MATCH", "NEW_TOPIC"),
-    "query_type": ("STATIC", "DYNAMIC", "TEMPORAL", "PROACTIVE"),
-    "phase": ("EXPLORE", "CONSTRAIN", "REVISE", "SYNTHESIZE", "VERIFY"),
-    "need_memory": ("0", "1"),
-    "retrieval_scope": ("LOCAL", "GLOBAL"),
-    "ambiguity": ("LOW", "MEDIUM", "HIGH"),
+    field: values for field, values in FIELDS.items() if field != "memory_span"
 }
 
 Embed = Callable[[Sequence[str]], np.ndarray]

@@ -17,7 +17,8 @@ import numpy as np
 from rich.console import Console
 from rich.progress import Progress
 
-from mars.probe.qtm_labels import DEFAULT_LABELS, FIELDS, LabelledTurn, load_labelled, score
+from mars.probe.qtm_labels import score
+from mars.qtm.labelled import DEFAULT_LABELS, FIELDS, LabelError, LabelledTurn, read_labelled
 from mars.qtm.learned import DEFAULT_MODEL, HEADS, Embed, LearnedModel, featurize, state_json
 
 console = Console(width=None if sys.stdout.isatty() else 160)
@@ -151,12 +152,8 @@ def cmd_train_qtm(args: argparse.Namespace) -> int:
 
     path = Path(args.labels)
     try:
-        raw = path.read_bytes()
-        turns = load_labelled(raw.decode().splitlines())
-    except OSError as exc:
-        console.print(f"[red]cannot read {path}: {exc.strerror}[/]")
-        return 2
-    except ValueError as exc:
+        raw, turns = read_labelled(path)
+    except LabelError as exc:
         console.print(f"[red]{exc}[/]")
         return 2
     if len({t.persona for t in turns}) < 2 and args.lopo:

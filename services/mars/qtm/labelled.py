@@ -1,0 +1,89 @@
+"""The hand-labelled QTM turn set (labels/turns.jsonl, labelled by labels/GUIDE.md): its Table 5 fields
+and values, and its loader, which gives each turn the gold active thread as context. Read by
+`mars probe qtm-labels` (scoring) and `mars train qtm` (the learned controller)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+#: The labelled set kept in the repository.
+DEFAULT_LABELS = Path(__file__).resolve().parent / "labels" / "turns.jsonl"
+#: Earlier user turns shown as active context (the state service's default MARS_CONTEXT_TURNS).
+CONTEXT_TURNS = 6
+
+#: Field -> the allowed gold values (Table 5).
+FIELDS: dict[str, tuple[str, ...]] = {
+    "action": ("MATCH", "NEW_TOPIC"),
+    "query_type": ("STATIC", "DYNAMIC", "TEMPORAL", "PROACTIVE"),
+    "phase": ("EXPLORE", "CONSTRAIN", "REVISE", "SYNTHESIZE", "VERIFY"),
+    "need_memory": ("0", "1"),
+    "memory_span": ("NONE", "ACTIVE_THREAD", "CROSS_SESSION"),
+    "retrieval_scope": ("LOCAL", "GLOBAL"),
+    "ambiguity": ("LOW", "MEDIUM", "HIGH"),
+}
+
+
+class LabelError(ValueError):
+    """A labelled-set line that is not usable, with its line number."""
+
+
+@dataclass(frozen=True)
+class LabelledTurn:
+    persona: str
+    session: str
+    index: int
+    text: str
+    labels: dict[str, str]
+    #: Earlier user turns of the gold active thread (same session, since the last gold NEW_TOPIC).
+    context: tuple[str, ...]
+
+
+def load_labelled(lines: Iterable[str]) -> list[LabelledTurn]:
+    """The labelled turns in file order, each with its gold active context. LabelError names the line of
+    the first problem (bad JSON, a missing field, a value outside Table 5)."""
+    raw: list[tuple[int, dict[str, Any]]] = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+            labels = {k: str(obj["labels"][k]) for k in FIELDS}
+            persona, session, text = str(obj["persona"]), str(obj["session"]), str(obj["text"])
+            index = int(obj["index"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise LabelError(f"line {number}: {type(exc).__name__}: {exc}") from exc
+        for field, value in labels.items():
+            if value not in FIELDS[field]:
+                raise LabelError(f"line {number}: {field}={value!r} is not one of {', '.join(FIELDS[field])}")
+        raw.append(
+            (number, {"persona": persona, "session": session, "index": index, "text": text, "labels": labels})
+        )
+    out: list[LabelledTurn] = []
+    thread: dict[str, list[str]] = {}
+    for _, item in sorted(raw, key=lambda r: (r[1]["session"], r[1]["index"], r[0])):
+        session = item["session"]
+        if item["labels"]["action"] == "NEW_TOPIC":
+            thread[session] = []
+        context = tuple(thread.get(session, [])[-CONTEXT_TURNS:])
+        out.append(
+            LabelledTurn(item["persona"], session, item["index"], item["text"], item["labels"], context)
+        )
+        thread.setdefault(session, []).append(item["text"])
+    return out
+
+
+def read_labelled(path: Path) -> tuple[bytes, list[LabelledTurn]]:
+    """The file's bytes (to fingerprint a training run) and its labelled turns; LabelError, with the path
+    or the line, when it cannot be read or used."""
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise LabelError(f"cannot read {path}: {exc.strerror}") from exc
+    try:
+        return raw, load_labelled(raw.decode().splitlines())
+    except UnicodeDecodeError as exc:
+        raise LabelError(f"{path} is not UTF-8 text") from exc
