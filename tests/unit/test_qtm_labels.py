@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 from mars.cli import build_parser
-from mars.probe.qtm_labels import predicted_labels, score
-from mars.qtm.labelled import FIELDS, LabelError, load_labelled
+from mars.probe.qtm_labels import score
+from mars.qtm.labelled import FIELDS, LabelError, load_labelled, state_labels
 from mars.v1 import events_pb2 as ev
 
 BASE = {
@@ -69,12 +69,12 @@ def test_score_counts_each_field_and_its_confusions() -> None:
     assert result["confusion"]["phase"] == {"EXPLORE->EXPLORE": 1, "CONSTRAIN->EXPLORE": 1}
 
 
-def test_predicted_labels_speak_the_sets_terms() -> None:
+def test_state_labels_speak_the_sets_terms() -> None:
     state = ev.SessionState(
         action=ev.NEW_TOPIC, query_type=ev.TEMPORAL, phase=ev.VERIFY, retrieval_scope=ev.GLOBAL,
         taxonomy=ev.Taxonomy(need_memory=1, memory_span=ev.CROSS_SESSION, ambiguity=ev.HIGH),
     )  # fmt: skip
-    assert predicted_labels(state) == {
+    assert state_labels(state) == {
         "action": "NEW_TOPIC", "query_type": "TEMPORAL", "phase": "VERIFY", "need_memory": "1",
         "memory_span": "CROSS_SESSION", "retrieval_scope": "GLOBAL", "ambiguity": "HIGH",
     }  # fmt: skip

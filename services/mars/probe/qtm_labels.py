@@ -21,21 +21,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import Progress
 
-from mars.qtm.labelled import DEFAULT_LABELS, FIELDS, LabelledTurn, read_labelled
-from mars.v1 import events_pb2 as ev
-
-
-def predicted_labels(state: ev.SessionState) -> dict[str, str]:
-    """A controller's state in the labelled set's terms."""
-    return {
-        "action": ev.Action.Name(state.action),
-        "query_type": ev.QueryType.Name(state.query_type),
-        "phase": ev.Phase.Name(state.phase),
-        "need_memory": str(state.taxonomy.need_memory),
-        "memory_span": ev.MemorySpan.Name(state.taxonomy.memory_span),
-        "retrieval_scope": ev.RetrievalScope.Name(state.retrieval_scope),
-        "ambiguity": ev.Ambiguity.Name(state.taxonomy.ambiguity),
-    }
+from mars.qtm.labelled import DEFAULT_LABELS, FIELDS, LabelledTurn, read_labelled, state_labels
 
 
 @dataclass
@@ -81,7 +67,7 @@ async def _run_config(
                 started = time.perf_counter()
                 state = await est.estimate(t.text, list(t.context))
                 latencies.append((time.perf_counter() - started) * 1000)
-                predicted.append(predicted_labels(state))
+                predicted.append(state_labels(state))
                 progress.advance(task)
     finally:
         await est.aclose()

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mars.v1 import events_pb2 as ev
+
 #: The labelled set kept in the repository.
 DEFAULT_LABELS = Path(__file__).resolve().parent / "labels" / "turns.jsonl"
 #: Earlier user turns shown as active context (the state service's default MARS_CONTEXT_TURNS).
@@ -87,3 +89,16 @@ def read_labelled(path: Path) -> tuple[bytes, list[LabelledTurn]]:
         return raw, load_labelled(raw.decode().splitlines())
     except UnicodeDecodeError as exc:
         raise LabelError(f"{path} is not UTF-8 text") from exc
+
+
+def state_labels(state: ev.SessionState) -> dict[str, str]:
+    """A state in the labelled set's terms."""
+    return {
+        "action": ev.Action.Name(state.action),
+        "query_type": ev.QueryType.Name(state.query_type),
+        "phase": ev.Phase.Name(state.phase),
+        "need_memory": str(state.taxonomy.need_memory),
+        "memory_span": ev.MemorySpan.Name(state.taxonomy.memory_span),
+        "retrieval_scope": ev.RetrievalScope.Name(state.retrieval_scope),
+        "ambiguity": ev.Ambiguity.Name(state.taxonomy.ambiguity),
+    }

@@ -31,8 +31,7 @@ import numpy as np
 from mars.domain.state_rules import cue_flags, estimate_state
 from mars.domain.text import overlap, tokenize
 from mars.llm_json import JsonReply
-from mars.qtm.labelled import CONTEXT_TURNS, FIELDS
-from mars.v1 import events_pb2 as ev
+from mars.qtm.labelled import CONTEXT_TURNS, FIELDS, state_labels
 
 #: Bumped whenever `featurize` changes: a model trained on other features is refused at load.
 FEATURES_VERSION = "qtm-learned-features-v1"
@@ -60,17 +59,6 @@ def _one_hot(value: str, classes: Sequence[str]) -> list[float]:
     return [1.0 if value == c else 0.0 for c in classes]
 
 
-def rules_labels(state: ev.SessionState) -> dict[str, str]:
-    return {
-        "action": ev.Action.Name(state.action),
-        "query_type": ev.QueryType.Name(state.query_type),
-        "phase": ev.Phase.Name(state.phase),
-        "need_memory": str(state.taxonomy.need_memory),
-        "retrieval_scope": ev.RetrievalScope.Name(state.retrieval_scope),
-        "ambiguity": ev.Ambiguity.Name(state.taxonomy.ambiguity),
-    }
-
-
 def featurize(text: str, context: Sequence[str], embed: Embed) -> np.ndarray:
     """The feature vector of a turn given its active thread (earlier user turns, newest last)."""
     context = [c for c in context if c.strip()][-CONTEXT_TURNS:]
@@ -87,7 +75,7 @@ def featurize(text: str, context: Sequence[str], embed: Embed) -> np.ndarray:
     cues = [1.0 if on else 0.0 for on in cue_flags(text).values()]
     words = len(tokenize(text))
     shape = [math.log1p(words) / 4.0, 1.0 if "?" in text else 0.0, len(context) / CONTEXT_TURNS, lexical]
-    rules = rules_labels(estimate_state(text, context))
+    rules = state_labels(estimate_state(text, context))
     rule_hot = [x for head, classes in HEADS.items() for x in _one_hot(rules[head], classes)]
     return np.concatenate([turn, np.asarray(similarity + shape + cues + rule_hot, dtype=np.float64)])
 
