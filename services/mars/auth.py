@@ -121,8 +121,11 @@ class KeyInfo:
 
 
 def generate_key() -> NewKey:
-    """A fresh random key (tenant fields empty; `issue` fills them)."""
-    token = base64.urlsafe_b64encode(secrets.token_bytes(KEY_BYTES)).rstrip(b"=").decode()
+    """A fresh random key (tenant fields empty; `issue` fills them). Its id never starts with '-' or '_':
+    `mars tenant revoke -3jt0A7E` would read the id as an option (1 key in 32 had one)."""
+    token = "-"
+    while not token[0].isalnum():
+        token = base64.urlsafe_b64encode(secrets.token_bytes(KEY_BYTES)).rstrip(b"=").decode()
     key = KEY_PREFIX + token
     return NewKey(key_id=key_id_of(key), key=key, tenant="", user_id=None, admin=False)
 

@@ -153,10 +153,16 @@ def add_tenant_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
         help="issue a new key like KEY_ID (same tenant, user, admin flag) and revoke KEY_ID",
     )
     common(p)
-    p.add_argument("key_id", help="the id of the key to replace (`mars tenant list`)")
+    p.add_argument(
+        "key_id",
+        help="the id of the key to replace (`mars tenant list`; an id starting with '-' goes after --)",
+    )
     p.set_defaults(func=cmd_rotate)
 
     p = tenant_sub.add_parser("revoke", help="revoke KEY_ID")
     common(p)
-    p.add_argument("key_id", help="the id of the key to revoke (`mars tenant list`)")
+    p.add_argument(
+        "key_id",
+        help="the id of the key to revoke (`mars tenant list`; an id starting with '-' goes after --)",
+    )
     p.set_defaults(func=cmd_revoke)

@@ -19,6 +19,17 @@ def test_generated_keys_are_random_prefixed_and_carry_their_id() -> None:
         assert auth.key_digest(k.key) == hashlib.sha256(k.key.encode()).digest()
 
 
+def test_key_ids_never_read_as_command_line_options() -> None:
+    """`mars tenant revoke KEY_ID`: an id starting with '-' was taken for an option (1 key in 32)."""
+    from mars.cli import build_parser
+
+    ids = [auth.generate_key().key_id for _ in range(3000)]
+    assert all(i[0].isalnum() for i in ids)
+    assert {i[1] for i in ids} & {"-", "_"}  # the rest of the id is still urlsafe base64
+    args = build_parser().parse_args(["tenant", "revoke", "--", "-3jt0A7E"])  # an older key's id
+    assert args.key_id == "-3jt0A7E"
+
+
 @pytest.mark.parametrize(
     "bad", ["", "mars_short", "sk-" + "a" * 43, "mars_" + "a" * 42 + "!", "mars_" + "a" * 44]
 )
