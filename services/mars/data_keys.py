@@ -168,13 +168,8 @@ class Keyring(_KeyCache):
 
     async def unseal(self, event: Message) -> None:
         """Open a consumed event in place. Forgotten when its key is gone, SealError when it does not open."""
-        turn: ev.TurnEnvelope = event.turn  # type: ignore[attr-defined]
-        if not turn.data_key_id or not sealing.has_user_text(type(event)):
-            return
-        key = await self.key(turn.data_key_id)
-        if key is None:
-            raise Forgotten(turn.data_key_id)
-        sealing.unseal(event, key)
+        if is_sealed(event):
+            _open(event, await self.key(event.turn.data_key_id))  # type: ignore[attr-defined]
 
 
 class SyncKeyring(_KeyCache):
@@ -201,13 +196,15 @@ class SyncKeyring(_KeyCache):
         raise RuntimeError(f"no data key could be made for {tenant}/{user_id}")
 
     def unseal(self, event: Message) -> None:
-        turn: ev.TurnEnvelope = event.turn  # type: ignore[attr-defined]
-        if not turn.data_key_id or not sealing.has_user_text(type(event)):
-            return
-        key = self.key(turn.data_key_id)
-        if key is None:
-            raise Forgotten(turn.data_key_id)
-        sealing.unseal(event, key)
+        if is_sealed(event):
+            _open(event, self.key(event.turn.data_key_id))  # type: ignore[attr-defined]
+
+
+def _open(event: Message, key: AESGCM | None) -> None:
+    """Open a sealed event with its key as looked up (None: the key is gone, the user forgotten)."""
+    if key is None:
+        raise Forgotten(event.turn.data_key_id)  # type: ignore[attr-defined]
+    sealing.unseal(event, key)
 
 
 def is_sealed(event: Message) -> bool:

@@ -198,6 +198,13 @@ class SliceStats:
         }
 
 
+def precision_recall_f1(tp: int, fp: int, fn: int) -> tuple[float, float, float]:
+    precision = tp / (tp + fp) if tp + fp else 0.0
+    recall = tp / (tp + fn) if tp + fn else 0.0
+    f1 = 2 * precision * recall / (precision + recall) if precision + recall else 0.0
+    return precision, recall, f1
+
+
 def _pct(values: list[float], q: float) -> float:
     if not values:
         return 0.0
@@ -468,9 +475,7 @@ async def _score_boundaries(
                 progress.advance(task)
     finally:
         await est.aclose()
-    precision = tp / (tp + fp) if tp + fp else 0.0
-    recall = tp / (tp + fn) if tp + fn else 0.0
-    f1 = 2 * precision * recall / (precision + recall) if precision + recall else 0.0
+    precision, recall, f1 = precision_recall_f1(tp, fp, fn)
     return {
         "precision": precision,
         "recall": recall,

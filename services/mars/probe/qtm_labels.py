@@ -21,7 +21,16 @@ from typing import Any
 from rich.console import Console
 from rich.progress import Progress
 
-from mars.qtm.labelled import DEFAULT_LABELS, FIELDS, LabelledTurn, read_labelled, state_labels
+from mars.probe.qtm import _pct
+from mars.qtm.labelled import (
+    DEFAULT_LABELS,
+    FIELDS,
+    LabelledTurn,
+    accuracy_header,
+    accuracy_row,
+    read_labelled,
+    state_labels,
+)
 
 
 @dataclass
@@ -47,11 +56,6 @@ def score(gold: Sequence[dict[str, str]], predicted: Sequence[dict[str, str]]) -
         "accuracy": {f: s.accuracy for f, s in fields.items()},
         "confusion": {f: dict(c.most_common()) for f, c in confusion.items()},
     }
-
-
-def _pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
 
 
 async def _run_config(
@@ -99,17 +103,10 @@ def cmd_probe_labels(args: argparse.Namespace) -> int:
             report[config.label()] = asyncio.run(_run_config(config, llm.url, turns, console))
     personas = len({t.persona for t in turns})
     console.print(f"{len(turns)} labelled turns of {personas} personas ({path})")
-    short = {"action": "action", "query_type": "qtype", "phase": "phase", "need_memory": "need",
-             "memory_span": "span", "retrieval_scope": "scope", "ambiguity": "ambig"}  # fmt: skip
-    console.print(
-        f"{'backend':<28}" + "".join(f"{short[f]:>8}" for f in FIELDS) + f"{'p50 ms':>9}{'p99 ms':>9}"
-    )
+    console.print(accuracy_header("backend") + f"{'p50 ms':>9}{'p99 ms':>9}")
     for label, r in report.items():
-        console.print(
-            f"{label:<28}"
-            + "".join(f"{r['accuracy'][f]:>8.3f}" for f in FIELDS)
-            + f"{r['latency_ms']['p50']:>9.2f}{r['latency_ms']['p99']:>9.2f}"
-        )
+        latency = r["latency_ms"]
+        console.print(accuracy_row(label, r["accuracy"]) + f"{latency['p50']:>9.2f}{latency['p99']:>9.2f}")
     if args.out:
         Path(args.out).write_text(json.dumps({"turns": len(turns), "personas": personas, **report}, indent=2))
         console.print(f"results written to {args.out}")

@@ -29,6 +29,19 @@ FIELDS: dict[str, tuple[str, ...]] = {
 }
 
 
+#: Column headings of the per-field accuracy tables (`mars probe qtm-labels`, `mars train qtm`).
+FIELD_COLUMNS = {"action": "action", "query_type": "qtype", "phase": "phase", "need_memory": "need",
+                 "memory_span": "span", "retrieval_scope": "scope", "ambiguity": "ambig"}  # fmt: skip
+
+
+def accuracy_header(first: str) -> str:
+    return f"{first:<28}" + "".join(f"{FIELD_COLUMNS[f]:>8}" for f in FIELDS)
+
+
+def accuracy_row(label: str, accuracy: dict[str, float]) -> str:
+    return f"{label:<28}" + "".join(f"{accuracy[f]:>8.3f}" for f in FIELDS)
+
+
 class LabelError(ValueError):
     """A labelled-set line that is not usable, with its line number."""
 

@@ -18,7 +18,14 @@ from rich.console import Console
 from rich.progress import Progress
 
 from mars.probe.qtm_labels import score
-from mars.qtm.labelled import DEFAULT_LABELS, FIELDS, LabelError, LabelledTurn, read_labelled
+from mars.qtm.labelled import (
+    DEFAULT_LABELS,
+    LabelError,
+    LabelledTurn,
+    accuracy_header,
+    accuracy_row,
+    read_labelled,
+)
 from mars.qtm.learned import DEFAULT_MODEL, HEADS, Embed, LearnedModel, featurize, state_json
 
 console = Console(width=None if sys.stdout.isatty() else 160)
@@ -103,12 +110,12 @@ def realmem_starts(data: Path) -> list[SessionStart]:
 
 
 def _boundary_scores(gold: Sequence[bool], predicted: Sequence[bool]) -> dict[str, float]:
-    tp = sum(g and p for g, p in zip(gold, predicted, strict=True))
-    fp = sum(p and not g for g, p in zip(gold, predicted, strict=True))
-    fn = sum(g and not p for g, p in zip(gold, predicted, strict=True))
-    precision = tp / (tp + fp) if tp + fp else 0.0
-    recall = tp / (tp + fn) if tp + fn else 0.0
-    f1 = 2 * precision * recall / (precision + recall) if precision + recall else 0.0
+    from mars.probe.qtm import precision_recall_f1
+
+    pairs = list(zip(gold, predicted, strict=True))
+    precision, recall, f1 = precision_recall_f1(
+        sum(g and p for g, p in pairs), sum(p and not g for g, p in pairs), sum(g and not p for g, p in pairs)
+    )
     return {"precision": precision, "recall": recall, "f1": f1, "starts": len(gold), "new_topic": sum(gold)}
 
 
@@ -184,13 +191,11 @@ def cmd_train_qtm(args: argparse.Namespace) -> int:
         f"{len(turns)} labelled turns of {report['personas']} personas; trained in {seconds:.1f}s; "
         f"model written to {out} ({out.stat().st_size:,} bytes)"
     )
-    short = {"action": "action", "query_type": "qtype", "phase": "phase", "need_memory": "need",
-             "memory_span": "span", "retrieval_scope": "scope", "ambiguity": "ambig"}  # fmt: skip
-    console.print(f"{'accuracy':<28}" + "".join(f"{short[f]:>8}" for f in FIELDS))
+    console.print(accuracy_header("accuracy"))
     for name in ("lopo", "train"):
         if name in report:
             label = "leave-one-persona-out" if name == "lopo" else "on the training turns"
-            console.print(f"{label:<28}" + "".join(f"{report[name]['accuracy'][f]:>8.3f}" for f in FIELDS))
+            console.print(accuracy_row(label, report[name]["accuracy"]))
     if "realmem_lopo" in report:
         r = report["realmem_lopo"]
         console.print(
