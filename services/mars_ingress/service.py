@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
 import uuid
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 
 import grpc
-from mars import auth, consumer_groups, forget, metrics
+from mars import auth, consumer_groups, forget, history, metrics
 from mars.auth import AuthError, KeyVerifier, PermissionDenied, Principal
 from mars.bus import EventProducer, StageConsumer, Subscription, is_transient
 from mars.config import (
@@ -30,7 +29,9 @@ from mars.config import (
     ServiceSettings,
 )
 from mars.data_keys import Forgotten
+from mars.db import pg_text
 from mars.domain.feedback import rating_from
+from mars.domain.text import control_character
 from mars.quota import Quotas, Refusal, SpendCache, TenantLimits, pool_spend, spend_refusal
 from mars.runtime import GrpcBinding, ServiceContext, ServiceParts, run
 from mars.telemetry import context_from_metadata, current_trace_id, step
@@ -39,6 +40,7 @@ from mars.v1 import events_pb2 as ev
 from mars.v1 import services_pb2 as svc
 from mars.v1 import services_pb2_grpc as svc_grpc
 from opentelemetry import trace
+from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 from pydantic import Field
 
@@ -82,9 +84,6 @@ FINISH_SQL = (
 )
 
 _ID = auth.ID_PATTERN
-#: C0 control characters but tab, newline and carriage return: Postgres refuses NUL in text, and none of
-#: them belongs in a turn, an id or a comment.
-_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f]")
 #: The stage that consumes each answer-path topic, for the caller's message when a turn is dead-lettered.
 STAGE_OF_TOPIC = {
     TOPIC_RECEIVED: "state",
@@ -126,6 +125,9 @@ class IngressSettings(ServiceSettings):
     quota_replicas: int = Field(default=1, ge=1)
     #: How long a tenant's spend today is cached before Postgres is asked again.
     quota_spend_cache_s: float = Field(default=5.0, ge=0)
+    #: ImportHistory with wait: the longest it waits for the memory service to store the pairs when the
+    #: call itself has no deadline.
+    import_wait_s: float = Field(default=600.0, gt=0)
 
 
 class InvalidTurn(ValueError):
@@ -134,11 +136,11 @@ class InvalidTurn(ValueError):
 
 def check_no_control(field_name: str, value: str) -> None:
     """InvalidTurn when `value` holds a C0 control character other than tab, newline or return."""
-    found = _CONTROL.search(value)
-    if found:
+    found = control_character(value)
+    if found is not None:
         raise InvalidTurn(
-            f"{field_name} contains the control character U+{ord(found.group()):04X} at position "
-            f"{found.start()}; only tab, newline and carriage return are allowed"
+            f"{field_name} contains the control character U+{ord(value[found]):04X} at position "
+            f"{found}; only tab, newline and carriage return are allowed"
         )
 
 
@@ -414,6 +416,8 @@ class IngressServicer(svc_grpc.IngressServicer):
     # --- outcomes (shared group: whichever replica reads the event records it) -------------------
 
     async def record_generated(self, event: ev.Generated) -> None:
+        if event.imported:
+            return  # recorded as IMPORTED when it was imported
         if event.status == ev.OK:
             await self._record(event.turn.turn_id, "ANSWERED")
         else:
@@ -641,7 +645,7 @@ class IngressServicer(svc_grpc.IngressServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         async with self._pool.connection() as conn:
             cur = await conn.execute(
-                "SELECT session_id, seq, tenant, user_id FROM ingress_turns WHERE turn_id = %s",
+                "SELECT session_id, seq, tenant, user_id, status FROM ingress_turns WHERE turn_id = %s",
                 (request.turn_id,),
             )
             row = await cur.fetchone()
@@ -652,6 +656,11 @@ class IngressServicer(svc_grpc.IngressServicer):
             # Someone else's turn: say so without revealing whose.
             await context.abort(
                 grpc.StatusCode.PERMISSION_DENIED, f"turn {request.turn_id} belongs to another tenant or user"
+            )
+        if row[4] == "IMPORTED":
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"turn {request.turn_id} is imported history: no model answered it, so there is nothing to rate",
             )
         envelope = ev.TurnEnvelope(
             turn_id=request.turn_id,
@@ -706,8 +715,140 @@ class IngressServicer(svc_grpc.IngressServicer):
         )
         return svc.ForgetUserReply(forget_id=event.forget_id, rows_deleted=counts)
 
+    async def ImportHistory(
+        self, request: svc.ImportHistoryRequest, context: grpc.aio.ServicerContext
+    ) -> svc.ImportHistoryReply:
+        """Record a user's recorded turn pairs (mars.history) and publish each as an imported generated
+        event: the memory writer stores it through its normal, idempotent commit. Admin key only."""
+        try:
+            principal = await self._authenticate(context.invocation_metadata())
+            request.tenant = admin_tenant(principal, request.tenant, "importing history")
+            for field_name, value in (("tenant", request.tenant), ("user_id", request.user_id)):
+                check_no_control(field_name, value)
+                if not _ID.match(value):
+                    raise InvalidTurn(f"{field_name} must match {_ID.pattern}")
+            pairs = history.check_history(
+                request.tenant, request.user_id, request.turns, self._settings.max_text_chars
+            )
+        except AuthError as exc:
+            await _abort(context, auth_failure(exc))
+        except history.InvalidHistory as exc:
+            await _abort(context, InvalidTurn(str(exc)))
+        except Exception as exc:
+            await _abort(context, exc)
+        try:
+            seqs, fresh = await self._record_imported(request.tenant, request.user_id, pairs)
+            data_key_id = await self._producer.data_key_for(request.tenant, request.user_id)
+            depths = history.thread_depths(pairs)
+            # Every pair is published, the ones recorded before too: a call that failed after recording
+            # is simply made again (the memory writer stores each turn id once).
+            for pair, seq, depth in zip(pairs, seqs, depths, strict=True):
+                envelope = ev.TurnEnvelope(
+                    turn_id=pair.turn_id,
+                    tenant=request.tenant,
+                    user_id=request.user_id,
+                    session_id=pair.session_id,
+                    seq=seq,
+                    received_at_ms=int(time.time() * 1000),
+                    schema_version=SCHEMA_VERSION,
+                    data_key_id=data_key_id,
+                )
+                event = ev.Generated(
+                    turn=envelope,
+                    status=ev.OK,
+                    model=history.IMPORTED_BACKEND,
+                    text=pair.assistant_text,
+                    query=pair.user_text,
+                    state=history.imported_state(pair, depth),
+                    imported=True,
+                )
+                await self._producer.publish(TOPIC_GENERATED, event, envelope)
+        except Exception as exc:
+            await _abort(context, exc)
+        last_seq = max(seqs)
+        if request.wait:
+            remaining = context.time_remaining()
+            wait_s = self._settings.import_wait_s if remaining is None else max(0.0, remaining - 0.5)
+            stored = await self._wait_stored([p.turn_id for p in pairs], wait_s)
+            if stored < len(pairs):
+                await _abort(
+                    context,
+                    TurnFailed(
+                        grpc.StatusCode.DEADLINE_EXCEEDED,
+                        f"{len(pairs)} pairs recorded and published; memory has stored {stored} of them so far "
+                        "and goes on (make the same call again to wait more: nothing is imported twice)",
+                    ),
+                )
+        log.info(
+            "import: %d pairs for user %s of tenant %s (%d new)",
+            len(pairs),
+            request.user_id,
+            request.tenant,
+            fresh,
+        )
+        return svc.ImportHistoryReply(
+            imported=fresh,
+            already_imported=len(pairs) - fresh,
+            turn_ids=[p.turn_id for p in pairs],
+            last_seq=last_seq,
+        )
 
-def admin_tenant(principal: Principal | None, tenant: str) -> str:
+    async def _record_imported(
+        self, tenant: str, user_id: str, pairs: list[history.ImportedPair]
+    ) -> tuple[list[int], int]:
+        """Each pair's seq (a pair imported before keeps its own) and how many are new. New pairs take the
+        next seqs of the user and are recorded as IMPORTED in one transaction, and the state service's
+        active context becomes the thread they leave active (unless a later turn moved it on)."""
+        turn_ids = [p.turn_id for p in pairs]
+        async with self._pool.connection() as conn, conn.transaction():
+            cur = await conn.execute(
+                "SELECT turn_id, seq FROM ingress_turns WHERE turn_id = ANY(%s)", (turn_ids,)
+            )
+            known = {str(tid): int(seq) for tid, seq in await cur.fetchall()}
+            new = [p for p in pairs if p.turn_id not in known]
+            if new:
+                cur = await conn.execute(
+                    """
+                    INSERT INTO ingress_user_seq (tenant, user_id, last_seq) VALUES (%s, %s, %s)
+                    ON CONFLICT (tenant, user_id) DO UPDATE SET last_seq = ingress_user_seq.last_seq + %s
+                    RETURNING last_seq
+                    """,
+                    (tenant, user_id, len(new), len(new)),
+                )
+                row = await cur.fetchone()
+                assert row is not None
+                first = int(row[0]) - len(new) + 1
+                for offset, pair in enumerate(new):
+                    known[pair.turn_id] = first + offset
+                async with conn.cursor() as many:
+                    await many.executemany(
+                        "INSERT INTO ingress_turns (turn_id, tenant, user_id, session_id, seq, status, "
+                        "finished_at) VALUES (%s, %s, %s, %s, %s, 'IMPORTED', now())",
+                        [(p.turn_id, tenant, user_id, p.session_id, known[p.turn_id]) for p in new],
+                    )
+                recent, depth = history.last_thread_context(pairs)
+                await conn.execute(
+                    history.UPSERT_STATE_CONTEXT_SQL,
+                    (tenant, user_id, Jsonb([pg_text(t) for t in recent]), depth, max(known.values())),
+                )
+        return [known[t] for t in turn_ids], len(new)
+
+    async def _wait_stored(self, turn_ids: list[str], wait_s: float) -> int:
+        """How many of `turn_ids` the memory service has stored, once all are or when `wait_s` ran out."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            async with self._pool.connection() as conn:
+                cur = await conn.execute(
+                    "SELECT count(*) FROM memory_records WHERE turn_id = ANY(%s)", (turn_ids,)
+                )
+                row = await cur.fetchone()
+            stored = int(row[0]) if row else 0
+            if stored >= len(turn_ids) or time.monotonic() >= deadline:
+                return stored
+            await asyncio.sleep(0.2)
+
+
+def admin_tenant(principal: Principal | None, tenant: str, action: str = "forgetting a user") -> str:
     """The tenant an administrative call acts on: the key's (a request naming another is PermissionDenied),
     and only with an admin key that is not limited to one user. No principal (auth off): the request's."""
     if principal is None:
@@ -717,7 +858,7 @@ def admin_tenant(principal: Principal | None, tenant: str) -> str:
     if not principal.admin or principal.user_id is not None:
         raise PermissionDenied(
             f"API key {principal.key_id} is not an admin key of tenant {principal.tenant!r}; "
-            "forgetting a user takes one (`mars tenant create --admin`)"
+            f"{action} takes one (`mars tenant create --admin`)"
         )
     tenant, _ = auth.authorize(principal, tenant, "")
     return tenant

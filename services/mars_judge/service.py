@@ -151,6 +151,8 @@ class JudgeStage:
         self._out = StageOutput(pool, producer, STAGE, TOPIC_JUDGED)
 
     async def on_generated(self, event: ev.Generated) -> None:
+        if event.imported:
+            return  # recorded history (Ingress.ImportHistory): no route was taken, nothing to reward
         if event.status != ev.OK:
             # No arm answered: there is nothing to reward; the failure stays on the generated event.
             log.info("turn %s failed before judging: %s", event.turn.turn_id, event.error)

@@ -43,6 +43,9 @@ COMMIT_STAGE = "memory-commit"
 class MemorySettings(ServiceSettings):
     #: Longest a view waits for turn n-1 to be applied before it is built and flagged possibly_stale.
     read_your_writes_wait_s: float = 10.0
+    #: Sessions in the view's pre-packing ranking (CandidateView.ranking, what `mars eval realmem` scores);
+    #: 0 leaves it out.
+    view_ranking_depth: int = Field(default=20, ge=0)
     #: Records of the user's history considered for retrieval (newest first).
     history_limit: int = 2000
     #: Named policy: mars (state-guided, default), hybrid, semantic, bm25, recent (paper Table 17).
@@ -106,7 +109,12 @@ class MemoryStage:
         if await self._views.done(turn.turn_id):
             return
         view, fresh = await self._store.view_after(
-            turn.tenant, turn.user_id, event.text, event.state, after_seq=turn.seq - 1
+            turn.tenant,
+            turn.user_id,
+            event.text,
+            event.state,
+            after_seq=turn.seq - 1,
+            session_id=turn.session_id,
         )
         view.possibly_stale = not fresh
         out = ev.ViewBuilt(
@@ -146,7 +154,9 @@ class MemoryServicer(svc_grpc.MemoryServicer):
         self, request: svc.BuildViewRequest, context: grpc.aio.ServicerContext
     ) -> ev.CandidateView:
         check_ids(tenant=request.tenant, user_id=request.user_id)
-        return await self._store.view(request.tenant, request.user_id, request.text, request.state)
+        return await self._store.view(
+            request.tenant, request.user_id, request.text, request.state, request.session_id
+        )
 
     @rpc_errors
     async def DescribeIndex(

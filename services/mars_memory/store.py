@@ -17,6 +17,7 @@ from mars.domain.memory_policy import (
     build_view,
     memory_controls,
     score_bounds,
+    session_ranking,
 )
 from mars.domain.thread_state import (
     fold_turn,
@@ -263,11 +264,19 @@ class MemoryStore:
         # The ablation policies ignore the state: a fixed budget of retrieved history, nothing else.
         return MemoryControls(False, 0, self._settings.ablation_top_k, ev.GLOBAL, False)
 
-    async def view(self, tenant: str, user_id: str, text: str, state: ev.SessionState) -> ev.CandidateView:
-        return (await self.view_after(tenant, user_id, text, state, after_seq=0))[0]
+    async def view(
+        self, tenant: str, user_id: str, text: str, state: ev.SessionState, session_id: str = ""
+    ) -> ev.CandidateView:
+        return (await self.view_after(tenant, user_id, text, state, after_seq=0, session_id=session_id))[0]
 
     async def view_after(
-        self, tenant: str, user_id: str, text: str, state: ev.SessionState, after_seq: int
+        self,
+        tenant: str,
+        user_id: str,
+        text: str,
+        state: ev.SessionState,
+        after_seq: int,
+        session_id: str = "",
     ) -> tuple[ev.CandidateView, bool]:
         """The view, and whether it holds every turn up to `after_seq` (read-your-writes: False when the
         bounded wait for them ran out). One round trip when they are applied already (the usual case):
@@ -277,14 +286,14 @@ class MemoryStore:
             with step("memory snapshot"):
                 applied, active = await self._snapshot(tenant, user_id, index)
             if applied >= after_seq:
-                return await self._view(index, tenant, user_id, text, state, active), True
+                return await self._view(index, text, state, active, session_id), True
         # Not applied yet: wait without holding the index, then read again.
         with step("memory wait-applied"):
             fresh = await self.wait_applied(tenant, user_id, after_seq)
         async with index.lock:
             with step("memory snapshot"):
                 _, active = await self._snapshot(tenant, user_id, index)
-            return await self._view(index, tenant, user_id, text, state, active), fresh
+            return await self._view(index, text, state, active, session_id), fresh
 
     async def _snapshot(
         self, tenant: str, user_id: str, index: UserIndex
@@ -305,11 +314,10 @@ class MemoryStore:
     async def _view(
         self,
         index: UserIndex,
-        tenant: str,
-        user_id: str,
         text: str,
         state: ev.SessionState,
         active: tuple[Any, ...] | None,
+        session_id: str,
     ) -> ev.CandidateView:
         controls = self._controls(state)
         # A NEW_TOPIC turn starts a fresh thread: the old active thread becomes history.
@@ -326,33 +334,30 @@ class MemoryStore:
             with step("memory embed-query"):  # cached: the search below reuses it
                 await self._query_vector(text)
         with step("memory search"):
-            retrieved, bounds = await asyncio.to_thread(self._retrieve, index, text, thread, window, controls)
-        return build_view(
+            ranked, bounds = await asyncio.to_thread(self._retrieve, index, text, thread, controls)
+        shown = {r.record_id for r in window}
+        view = build_view(
             controls,
             active_state,
             window,
-            retrieved,
+            [(r, score) for r, score in ranked if r.record_id not in shown],
             policy=self._settings.view_policy,
             ranking_bounds=bounds,
         )
+        view.ranking.extend(session_ranking(ranked, session_id, self._settings.view_ranking_depth))
+        return view
 
     def _retrieve(
-        self,
-        index: UserIndex,
-        text: str,
-        thread: list[MemoryRecord],
-        window: list[MemoryRecord],
-        controls: MemoryControls,
+        self, index: UserIndex, text: str, thread: list[MemoryRecord], controls: MemoryControls
     ) -> tuple[list[tuple[MemoryRecord, float]], tuple[float, float] | None]:
-        """The retrieved records (best first) and the score bounds of the whole ranking they came from."""
-        k = controls.retrieve_k
-        if k <= 0 or not index.records:
+        """The records retrieval may show, best first (the view takes its top k of those not in its recent
+        window), and the score bounds of the whole ranking they came from."""
+        if controls.retrieve_k <= 0 or not index.records:
             return [], None
         policy = self._settings.view_policy
-        shown = {r.record_id for r in window}
         if policy == "recent":
             newest = sorted(index.records.values(), key=lambda r: -r.seq)
-            return [(r, 1.0) for r in newest if r.record_id not in shown][:k], None
+            return [(r, 1.0) for r in newest], None
         # LOCAL scope keeps retrieval inside the active thread (Table 6: local evidence for revisions).
         allowed = {r.record_id for r in thread} if controls.scope == ev.LOCAL else set(index.records)
         cfg = self._config
@@ -361,8 +366,8 @@ class MemoryStore:
             context = [r.user_text for r in thread[-self._settings.context_turns :]]
             cfg = state_conditioned(cfg, controls.prefer_recent)
         ranked = index.memory.rank_groups(text, context, len(index.records), cfg)
-        hits = [(index.records[rid], score) for rid, score in ranked if rid in allowed and rid not in shown]
-        return hits[:k], score_bounds(ranked)
+        hits = [(index.records[rid], score) for rid, score in ranked if rid in allowed]
+        return hits, score_bounds(ranked)
 
     async def commit(self, event: ev.Generated) -> ev.MemoryCommitted:
         """Store the turn pair and advance the user's applied seq, in one transaction (idempotent by turn_id)."""

@@ -13,6 +13,7 @@ from mars import consumer_groups
 from mars.bus import EventProducer, StageConsumer, StageOutput, Subscription
 from mars.config import STATE_STAGE, TOPIC_RECEIVED, TOPIC_STATE, ServiceSettings
 from mars.db import pg_text
+from mars.history import UPSERT_STATE_CONTEXT_SQL
 from mars.llm_json import TokenPrices, endpoint_url
 from mars.qtm.controllers import make_controller
 from mars.qtm.guard import GuardedEstimator
@@ -137,7 +138,8 @@ class StateStage:
                 (turn.tenant, turn.user_id),
             )
             row = await cur.fetchone()
-        recent: list[str] = list(row[0]) if row else []
+        # An imported history may leave more turns than this service's context holds.
+        recent: list[str] = list(row[0])[-self._settings.context_turns :] if row else []
         depth = int(row[1]) if row else 0
         # No connection is held across the controller call (it may take up to the deadline).
         state = await self._estimator.estimate(event.text, recent)
@@ -150,15 +152,7 @@ class StateStage:
         async with self._pool.connection() as conn:
             # Guarded by seq so a redelivered older turn cannot roll the context back.
             await conn.execute(
-                """
-                INSERT INTO state_context (tenant, user_id, recent_texts, thread_depth, last_seq)
-                VALUES (%s, %s, %s, %s, %s)
-                ON CONFLICT (tenant, user_id) DO UPDATE
-                SET recent_texts = EXCLUDED.recent_texts, thread_depth = EXCLUDED.thread_depth,
-                    last_seq = EXCLUDED.last_seq
-                WHERE state_context.last_seq < EXCLUDED.last_seq
-                """,
-                (turn.tenant, turn.user_id, Jsonb(recent), depth, turn.seq),
+                UPSERT_STATE_CONTEXT_SQL, (turn.tenant, turn.user_id, Jsonb(recent), depth, turn.seq)
             )
             out = ev.StateEstimated(
                 turn=turn, text=event.text, state=state, latency_ms=(time.perf_counter() - started) * 1000

@@ -1,5 +1,6 @@
-"""`mars eval realmem` / `mars eval locomo` against the real stack: turns go through the gRPC ingress,
-metrics come from the views the pipeline logged on the broker, answers are saved for a judge."""
+"""`mars eval realmem` / `mars eval locomo` against the real stack: recorded history is imported and queries
+go through the gRPC ingress, metrics come from the views the pipeline logged on the broker, answers are saved
+for a judge."""
 
 from __future__ import annotations
 
@@ -107,11 +108,13 @@ def test_eval_realmem_scores_the_logged_views(eval_stack: LocalStack, tmp_path: 
         str(out),
     )
     assert run.returncode == 0, run.stderr[-3000:] + run.stdout[-3000:]
-    assert "turns sent 4, failed 0" in run.stdout
+    # The three earlier sessions are imported as recorded; only the scored query is sent.
+    assert "turns sent 1, failed 0; recorded pairs imported 3" in " ".join(run.stdout.split())
     results = json.loads((out / "results.json").read_text())
     assert results["scored_queries"] == 1 and results["views_missing"] == 0
+    assert results["pairs_imported"] == 3
     (pred,) = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
-    # The view holds earlier sessions only (never the query's own), the ferry session ranked first.
+    # The view's ranking holds earlier sessions only (never the query's own), the ferry session first.
     assert pred["query_id"] == "Q-0001"
     assert pred["retrieved"][0] == "ferry"
     assert "now" not in pred["retrieved"]

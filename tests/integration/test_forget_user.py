@@ -1,5 +1,6 @@
-"""Forgetting a user over the real stack (two memory replicas): after Ingress.ForgetUser (an admin key of
-the tenant) no table holds a row of the user (checked over information_schema, so a new table with a user
+"""A user's data over the real stack (two memory replicas): recorded history imported (Ingress.ImportHistory:
+idempotent, per user, stored by the memory writer, never judged), and forgotten. After Ingress.ForgetUser (an
+admin key of the tenant) no table holds a row of the user (checked over information_schema, so a new table with a user
 column is covered without editing this test), no memory replica's index holds a vector of them (both had
 loaded it: the UserForgotten control event must evict it), the other users of the tenant and the same user
 id in another tenant are untouched, a non-admin key is refused, and the user can start afresh."""
@@ -17,13 +18,13 @@ from pathlib import Path
 import grpc
 import psycopg
 import pytest
-from conftest import REPO, STACK_ENV, api_key, ingress_stub, query, session_state, wait_for
+from conftest import REPO, STACK_ENV, api_key, ingress_stub, query, read_events, session_state, wait_for
 from google.protobuf.message import Message
 from mars import data_keys, forget
 from mars.auth import mint_key
 from mars.bus import TOPIC_EVENTS
 from mars.client import ingress_channel
-from mars.config import ALL_TOPICS
+from mars.config import ALL_TOPICS, TOPIC_VIEW
 from mars.replay.cli import read_topics
 from mars.replay.traces import RawRecord, TraceBuilder, summarize
 from mars.v1 import events_pb2 as ev
@@ -406,3 +407,152 @@ def test_keys_check_tells_the_right_master_key_from_another(stack: LocalStack, t
         env={**env, "MARS_MASTER_KEY_FILE": str(other)},
     )
     assert wrong.returncode == 1 and f"0 data keys open with this master key, {stored} do not" in wrong.stdout
+
+
+HISTORY = [
+    ("trip", "Book the Lisbon ferry for Saturday morning", "Booked: the 9:40 Tagus ferry on Saturday."),
+    ("trip", "Add a seafood dinner in Cacilhas after it", "Added: dinner at Ponto Final, 13:00."),
+    ("bread", "Give me a sourdough feeding routine", "Feed 1:1:1 flour, water and starter each morning."),
+]
+
+
+def recorded(*, key_prefix: str = "") -> list[svc.RecordedTurn]:
+    return [
+        svc.RecordedTurn(
+            session_id=s, user_text=u, assistant_text=a, key=f"{key_prefix}{i}" if key_prefix else ""
+        )
+        for i, (s, u, a) in enumerate(HISTORY)
+    ]
+
+
+def test_import_history_is_idempotent_isolated_per_user_and_never_judged(stack: LocalStack) -> None:
+    admin = admin_stub(stack, TENANT)
+    first = admin.ImportHistory(
+        svc.ImportHistoryRequest(user_id="hist1", turns=recorded(), wait=True), timeout=120
+    )
+    assert (first.imported, first.already_imported, first.last_seq) == (3, 0, 3)
+    assert len(set(first.turn_ids)) == 3
+    rows = query(
+        stack,
+        "SELECT turn_id, session_id, thread_id, seq, user_text FROM memory_records "
+        "WHERE tenant = %s AND user_id = %s ORDER BY seq",
+        (TENANT, "hist1"),
+    )
+    assert [(r[0], r[1], r[3], r[4]) for r in rows] == [
+        (t, s, i + 1, u) for i, (t, (s, u, _)) in enumerate(zip(first.turn_ids, HISTORY, strict=True))
+    ]
+    # One thread per session: the two trip pairs share one, the bread pair opened another (now active).
+    assert rows[0][2] == rows[1][2] != rows[2][2]
+    active = query(
+        stack,
+        "SELECT thread_id FROM memory_threads WHERE tenant = %s AND user_id = %s AND status = 'ACTIVE'",
+        (TENANT, "hist1"),
+    )
+    assert active == [(rows[2][2],)]
+    statuses = query(
+        stack, "SELECT DISTINCT status FROM ingress_turns WHERE turn_id = ANY(%s)", (list(first.turn_ids),)
+    )
+    assert statuses == [("IMPORTED",)]
+
+    # Again, the same pairs (keys derived from their texts): nothing new, same turn ids and seqs.
+    again = admin.ImportHistory(
+        svc.ImportHistoryRequest(user_id="hist1", turns=recorded(), wait=True), timeout=120
+    )
+    assert (again.imported, again.already_imported, again.last_seq) == (0, 3, 3)
+    assert list(again.turn_ids) == list(first.turn_ids)
+    # Explicit keys are ids of their own; the same pairs for another user are that user's alone.
+    keyed = admin.ImportHistory(
+        svc.ImportHistoryRequest(user_id="hist2", turns=recorded(key_prefix="k"), wait=True), timeout=120
+    )
+    assert keyed.imported == 3 and not set(keyed.turn_ids) & set(first.turn_ids)
+    for user, ids in (("hist1", first.turn_ids), ("hist2", keyed.turn_ids)):
+        stored = query(
+            stack, "SELECT turn_id FROM memory_records WHERE tenant = %s AND user_id = %s", (TENANT, user)
+        )
+        assert sorted(r[0] for r in stored) == sorted(ids), user
+        for described in describe_all(stack, TENANT, user):
+            assert sorted(described.record_ids) == sorted(
+                r[0]
+                for r in query(
+                    stack, "SELECT record_id FROM memory_records WHERE turn_id = ANY(%s)", (list(ids),)
+                )
+            )
+
+    # A live turn comes after the history (seq 4), sees it (the view's ranking names its sessions, never
+    # the other user's records) and continues the state's context of the last imported thread.
+    reply = ingress_stub(stack, TENANT).SendTurn(
+        svc.TurnRequest(
+            user_id="hist1", session_id="now", text="What did we decide last time about my Lisbon ferry?"
+        ),
+        timeout=60,
+    )
+    assert reply.seq == 4 and reply.text
+    (view,) = [
+        v.view for v in read_events(stack, TOPIC_VIEW, ev.ViewBuilt) if v.turn.turn_id == reply.turn_id
+    ]
+    hist1_records = {
+        str(r[0])
+        for r in query(
+            stack,
+            "SELECT record_id FROM memory_records WHERE tenant = %s AND user_id = %s",
+            (TENANT, "hist1"),
+        )
+    }
+    assert view.ranking and {r.record_id for r in view.ranking} <= hist1_records
+    assert view.ranking[0].session_id == "trip"
+    assert "now" not in {r.session_id for r in view.ranking}
+
+    # Imported turns are never judged, rewarded or rateable; replay leaves them out of its traces.
+    wait_for(lambda: _settled(stack, [reply.turn_id]), 60, "the live turn judged")
+    imported = list(first.turn_ids) + list(keyed.turn_ids)
+    assert query(stack, "SELECT count(*) FROM judge_rewards WHERE turn_id = ANY(%s)", (imported,)) == [(0,)]
+    assert query(stack, "SELECT count(*) FROM router_ledger WHERE turn_id = ANY(%s)", (imported,)) == [(0,)]
+    with pytest.raises(grpc.RpcError) as info:
+        ingress_stub(stack, TENANT).SubmitFeedback(
+            svc.FeedbackRequest(user_id="hist1", turn_id=first.turn_ids[0], thumbs=1), timeout=30
+        )
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    builder = TraceBuilder(keyring(stack))
+    for r in every_record(stack):
+        builder.add(r)
+    assert builder.counts["imported_records"] >= 6 and not set(imported) & builder.traces.keys()
+
+
+def test_import_history_refuses_bad_requests_and_writes_nothing(stack: LocalStack) -> None:
+    request = svc.ImportHistoryRequest(user_id="hist3", turns=recorded())
+    for stub in (ingress_stub(stack, TENANT), ingress_stub(stack, TENANT, "hist3")):
+        with pytest.raises(grpc.RpcError) as info:
+            stub.ImportHistory(request, timeout=30)
+        assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "importing history takes one" in (info.value.details() or "")
+    admin = admin_stub(stack, TENANT)
+    bad = recorded()
+    bad[1].assistant_text = "ok\x00"
+    cases = [
+        (svc.ImportHistoryRequest(user_id="hist3"), "turns is empty"),
+        (
+            svc.ImportHistoryRequest(user_id="hist3", turns=bad),
+            "turns[1].assistant_text contains the control",
+        ),
+        (
+            svc.ImportHistoryRequest(user_id="hist3", turns=[recorded()[0], recorded()[0]]),
+            "",  # the same pair twice is two pairs (a repeated exchange): accepted, see below
+        ),
+        (
+            svc.ImportHistoryRequest(user_id="hist3", turns=recorded(key_prefix="x")[:1] * 2),
+            "turns[1].key 'x0' repeats turns[0].key",
+        ),
+        (svc.ImportHistoryRequest(user_id="bad user", turns=recorded()), "user_id must match"),
+    ]
+    for req, message in cases:
+        if not message:
+            continue
+        with pytest.raises(grpc.RpcError) as info:
+            admin.ImportHistory(req, timeout=30)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, message
+        assert message in (info.value.details() or ""), info.value.details()
+    assert query(
+        stack, "SELECT count(*) FROM ingress_turns WHERE tenant = %s AND user_id = %s", (TENANT, "hist3")
+    ) == [(0,)]
+    twice = admin.ImportHistory(cases[2][0], timeout=60)
+    assert twice.imported == 2 and len(set(twice.turn_ids)) == 2

@@ -75,3 +75,57 @@ def test_locomo_truncate_keeps_questions_whose_evidence_was_sent() -> None:
     assert [t.dia_id for t in cut.turns] == ["D1:1", "D1:2"]
     assert [q.question for q in cut.questions] == ["a", "c"]
     assert [q.question for q in eval_locomo.truncate(conv, None, 2).questions] == ["a", "b"]
+
+
+def test_view_ranking_prefers_the_pre_packing_ranking_without_the_own_session() -> None:
+    v = view(block(ev.RETRIEVED_HISTORY, "s9"), block(ev.RECENT_TURN, "s8"))
+    assert eval_realmem.view_ranking(v, "own") == ["s9", "s8"]  # no ranking logged: the shown blocks
+    v.ranking.extend(
+        ev.RankedRecord(record_id=r, session_id=s) for r, s in (("a", "s2"), ("b", "own"), ("c", "s1"))
+    )
+    assert eval_realmem.view_ranking(v, "own") == ["s2", "s1"]
+
+
+class FakeDriver:
+    """Records what drive_persona asks of the ingress (the real one is tested against the stack)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, object]] = []
+        self.imported = 0
+
+    def import_history(self, turns: list[object]) -> str:
+        self.calls.append(("import", [(t.session_id, t.user_text, t.assistant_text) for t in turns]))  # type: ignore[attr-defined]
+        return ""
+
+    def send(self, session_id: str, text: str) -> SentTurn:
+        self.calls.append(("send", (session_id, text)))
+        return SentTurn(session_id, text, turn_id=f"t-{text}", answer="a")
+
+
+def test_drive_persona_imports_the_recorded_pairs_before_each_query_and_sends_only_queries() -> None:
+    sessions = [
+        Session("s0", 0, "", (Turn("User", "u1"), Turn("Assistant", "a1"), Turn("User", "u2"))),
+        Session(
+            "s1",
+            1,
+            "",
+            (Turn("User", "u3"), Turn("Assistant", "a3"), Turn("User", "Q?"), Turn("Assistant", "ref")),
+        ),
+        Session("s2", 2, "", (Turn("User", "u4"), Turn("Assistant", "a4"))),
+    ]
+    q = Query("p", "Q1", "Q?", 1, frozenset({"s0"}), None, "")
+    persona = Persona("p", sessions, [q])
+    driver = FakeDriver()
+    answered = eval_realmem.drive_persona(driver, persona)  # type: ignore[arg-type]
+    assert driver.calls == [
+        ("import", [("s0", "u1", "a1"), ("s0", "u2", ""), ("s1", "u3", "a3")]),
+        ("send", ("s1", "Q?")),
+    ]
+    assert [(a.query.query_id, a.sent.turn_id, a.reference_answer) for a in answered] == [
+        ("Q1", "t-Q?", "ref")
+    ]
+    # Without import every user turn is sent, in order.
+    driver = FakeDriver()
+    eval_realmem.drive_persona(driver, persona, import_history=False)  # type: ignore[arg-type]
+    assert [c[1][1] for c in driver.calls] == ["u1", "u2", "u3", "Q?", "u4"]  # type: ignore[index]
+    assert {c[0] for c in driver.calls} == {"send"}

@@ -89,6 +89,24 @@ class MemoryRecord:
         return f"User: {self.user_text}\nAssistant: {self.assistant_text}"
 
 
+def session_ranking(
+    ranked: Sequence[tuple[MemoryRecord, float]], exclude_session: str, depth: int
+) -> list[ev.RankedRecord]:
+    """The best-ranked record of each of the first `depth` sessions of a ranking (best first), the
+    sessions of `exclude_session` (the turn's own conversation) left out: the view's `ranking`, scored by
+    the RealMem protocol, whose unit of retrieval is a session."""
+    out: list[ev.RankedRecord] = []
+    seen: set[str] = set()
+    for record, score in ranked:
+        if len(out) >= depth:
+            break
+        if record.session_id == exclude_session or record.session_id in seen:
+            continue
+        seen.add(record.session_id)
+        out.append(ev.RankedRecord(record_id=record.record_id, session_id=record.session_id, score=score))
+    return out
+
+
 def build_view(
     controls: MemoryControls,
     active_state: str | None,

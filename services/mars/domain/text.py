@@ -11,6 +11,9 @@ import re
 from typing import Any
 
 _WORD = re.compile(r"\w+")
+#: C0 control characters but tab, newline and carriage return: Postgres refuses NUL in text, and none of
+#: them belongs in a turn, an id or a comment.
+_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f]")
 
 # Small English stopword set: enough to keep function words from dominating overlap and BM25 scores.
 STOPWORDS: frozenset[str] = frozenset(
@@ -23,6 +26,12 @@ STOPWORDS: frozenset[str] = frozenset(
     s t d ll re ve m
     """.split()
 )
+
+
+def control_character(text: str) -> int | None:
+    """Position of the first C0 control character other than tab, newline and return, else None."""
+    found = _CONTROL.search(text)
+    return found.start() if found else None
 
 
 def tokenize(text: str) -> list[str]:

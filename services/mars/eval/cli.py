@@ -64,11 +64,12 @@ def _max_tokens(value: str) -> int:
 def _target(args: argparse.Namespace) -> PipelineTarget:
     """The pipeline the arguments name; a fresh tenant unless one is given (with a key created in the
     pipeline's Postgres), else the key's tenant; views read from now on."""
-    from mars.client import TenantKeys
+    from mars.auth import mint_key
 
     if args.postgres_dsn:
         tenant = args.tenant or f"eval-{int(time.time())}"
-        api_key = TenantKeys(postgres_dsn=args.postgres_dsn, label="mars eval").key(tenant)
+        # An admin key: importing recorded history (mars eval realmem's default) takes one.
+        api_key = mint_key(args.postgres_dsn, tenant, admin=True, label="mars eval").key
     else:
         tenant = args.tenant or os.environ.get("MARS_TENANT") or f"eval-{int(time.time())}"
         api_key = args.api_key
@@ -96,7 +97,7 @@ def _progress(console: Console) -> Progress:
 
 def cmd_realmem(args: argparse.Namespace) -> int:
     from mars.bench.realmem import format_table, load_selected_personas
-    from mars.eval.realmem import run_eval, truncate
+    from mars.eval.realmem import HistoryImportFailed, run_eval, truncate
 
     console = Console()
     try:
@@ -109,20 +110,28 @@ def cmd_realmem(args: argparse.Namespace) -> int:
     console.print(
         f"{len(personas)} personas, {sum(len(p.sessions) for p in personas)} sessions, "
         f"{sum(len(p.queries) for p in personas)} scored queries -> {target.ingress} as tenant {target.tenant}"
+        f" (history {'imported as recorded' if args.history == 'import' else 'sent turn by turn'})"
     )
+    started = time.perf_counter()
     with _progress(console) as progress:
         tasks = {p.name: progress.add_task(p.name, total=len(p.sessions)) for p in personas}
-        result = run_eval(
-            personas,
-            target,
-            on_session=lambda name, n: progress.update(tasks[name], completed=n),
-        )
+        try:
+            result = run_eval(
+                personas,
+                target,
+                on_session=lambda name, n: progress.update(tasks[name], completed=n),
+                import_history=args.history == "import",
+            )
+        except HistoryImportFailed as exc:
+            console.print(f"[red]{exc}[/]")
+            return 1
     console.print(
         format_table(result.results, "RealMem through the pipeline (views as logged)"), soft_wrap=True
     )
     console.print(
-        f"turns sent {result.turns_sent}, failed {result.turns_failed}; scored queries {len(result.answered)}, "
-        f"without a logged view {result.views_missing} (scored 0)"
+        f"turns sent {result.turns_sent}, failed {result.turns_failed}; recorded pairs imported "
+        f"{result.pairs_imported}; scored queries {len(result.answered)}, without a logged view "
+        f"{result.views_missing} (scored 0); {time.perf_counter() - started:.0f} s"
     )
     if args.out:
         result.write(Path(args.out))
@@ -183,6 +192,14 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--data", required=True, help="folder of *_dialogues_256k.json files")
     p.add_argument(
         "--personas", nargs="+", help="only these personas (file name before _dialogues_256k.json)"
+    )
+    p.add_argument(
+        "--history",
+        choices=("import", "send"),
+        default="import",
+        help="import: store every turn pair but the scored queries as recorded (Ingress.ImportHistory; the "
+        "tenant's key must be an admin key, as the one made with --postgres-dsn is) and send only the "
+        "queries (default); send: send every user turn and store the pipeline's own answers",
     )
     _common(p)
     p.set_defaults(func=cmd_realmem)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -18,6 +18,7 @@ from google.protobuf.message import DecodeError
 
 from mars.client import ingress_channel
 from mars.config import TOPIC_VIEW
+from mars.history import MAX_TURNS_PER_CALL
 from mars.replay.cli import read_topics
 from mars.v1 import events_pb2 as ev
 from mars.v1 import services_pb2 as svc
@@ -62,6 +63,8 @@ class IngressDriver:
         self._timeout_s = timeout_s
         self._options = dict(options or {})
         self.sent: list[SentTurn] = []
+        #: Recorded pairs newly stored by import_history.
+        self.imported = 0
 
     def send(self, session_id: str, text: str) -> SentTurn:
         request = svc.TurnRequest(
@@ -85,6 +88,24 @@ class IngressDriver:
             )
         self.sent.append(turn)
         return turn
+
+    def import_history(self, turns: Sequence[svc.RecordedTurn]) -> str:
+        """Store recorded turn pairs as this user's history (`Ingress.ImportHistory`, waiting until memory
+        holds them), in calls of at most MAX_TURNS_PER_CALL; "" or the error that stopped it."""
+        for start in range(0, len(turns), MAX_TURNS_PER_CALL):
+            request = svc.ImportHistoryRequest(
+                tenant=self.tenant,
+                user_id=self.user_id,
+                turns=list(turns[start : start + MAX_TURNS_PER_CALL]),
+                wait=True,
+            )
+            try:
+                reply = self._stub.ImportHistory(request, timeout=max(self._timeout_s, 600.0))
+            except grpc.RpcError as exc:
+                code = exc.code().name if exc.code() is not None else "UNKNOWN"
+                return f"{code}: {exc.details()}"
+            self.imported += reply.imported
+        return ""
 
     def close(self) -> None:
         self._channel.close()

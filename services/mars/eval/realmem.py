@@ -1,12 +1,14 @@
 """`mars eval realmem`: RealMem through a running pipeline's ingress.
 
-Each persona is one user. Its sessions are sent in list order, every user turn as a `SendTurn` with the
-RealMem session uuid as the session id, so memory grows exactly as the protocol's timeline says: a query
-can only be answered from sessions sent before it. The memory then holds the pipeline's own answers (as
-in a live deployment), not the recorded assistant replies. For each scored query the retrieval metrics of
-`shared/bench/realmem/PROTOCOL.md` are recomputed from the view the pipeline logged: its stored-turn
-blocks, in view order, give the ranking of source sessions (the query's own session left out), scored
-with the strict scorer of `mars bench realmem`. The answers are saved for an external judge.
+Each persona is one user, its timeline played in list order with the RealMem session uuid as the session
+id, so memory grows exactly as the protocol says: a query can only be answered from sessions before it.
+By default every recorded turn pair but the scored queries is imported as recorded (`Ingress.ImportHistory`,
+through the memory service's normal commit path) and only the scored queries are sent (`SendTurn`); with
+`--history send` every user turn is sent and memory holds the pipeline's own answers, as in a live
+deployment. For each scored query the retrieval metrics of `shared/bench/realmem/PROTOCOL.md` are
+recomputed from the view the pipeline logged: its pre-packing ranking of sessions (the query's own left
+out; the stored-turn blocks in view order when it has none), scored with the strict scorer of `mars bench
+realmem`. The answers are saved for an external judge.
 """
 
 from __future__ import annotations
@@ -21,6 +23,12 @@ from typing import Any
 
 from mars.bench.realmem import Persona, Prediction, Query, Results, evaluate
 from mars.eval.driver import IngressDriver, PipelineTarget, SentTurn, distinct, failures, shown_sources
+from mars.v1 import events_pb2 as ev
+from mars.v1 import services_pb2 as svc
+
+
+class HistoryImportFailed(RuntimeError):
+    """The recorded history could not be stored: scoring the queries without it would mislead."""
 
 
 @dataclass(frozen=True)
@@ -56,26 +64,56 @@ def truncate(persona: Persona, max_sessions: int | None) -> Persona:
 
 
 def drive_persona(
-    driver: IngressDriver, persona: Persona, on_session: Callable[[int], None] = lambda _: None
+    driver: IngressDriver,
+    persona: Persona,
+    on_session: Callable[[int], None] = lambda _: None,
+    import_history: bool = True,
 ) -> list[AnsweredQuery]:
-    """Send every user turn of `persona` in list order; the scored queries with their answers."""
+    """Play `persona`'s timeline through the ingress; the scored queries with their answers.
+
+    With `import_history` every turn pair but the scored queries is imported as recorded (ImportHistory,
+    in the order they happened, waiting until memory holds them before the next query), and only the
+    scored queries are sent; without it every user turn is sent and answered by the pipeline."""
     by_session: dict[int, list[Query]] = {}
     for q in persona.queries:
         by_session.setdefault(q.session_position, []).append(q)
     answered: list[AnsweredQuery] = []
+    recorded: list[svc.RecordedTurn] = []
     for session in persona.sessions:
         pending = {q.text: q for q in by_session.get(session.position, [])}
         turns = session.turns
         for j, turn in enumerate(turns):
             if turn.speaker != "User" or not turn.text.strip():
                 continue
-            sent = driver.send(session.uuid, turn.text)
+            nxt = turns[j + 1] if j + 1 < len(turns) and turns[j + 1].speaker == "Assistant" else None
             query = pending.pop(turn.text.strip(), None)
+            if import_history and query is None:
+                recorded.append(
+                    svc.RecordedTurn(
+                        session_id=session.uuid, user_text=turn.text, assistant_text=nxt.text if nxt else ""
+                    )
+                )
+                continue
+            if recorded:
+                error = driver.import_history(recorded)
+                if error:
+                    raise HistoryImportFailed(
+                        f"importing {len(recorded)} recorded pairs of {persona.name}: {error}"
+                    )
+                recorded = []
+            sent = driver.send(session.uuid, turn.text)
             if query is not None:
-                nxt = turns[j + 1] if j + 1 < len(turns) and turns[j + 1].speaker == "Assistant" else None
                 answered.append(AnsweredQuery(query, sent, nxt.text if nxt else ""))
         on_session(session.position + 1)
     return answered
+
+
+def view_ranking(view: ev.CandidateView, own_session: str) -> list[str]:
+    """The sessions a view ranked, best first, the query's own left out: the retrieval's pre-packing
+    ranking when the view carries one, else the sessions of its stored-turn blocks in view order."""
+    if view.ranking:
+        return distinct(r.session_id for r in view.ranking if r.session_id != own_session)
+    return distinct(b.source_session_id for b in shown_sources(view, exclude_session=own_session))
 
 
 def predictions_from_views(
@@ -89,8 +127,7 @@ def predictions_from_views(
         if view is None:
             missing += 1
             continue
-        own = a.sent.session_id
-        ranking = distinct(b.source_session_id for b in shown_sources(view, exclude_session=own))
+        ranking = view_ranking(view, a.sent.session_id)
         out.append(Prediction(a.query.persona, a.query.query_id, ranking))
     return out, missing
 
@@ -103,6 +140,8 @@ class RealMemEval:
     turns_sent: int
     turns_failed: int
     views_missing: int
+    #: Recorded pairs newly imported (0 with --history send).
+    pairs_imported: int = 0
 
     def write(self, folder: Path) -> None:
         folder.mkdir(parents=True, exist_ok=True)
@@ -113,6 +152,7 @@ class RealMemEval:
         summary = {
             "turns_sent": self.turns_sent,
             "turns_failed": self.turns_failed,
+            "pairs_imported": self.pairs_imported,
             "scored_queries": len(self.answered),
             "views_missing": self.views_missing,
             "macro": self.results.macro.values,
@@ -126,12 +166,16 @@ def run_eval(
     personas: Sequence[Persona],
     target: PipelineTarget,
     on_session: Callable[[str, int], None] = lambda _p, _n: None,
+    import_history: bool = True,
 ) -> RealMemEval:
     answered: list[AnsweredQuery] = []
     sent: list[SentTurn] = []
+    imported = 0
     for persona in personas:
         with target.user(persona.name, sent) as driver:
-            answered += drive_persona(driver, persona, functools.partial(on_session, persona.name))
+            progress = functools.partial(on_session, persona.name)
+            answered += drive_persona(driver, persona, progress, import_history)
+            imported += driver.imported
     predictions, missing = predictions_from_views(answered, target.views(a.sent for a in answered))
     results = evaluate(personas, predictions)
-    return RealMemEval(results, predictions, answered, len(sent), failures(sent), missing)
+    return RealMemEval(results, predictions, answered, len(sent), failures(sent), missing, imported)

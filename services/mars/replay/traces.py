@@ -152,6 +152,9 @@ class TraceBuilder:
         if turn.schema_version != SCHEMA_VERSION:
             self.counts["unknown_schema_version"] += 1
             return
+        if isinstance(msg, ev.Generated) and msg.imported:
+            self.counts["imported_records"] += 1  # recorded history: no stage of the pipeline ran for it
+            return
         if not self._open(msg, turn):
             return
         self.counts["records"] += 1

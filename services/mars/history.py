@@ -1,0 +1,157 @@
+"""Recorded history import (`Ingress.ImportHistory`): the pure part. Which turn id a recorded pair gets
+(stable across imports, so importing again stores nothing new), where its threads start, the state it is
+stored under, and the checks a request passes before anything is written."""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from mars.auth import ID_PATTERN
+from mars.domain.text import control_character
+from mars.v1 import events_pb2 as ev
+from mars.v1 import services_pb2 as svc
+
+#: Pairs one call may import (a larger history is sent in several calls, in order).
+MAX_TURNS_PER_CALL = 2000
+#: An assistant reply may be this many times longer than a user turn's limit.
+ASSISTANT_TEXT_FACTOR = 4
+#: ControllerUsage.backend of an imported turn's state: no controller saw it.
+IMPORTED_BACKEND = "imported"
+#: User turns of the last imported thread written as the state service's active context (it keeps its
+#: own MARS_CONTEXT_TURNS of them).
+CONTEXT_TURNS = 20
+
+#: The state service's active context of a user (its table, mars_state MIGRATIONS), advanced only by a
+#: newer seq: the state stage after each turn, and an import for the thread its last pairs left active.
+UPSERT_STATE_CONTEXT_SQL = """
+    INSERT INTO state_context (tenant, user_id, recent_texts, thread_depth, last_seq)
+    VALUES (%s, %s, %s, %s, %s)
+    ON CONFLICT (tenant, user_id) DO UPDATE
+    SET recent_texts = EXCLUDED.recent_texts, thread_depth = EXCLUDED.thread_depth,
+        last_seq = EXCLUDED.last_seq
+    WHERE state_context.last_seq < EXCLUDED.last_seq
+"""
+
+
+class InvalidHistory(ValueError):
+    """A request that imports nothing: the message says which pair and why."""
+
+
+@dataclass(frozen=True)
+class ImportedPair:
+    turn_id: str
+    key: str
+    session_id: str
+    user_text: str
+    assistant_text: str
+    #: First pair of a thread (the first of the call, and each change of session).
+    new_thread: bool
+
+
+def pair_keys(turns: Sequence[svc.RecordedTurn]) -> list[str]:
+    """Each pair's key: the caller's, or one derived from its session, its texts and how many times that
+    same pair came before in the call (so a repeated exchange stays two pairs, and the same call made again
+    gives the same keys)."""
+    seen: Counter[str] = Counter()
+    keys: list[str] = []
+    for turn in turns:
+        if turn.key:
+            keys.append(turn.key)
+            continue
+        digest = hashlib.sha256(
+            "\x1f".join((turn.session_id, turn.user_text, turn.assistant_text)).encode()
+        ).hexdigest()[:32]
+        seen[digest] += 1
+        keys.append(f"auto:{digest}:{seen[digest]}")
+    return keys
+
+
+def imported_turn_id(tenant: str, user_id: str, key: str) -> str:
+    """The turn id of a user's pair with `key`: the same on every import, different for every user."""
+    return "imp" + hashlib.sha256("\x1f".join((tenant, user_id, key)).encode()).hexdigest()[:29]
+
+
+def _text_problem(text: str, limit: int) -> str | None:
+    if not text.strip():
+        return "is empty"
+    if len(text) > limit:
+        return f"has {len(text)} characters; the limit is {limit}"
+    found = control_character(text)
+    if found is not None:
+        return f"contains the control character U+{ord(text[found]):04X} at position {found}"
+    return None
+
+
+def check_history(
+    tenant: str, user_id: str, turns: Sequence[svc.RecordedTurn], max_text_chars: int
+) -> list[ImportedPair]:
+    """The pairs of a request, or InvalidHistory naming the first bad one (nothing is imported then)."""
+    if not turns:
+        raise InvalidHistory("turns is empty: nothing to import")
+    if len(turns) > MAX_TURNS_PER_CALL:
+        raise InvalidHistory(
+            f"{len(turns)} turns in one call; the limit is {MAX_TURNS_PER_CALL} (send the rest in later calls)"
+        )
+    keys = pair_keys(turns)
+    first_at: dict[str, int] = {}
+    pairs: list[ImportedPair] = []
+    previous_session: str | None = None
+    for i, (turn, key) in enumerate(zip(turns, keys, strict=True)):
+        where = f"turns[{i}]"
+        session = turn.session_id or "default"
+        if not ID_PATTERN.match(session):
+            raise InvalidHistory(f"{where}.session_id must match {ID_PATTERN.pattern}")
+        problem = _text_problem(turn.user_text, max_text_chars)
+        # A user turn may have gone unanswered (empty assistant_text); a reply may be longer than a turn.
+        if problem is None and turn.assistant_text:
+            problem = _text_problem(turn.assistant_text, max_text_chars * ASSISTANT_TEXT_FACTOR)
+            problem = problem and f"assistant_text {problem}"
+        elif problem is not None:
+            problem = f"user_text {problem}"
+        if problem is not None:
+            raise InvalidHistory(f"{where}.{problem}")
+        if turn.key and (len(turn.key) > 200 or _text_problem(turn.key, 200) is not None):
+            raise InvalidHistory(f"{where}.key must be 1..200 printable characters")
+        if key in first_at:
+            raise InvalidHistory(f"{where}.key {key!r} repeats turns[{first_at[key]}].key")
+        first_at[key] = i
+        pairs.append(
+            ImportedPair(
+                turn_id=imported_turn_id(tenant, user_id, key),
+                key=key,
+                session_id=session,
+                user_text=turn.user_text,
+                assistant_text=turn.assistant_text,
+                new_thread=session != previous_session,
+            )
+        )
+        previous_session = session
+    return pairs
+
+
+def imported_state(pair: ImportedPair, thread_depth: int) -> ev.SessionState:
+    """The state an imported pair is stored under: a new thread at its start, the thread continued after
+    (the memory writer opens and folds threads by it); the rest is the schema's neutral value."""
+    return ev.SessionState(
+        action=ev.NEW_TOPIC if pair.new_thread else ev.MATCH,
+        usage=ev.ControllerUsage(backend=IMPORTED_BACKEND),
+        thread_depth=thread_depth,
+    )
+
+
+def thread_depths(pairs: Sequence[ImportedPair]) -> list[int]:
+    """Depth of each pair in its thread (1 at a thread's first pair)."""
+    depths: list[int] = []
+    for pair in pairs:
+        depths.append(1 if pair.new_thread or not depths else depths[-1] + 1)
+    return depths
+
+
+def last_thread_context(pairs: Sequence[ImportedPair]) -> tuple[list[str], int]:
+    """The user turns of the thread the import leaves active (the last CONTEXT_TURNS of them) and its depth."""
+    start = max((i for i, p in enumerate(pairs) if p.new_thread), default=0)
+    texts = [p.user_text for p in pairs[start:]]
+    return texts[-CONTEXT_TURNS:], len(texts)

@@ -1,0 +1,90 @@
+"""Recorded history import, the pure part (mars.history): stable turn ids, thread starts, the state an
+imported pair is stored under, and the checks a request passes before anything is written."""
+
+from __future__ import annotations
+
+import pytest
+from mars import history
+from mars.domain.memory_policy import MemoryRecord, session_ranking
+from mars.v1 import events_pb2 as ev
+from mars.v1 import services_pb2 as svc
+
+
+def turn(session: str, user: str, answer: str = "ok", key: str = "") -> svc.RecordedTurn:
+    return svc.RecordedTurn(session_id=session, user_text=user, assistant_text=answer, key=key)
+
+
+def test_keys_are_stable_and_a_repeated_exchange_stays_two_pairs() -> None:
+    turns = [turn("a", "hi"), turn("a", "hi"), turn("b", "hi"), turn("a", "x", key="mine")]
+    keys = history.pair_keys(turns)
+    assert keys == history.pair_keys(list(turns))  # the same call again: the same keys
+    assert len(set(keys)) == 4 and keys[3] == "mine"
+    assert keys[0] != keys[1]  # the same pair twice is two pairs
+    assert keys[0] != keys[2]  # the same words in another session are another pair
+    # Turn ids: the same key of another user, or another tenant, is another turn.
+    ids = {history.imported_turn_id(t, u, "k") for t, u in (("t", "u"), ("t", "v"), ("s", "u"))}
+    assert len(ids) == 3
+    assert history.imported_turn_id("t", "u", "k") == history.imported_turn_id("t", "u", "k")
+    assert all(i.startswith("imp") and len(i) == 32 for i in ids)
+
+
+def test_threads_start_at_the_first_pair_and_at_each_change_of_session() -> None:
+    pairs = history.check_history(
+        "t", "u", [turn("a", "1"), turn("a", "2"), turn("b", "3"), turn("a", "4"), turn("a", "5")], 100
+    )
+    assert [p.new_thread for p in pairs] == [True, False, True, True, False]
+    assert history.thread_depths(pairs) == [1, 2, 1, 1, 2]
+    assert history.last_thread_context(pairs) == (["4", "5"], 2)
+    states = [history.imported_state(p, d) for p, d in zip(pairs, history.thread_depths(pairs), strict=True)]
+    assert [s.action for s in states] == [ev.NEW_TOPIC, ev.MATCH, ev.NEW_TOPIC, ev.NEW_TOPIC, ev.MATCH]
+    assert {s.usage.backend for s in states} == {history.IMPORTED_BACKEND}
+    assert not any(s.usage.llm_called or s.usage.cost_usd for s in states)
+    # An empty session id is the default session, as for SendTurn; an unanswered user turn is kept.
+    (only,) = history.check_history("t", "u", [svc.RecordedTurn(user_text="no reply")], 100)
+    assert only.session_id == "default" and only.assistant_text == ""
+
+
+@pytest.mark.parametrize(
+    ("turns", "message"),
+    [
+        ([], "turns is empty"),
+        ([turn("a", "  ")], "turns[0].user_text is empty"),
+        ([turn("a", "x" * 11)], "turns[0].user_text has 11 characters; the limit is 10"),
+        (
+            [turn("a", "ok"), turn("a", "ok", "y" * 41)],
+            "turns[1].assistant_text has 41 characters; the limit is 40",
+        ),
+        ([turn("a", "bell\x07")], "turns[0].user_text contains the control character U+0007 at position 4"),
+        ([turn("bad session", "x")], "turns[0].session_id must match"),
+        ([turn("a", "x", key="k"), turn("a", "y", key="k")], "turns[1].key 'k' repeats turns[0].key"),
+        ([turn("a", "x", key="k\x00")], "turns[0].key must be 1..200 printable characters"),
+    ],
+)
+def test_a_bad_pair_is_named_and_nothing_is_imported(turns: list[svc.RecordedTurn], message: str) -> None:
+    with pytest.raises(history.InvalidHistory) as info:
+        history.check_history("t", "u", turns, 10)
+    assert message in str(info.value)
+
+
+def test_too_many_pairs_in_one_call_are_refused() -> None:
+    turns = [turn("a", f"t{i}") for i in range(history.MAX_TURNS_PER_CALL + 1)]
+    with pytest.raises(history.InvalidHistory, match="send the rest in later calls"):
+        history.check_history("t", "u", turns, 10)
+
+
+def record(rid: str, session: str) -> MemoryRecord:
+    return MemoryRecord(rid, session, f"turn-{rid}", 1, "u", "a")
+
+
+def test_session_ranking_keeps_the_best_record_of_each_session_but_the_turns_own() -> None:
+    ranked = [
+        (record("r1", "own"), 0.9),
+        (record("r2", "s1"), 0.8),
+        (record("r3", "s1"), 0.7),
+        (record("r4", "s2"), 0.6),
+        (record("r5", "s3"), 0.5),
+    ]
+    ranking = session_ranking(ranked, "own", 2)
+    assert [(r.record_id, r.session_id, r.score) for r in ranking] == [("r2", "s1", 0.8), ("r4", "s2", 0.6)]
+    assert [r.session_id for r in session_ranking(ranked, "", 10)] == ["own", "s1", "s2", "s3"]
+    assert session_ranking(ranked, "own", 0) == []
