@@ -1,6 +1,7 @@
 """State service: the QTM step z_t = f(q, H, B). Keeps each user's active context in Postgres and
 estimates the Table 5 session state for every received turn through the guarded controller
-(`mars.qtm`): an LLM backend (openai / llamacpp / vllm) under a deadline, or the rules alone."""
+(`mars.qtm`): the learned CPU model (default), an LLM backend (openai / llamacpp / vllm) under a deadline,
+or the rules alone."""
 
 from __future__ import annotations
 
@@ -44,9 +45,10 @@ MIGRATIONS = [
 class StateSettings(ServiceSettings):
     #: User turns of the active thread shown to the controller as PREVIOUS ACTIVE CONTEXT.
     context_turns: int = 6
-    #: QTM backend: rules (deterministic, default), openai (any OpenAI-compatible server, e.g. vLLM with
-    #: Qwen2.5-7B-Instruct), llamacpp (the local stack's server), vllm (in-process engine on a GPU node).
-    qtm_backend: str = "rules"
+    #: QTM backend: learned (the packaged CPU model over MiniLM features, default), rules (deterministic
+    #: cues), openai (any OpenAI-compatible server, e.g. vLLM with Qwen2.5-7B-Instruct), llamacpp (the local
+    #: stack's server), vllm (in-process engine on a GPU node).
+    qtm_backend: str = "learned"
     #: Endpoint base URL including /v1; for llamacpp it defaults to the local stack's server.
     qtm_url: str = ""
     #: Model name (openai / llamacpp) or model path (vllm).

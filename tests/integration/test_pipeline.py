@@ -10,7 +10,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from conftest import ingress_stub, produce_raw, query, read_events, read_topic, wait_for
+from conftest import api_key, ingress_stub, produce_raw, query, read_events, read_topic, wait_for
 from mars.config import (
     TOPIC_DEAD_LETTER,
     TOPIC_GENERATED,
@@ -597,3 +597,19 @@ def test_turn_deadline_bounds_model_calls(stack: LocalStack) -> None:
     late = asyncio.run(run(-1.0))
     assert "deadline passed before local was called" in late.attempts[0].error
     assert late.attempts[0].latency_ms < 50
+
+
+def test_demo_states_read_as_a_reader_would(stack: LocalStack) -> None:
+    """The demo (`mars run`) through the default controller, the learned one: the revision continues the
+    itinerary, the unrelated question starts a new topic, the return to Kyoto searches all of memory."""
+    from mars.demo import DEMO, play
+
+    rows = play(stack.addr("ingress"), tenant="e2e-demo", max_tokens=8, api_key=api_key(stack, "e2e-demo"))
+    assert [r.error for r in rows] == [None] * len(DEMO)
+    states = {r.text: r.reply.state for r in rows if r.reply is not None}
+    assert {s.usage.backend for s in states.values()} == {"learned"}
+    revision = states["Make day 2 less busy and add a tea ceremony."]
+    assert (revision.action, revision.phase) == (ev.MATCH, ev.REVISE)
+    assert states["What is the capital of Australia?"].action == ev.NEW_TOPIC
+    back = states["Back to my Kyoto trip: what did we plan for day 2 last time?"]
+    assert back.retrieval_scope == ev.GLOBAL and back.taxonomy.need_memory == 1

@@ -42,14 +42,26 @@ SET = [
 ]  # fmt: skip
 
 
-def test_gold_context_is_the_session_thread_since_the_last_new_topic() -> None:
+def test_gold_context_is_the_persona_thread_before_the_turn() -> None:
     turns = load_labelled(SET)
     by_text = {t.text: t for t in turns}
     assert by_text["Plan a three day Kyoto trip"].context == ()
     assert by_text["Make day 2 less busy and add a tea ceremony"].context == ("Plan a three day Kyoto trip",)
-    assert by_text["How do I descale a kettle?"].context == ()  # a new topic starts a new thread
+    # A new topic is seen with the thread it leaves (that switch is what a controller must detect) ...
+    assert by_text["How do I descale a kettle?"].context == (
+        "Plan a three day Kyoto trip",
+        "Make day 2 less busy and add a tea ceremony",
+    )
+    # ... and starts a new thread.
     assert by_text["And with vinegar?"].context == ("How do I descale a kettle?",)
-    assert by_text["Back to my Kyoto trip: what did we plan for day 2?"].context == ()  # another session
+    # The thread carries into the persona's next session (the state service keeps one per user); sessions
+    # go in number order, s10 after s2.
+    assert by_text["Back to my Kyoto trip: what did we plan for day 2?"].context == (
+        "How do I descale a kettle?",
+        "And with vinegar?",
+    )
+    later = load_labelled([*SET, line("p1-s10", 0, "Later")])
+    assert [t.session for t in later][-1] == "p1-s10"
 
 
 def test_bad_lines_are_refused_with_their_line_number() -> None:

@@ -53,7 +53,8 @@ class LabelledTurn:
     index: int
     text: str
     labels: dict[str, str]
-    #: Earlier user turns of the gold active thread (same session, since the last gold NEW_TOPIC).
+    #: The gold active thread before the turn, as the state service would hold it: the persona's user
+    #: turns since the last gold NEW_TOPIC before this turn, across sessions (newest last).
     context: tuple[str, ...]
 
 
@@ -78,17 +79,29 @@ def load_labelled(lines: Iterable[str]) -> list[LabelledTurn]:
             (number, {"persona": persona, "session": session, "index": index, "text": text, "labels": labels})
         )
     out: list[LabelledTurn] = []
+    # One active thread per persona, across its sessions, as the state service keeps one per user: a
+    # turn is seen with the thread before it (a NEW_TOPIC turn too: the switch is what it must detect).
     thread: dict[str, list[str]] = {}
-    for _, item in sorted(raw, key=lambda r: (r[1]["session"], r[1]["index"], r[0])):
-        session = item["session"]
-        if item["labels"]["action"] == "NEW_TOPIC":
-            thread[session] = []
-        context = tuple(thread.get(session, [])[-CONTEXT_TURNS:])
+    for _, item in sorted(
+        raw, key=lambda r: (r[1]["persona"], _session_order(r[1]["session"]), r[1]["index"], r[0])
+    ):
+        active = thread.setdefault(item["persona"], [])
+        context = tuple(active[-CONTEXT_TURNS:])
         out.append(
-            LabelledTurn(item["persona"], session, item["index"], item["text"], item["labels"], context)
+            LabelledTurn(
+                item["persona"], item["session"], item["index"], item["text"], item["labels"], context
+            )
         )
-        thread.setdefault(session, []).append(item["text"])
+        if item["labels"]["action"] == "NEW_TOPIC":
+            active.clear()
+        active.append(item["text"])
     return out
+
+
+def _session_order(session: str) -> tuple[str, int]:
+    """Sessions in time order: "p01-s10" after "p01-s9" (the number after the last "s")."""
+    head, _, number = session.rpartition("s")
+    return (head, int(number)) if number.isdigit() else (session, 0)
 
 
 def read_labelled(path: Path) -> tuple[bytes, list[LabelledTurn]]:
