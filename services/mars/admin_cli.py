@@ -44,7 +44,7 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     services = tuple(args.service) if args.service else tuple(MIGRATION_MODULES)
     try:
         settings = load_settings(postgres_dsn=args.postgres_dsn)
-        done = asyncio.run(migrate_all(settings.postgres_dsn, services))
+        done = asyncio.run(migrate_all(settings.postgres_dsn, services, wait_s=args.wait_s))
     except SettingsError as exc:
         console.print(f"[red]{escape(str(exc))}[/]")
         return 2
@@ -180,6 +180,13 @@ def add_migrate_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore
         action="append",
         choices=tuple(MIGRATION_MODULES),
         help="only this service's schema (repeatable; default: all)",
+    )
+    p.add_argument(
+        "--wait-s",
+        type=float,
+        default=30.0,
+        help="seconds to wait for Postgres to accept a connection (e.g. while it starts) before failing "
+        "(default 30)",
     )
     p.set_defaults(func=cmd_migrate)
 

@@ -270,6 +270,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the answer")
     p.set_defaults(func=cmd_send)
 
+    from mars.history_cli import add_import_history_parser
+
+    add_import_history_parser(sub, caller_args)
+
     from mars.eval.cli import add_eval_parser
 
     add_eval_parser(sub)

@@ -52,7 +52,7 @@ async def check_idle_connection(conn: AsyncConnection) -> None:
         raise psycopg.OperationalError("the server closed the idle connection")
 
 
-async def open_pool(dsn: str, max_size: int = 8) -> AsyncConnectionPool:
+async def open_pool(dsn: str, max_size: int = 8, wait_s: float = 30.0) -> AsyncConnectionPool:
     # check: a connection broken by a Postgres restart is replaced when taken, not handed to a handler.
     pool = AsyncConnectionPool(
         dsn,
@@ -64,7 +64,7 @@ async def open_pool(dsn: str, max_size: int = 8) -> AsyncConnectionPool:
         # A handler waits at most this for a connection, then fails as transient and its batch is retried.
         timeout=10.0,
     )
-    await pool.open(wait=True, timeout=30)
+    await pool.open(wait=True, timeout=wait_s)
     return pool
 
 

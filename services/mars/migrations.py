@@ -76,13 +76,15 @@ def new_objects(before: set[SchemaObject], after: set[SchemaObject]) -> tuple[Sc
     )
 
 
-async def migrate_all(dsn: str, services: Sequence[str] = tuple(MIGRATION_MODULES)) -> list[Migrated]:
+async def migrate_all(
+    dsn: str, services: Sequence[str] = tuple(MIGRATION_MODULES), wait_s: float = 30.0
+) -> list[Migrated]:
     """Apply each service's schema (one transaction per service, under the migrations lock); what each
-    added. Needs a live Postgres at `dsn`."""
+    added. Needs a live Postgres at `dsn` (waits up to `wait_s` for it to accept a connection)."""
     unknown = [s for s in services if s not in MIGRATION_MODULES]
     if unknown:
         raise ValueError(f"unknown service(s) {', '.join(unknown)} (expected {', '.join(MIGRATION_MODULES)})")
-    pool = await db.open_pool(dsn, max_size=2)
+    pool = await db.open_pool(dsn, max_size=2, wait_s=wait_s)
     done: list[Migrated] = []
     try:
         for service in services:

@@ -43,8 +43,9 @@ COMMIT_STAGE = "memory-commit"
 class MemorySettings(ServiceSettings):
     #: Longest a view waits for turn n-1 to be applied before it is built and flagged possibly_stale.
     read_your_writes_wait_s: float = 10.0
-    #: Sessions in the view's pre-packing ranking (CandidateView.ranking, what `mars eval realmem` scores);
-    #: 0 leaves it out.
+    #: Sessions in the view's logged ranking (CandidateView.ranking, what `mars eval realmem` scores). It is
+    #: searched for every turn of a user with memory, also when the state retrieves nothing; 0 leaves it
+    #: out (and saves that search).
     view_ranking_depth: int = Field(default=20, ge=0)
     #: Records of the user's history considered for retrieval (newest first).
     history_limit: int = 2000

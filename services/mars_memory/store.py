@@ -330,44 +330,52 @@ class MemoryStore:
         if continuing and active:
             thread_state = thread_from_json(active[2]) if active[2] else new_thread(str(active[1]))
             active_state = render_active_state(thread_state)
-        if controls.retrieve_k > 0 and index.records:
+        depth = self._settings.view_ranking_depth
+        # The ranking runs when the view retrieves, and for the logged ranking (depth > 0) even when the
+        # state's controls retrieve nothing: it is what `mars eval realmem` scores, controller aside.
+        ranking_needed = bool(index.records) and (controls.retrieve_k > 0 or depth > 0)
+        ranked: list[tuple[MemoryRecord, float]] = []
+        bounds = None
+        if ranking_needed:
             with step("memory embed-query"):  # cached: the search below reuses it
                 await self._query_vector(text)
-        with step("memory search"):
-            ranked, bounds = await asyncio.to_thread(self._retrieve, index, text, thread, controls)
+            with step("memory search"):
+                ranked, bounds = await asyncio.to_thread(self._rank, index, text, thread, controls)
         shown = {r.record_id for r in window}
+        # LOCAL scope keeps retrieval inside the active thread (Table 6: local evidence for revisions).
+        in_scope = {r.record_id for r in thread} if controls.scope == ev.LOCAL else None
+        retrieved = [
+            (r, score)
+            for r, score in ranked
+            if r.record_id not in shown and (in_scope is None or r.record_id in in_scope)
+        ]
         view = build_view(
             controls,
             active_state,
             window,
-            [(r, score) for r, score in ranked if r.record_id not in shown],
+            retrieved if controls.retrieve_k > 0 else [],
             policy=self._settings.view_policy,
             ranking_bounds=bounds,
         )
-        view.ranking.extend(session_ranking(ranked, session_id, self._settings.view_ranking_depth))
+        view.ranking.extend(session_ranking(ranked, session_id, depth))
         return view
 
-    def _retrieve(
+    def _rank(
         self, index: UserIndex, text: str, thread: list[MemoryRecord], controls: MemoryControls
     ) -> tuple[list[tuple[MemoryRecord, float]], tuple[float, float] | None]:
-        """The records retrieval may show, best first (the view takes its top k of those not in its recent
-        window), and the score bounds of the whole ranking they came from."""
-        if controls.retrieve_k <= 0 or not index.records:
-            return [], None
+        """Every record of the user, best first, as the view's policy ranks them for this turn (the view
+        then keeps those its scope allows), and the score bounds of that ranking."""
         policy = self._settings.view_policy
         if policy == "recent":
             newest = sorted(index.records.values(), key=lambda r: -r.seq)
             return [(r, 1.0) for r in newest], None
-        # LOCAL scope keeps retrieval inside the active thread (Table 6: local evidence for revisions).
-        allowed = {r.record_id for r in thread} if controls.scope == ev.LOCAL else set(index.records)
         cfg = self._config
         context: list[str] = []
         if policy == "mars":
             context = [r.user_text for r in thread[-self._settings.context_turns :]]
             cfg = state_conditioned(cfg, controls.prefer_recent)
         ranked = index.memory.rank_groups(text, context, len(index.records), cfg)
-        hits = [(index.records[rid], score) for rid, score in ranked if rid in allowed]
-        return hits, score_bounds(ranked)
+        return [(index.records[rid], score) for rid, score in ranked], score_bounds(ranked)
 
     async def commit(self, event: ev.Generated) -> ev.MemoryCommitted:
         """Store the turn pair and advance the user's applied seq, in one transaction (idempotent by turn_id)."""

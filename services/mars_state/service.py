@@ -12,7 +12,7 @@ import time
 import grpc
 from mars import consumer_groups
 from mars.bus import EventProducer, StageConsumer, StageOutput, Subscription
-from mars.config import STATE_STAGE, TOPIC_RECEIVED, TOPIC_STATE, ServiceSettings
+from mars.config import STATE_STAGE, TOPIC_CONTROL, TOPIC_RECEIVED, TOPIC_STATE, ServiceSettings
 from mars.db import pg_text
 from mars.history import UPSERT_STATE_CONTEXT_SQL
 from mars.llm_json import TokenPrices, endpoint_url
@@ -161,6 +161,12 @@ class StateStage:
             )
         await self._out.emit(out, turn)
 
+    async def on_forgotten(self, event: ev.UserForgotten) -> None:
+        """Every replica: the forgotten user's context row is deleted already; their texts may still key
+        the controller's embedding cache, which is dropped whole (whose texts they are is not known)."""
+        dropped = self._estimator.forget_cached()
+        log.info("forget %s: dropped %d cached turn embeddings", event.forget_id, dropped)
+
 
 async def build(ctx: ServiceContext) -> ServiceParts:
     settings = ctx.settings
@@ -182,7 +188,18 @@ async def build(ctx: ServiceContext) -> ServiceParts:
                 "mars.v1.StateEstimator",
             )
         ],
-        consumers=[consumer],
+        consumers=[
+            consumer,
+            # Every replica reads every control event (a broadcast reader, outside any group).
+            StageConsumer(
+                settings,
+                ctx.producer,
+                "state",
+                "state-control",
+                [Subscription(TOPIC_CONTROL, ev.UserForgotten, stage.on_forgotten, requires_envelope=False)],
+                broadcast=True,
+            ),
+        ],
         # NOT_SERVING while the controller keeps failing: turns still get states, from the rules.
         health_probes={"mars.v1.StateEstimator.controller": lambda: estimator.healthy},
         # The learned backend's model file did not load: the rules answer instead.

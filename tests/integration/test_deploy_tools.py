@@ -71,7 +71,9 @@ def test_migrate_applies_every_schema_and_is_idempotent(postgres: str) -> None:
 
 
 def test_migrate_reports_an_unreachable_postgres_in_one_line() -> None:
-    run = mars("migrate", "--postgres-dsn", "postgresql://mars@127.0.0.1:1/mars?connect_timeout=1")
+    run = mars(
+        "migrate", "--postgres-dsn", "postgresql://mars@127.0.0.1:1/mars?connect_timeout=1", "--wait-s", "2"
+    )
     assert run.returncode == 1
     assert "migration failed" in run.stdout and "Traceback" not in run.stdout + run.stderr
 

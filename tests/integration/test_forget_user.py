@@ -556,3 +556,37 @@ def test_import_history_refuses_bad_requests_and_writes_nothing(stack: LocalStac
     ) == [(0,)]
     twice = admin.ImportHistory(cases[2][0], timeout=60)
     assert twice.imported == 2 and len(set(twice.turn_ids)) == 2
+
+
+def test_import_history_cli_imports_a_file_once(stack: LocalStack, tmp_path: Path) -> None:
+    path = tmp_path / "history.jsonl"
+    path.write_text(
+        "\n".join(json.dumps({"session_id": s, "user_text": u, "assistant_text": a}) for s, u, a in HISTORY)
+    )
+    key = mint_key(stack.env["MARS_POSTGRES_DSN"], TENANT, admin=True, label="import cli test").key
+    mars = str(Path(sys.executable).parent / "mars")
+    command = [mars, "import-history", str(path), "--user", "hist4", "--target", stack.addr("ingress")]
+    env = {**os.environ, "MARS_API_KEY": key}
+    first = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env, check=False)
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert "3 pairs for user hist4: 3 imported, 0 already there (last seq 3)" in " ".join(
+        first.stdout.split()
+    )
+    again = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env, check=False)
+    assert "3 pairs for user hist4: 0 imported, 3 already there" in " ".join(again.stdout.split())
+    stored = query(
+        stack, "SELECT count(*) FROM memory_records WHERE tenant = %s AND user_id = %s", (TENANT, "hist4")
+    )
+    assert stored == [(3,)]
+    # A plain key is refused with the reason, and nothing more is written.
+    plain = subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "MARS_API_KEY": api_key(stack, TENANT)},
+    )
+    assert plain.returncode == 1 and "PERMISSION_DENIED" in plain.stdout
+    path.write_text('{"user_text": "x"}\n{"oops"\n')
+    broken = subprocess.run(command, capture_output=True, text=True, timeout=60, env=env, check=False)
+    assert broken.returncode == 2 and "line 2: not JSON" in broken.stdout

@@ -21,10 +21,12 @@ def embedder() -> SentenceTransformerEmbedder:
     return SentenceTransformerEmbedder()
 
 
-def generated(user: str, seq: int, query: str, answer: str, action: int = ev.MATCH) -> ev.Generated:
+def generated(
+    user: str, seq: int, query: str, answer: str, action: int = ev.MATCH, session: str = "s"
+) -> ev.Generated:
     return ev.Generated(
         turn=ev.TurnEnvelope(
-            turn_id=f"{user}-{seq}", tenant="t", user_id=user, session_id="s", seq=seq, schema_version=1
+            turn_id=f"{user}-{seq}", tenant="t", user_id=user, session_id=session, seq=seq, schema_version=1
         ),
         status=ev.OK,
         model="m",
@@ -119,6 +121,36 @@ def test_table6_rows_produce_their_blocks(postgres: str, embedder: SentenceTrans
         )
         assert len([b for b in rich.blocks if b.kind == ev.RETRIEVED_HISTORY]) >= len(hist)
         await pool.close()  # type: ignore[attr-defined]
+
+    asyncio.run(scenario())
+
+
+def test_the_logged_ranking_covers_all_memory_whatever_the_controls(
+    postgres: str, embedder: SentenceTransformerEmbedder
+) -> None:
+    async def scenario() -> None:
+        store, pool = await make_store(postgres, embedder)
+        for i, ((q, a), session) in enumerate(zip(ALICE, ("bees", "bees", "fern"), strict=True), start=1):
+            await store.commit(generated("dave", i, q, a, ev.NEW_TOPIC if i in (1, 3) else ev.MATCH, session))
+        text = "when do I harvest the honey from my beehive?"
+        # LOCAL scope: the view keeps to the active thread (the fern), the ranking covers all memory,
+        # one entry per session, best first.
+        local = await store.view("t", "dave", text, session_state(retrieval_scope=ev.LOCAL), "now")
+        shown = {b.source_session_id for b in local.blocks if b.kind == ev.RETRIEVED_HISTORY}
+        assert shown <= {"fern"}
+        assert [r.session_id for r in local.ranking] == ["bees", "fern"]
+        assert local.ranking[0].score > 0
+        # No memory needed: nothing retrieved into the view, the same ranking logged.
+        bare = await store.view("t", "dave", text, session_state(need_memory=0, lens_recommendation=0), "now")
+        assert not [b for b in bare.blocks if b.kind == ev.RETRIEVED_HISTORY]
+        assert [r.record_id for r in bare.ranking] == [r.record_id for r in local.ranking]
+        # The turn's own session is left out.
+        own = await store.view("t", "dave", text, session_state(), "bees")
+        assert [r.session_id for r in own.ranking] == ["fern"]
+        await pool.close()  # type: ignore[attr-defined]
+        off, pool2 = await make_store(postgres, embedder, view_ranking_depth=0)
+        assert not (await off.view("t", "dave", text, session_state(), "now")).ranking
+        await pool2.close()  # type: ignore[attr-defined]
 
     asyncio.run(scenario())
 

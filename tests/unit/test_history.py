@@ -88,3 +88,29 @@ def test_session_ranking_keeps_the_best_record_of_each_session_but_the_turns_own
     assert [(r.record_id, r.session_id, r.score) for r in ranking] == [("r2", "s1", 0.8), ("r4", "s2", 0.6)]
     assert [r.session_id for r in session_ranking(ranked, "", 10)] == ["own", "s1", "s2", "s3"]
     assert session_ranking(ranked, "own", 0) == []
+
+
+def test_history_file_lines_are_read_or_refused_with_their_line_number() -> None:
+    from mars.history_cli import RecordedFileError, read_recorded
+
+    lines = [
+        '{"session_id": "a", "user_text": "hi", "assistant_text": "hello"}',
+        "",
+        '{"user_text": "no reply", "key": "k1"}',
+    ]
+    turns = read_recorded(lines)
+    assert [(t.session_id, t.user_text, t.assistant_text, t.key) for t in turns] == [
+        ("a", "hi", "hello", ""),
+        ("", "no reply", "", "k1"),
+    ]
+    for bad, message in (
+        ("{nope", "line 1: not JSON"),
+        ('{"text": "x"}', 'line 1: expected an object with a "user_text" string'),
+        ('{"user_text": "x", "speaker": "me"}', "line 1: unknown field(s) speaker"),
+        (
+            '{"user_text": "x", "key": 3}',
+            "line 1: session_id, user_text, assistant_text, key must be strings",
+        ),
+    ):
+        with pytest.raises(RecordedFileError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            read_recorded([bad])

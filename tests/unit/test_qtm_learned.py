@@ -100,6 +100,26 @@ def test_guarded_learned_state_is_valid_and_costs_nothing(small_set) -> None:  #
         assert state.taxonomy.memory_span == ev.NONE and state.lens_recommendation == 0
 
 
+class FakeEmbedder:
+    dim = DIM
+
+    def encode(self, texts: Sequence[str]) -> np.ndarray:
+        return fake_embed(texts)
+
+
+def test_a_forget_drops_the_controllers_cached_turn_embeddings(small_set) -> None:  # type: ignore[no-untyped-def]
+    from mars.retrieval.embedder import LruEmbedder
+
+    model, _ = train(small_set, fake_embed, lopo=False, steps=10)
+    cache = LruEmbedder(FakeEmbedder())
+    guard = GuardedEstimator(LearnedController(model, cache.encode, cache.clear), deadline_s=5.0)
+    asyncio.run(guard.estimate("My ferry leaves from pier 4", ["Plan my island trip"]))
+    # The turn and its context are cached by text, a forgotten user's among them: all go.
+    assert guard.forget_cached() == 2
+    assert guard.forget_cached() == 0
+    assert GuardedEstimator(None).forget_cached() == 0  # the rules cache nothing
+
+
 def test_state_service_falls_back_to_rules_without_a_model(tmp_path: Path) -> None:
     missing = make_estimator(
         StateSettings(qtm_backend="learned", qtm_learned_model=str(tmp_path / "none.npz"))

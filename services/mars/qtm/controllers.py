@@ -191,7 +191,8 @@ def make_controller(
         from mars.retrieval.embedder import LruEmbedder, load_embedder
 
         learned = LearnedModel.load(Path(model) if model else DEFAULT_MODEL)
-        return LearnedController(learned, LruEmbedder(load_embedder(cache_dir=embedding_cache_dir)).encode)
+        cache = LruEmbedder(load_embedder(cache_dir=embedding_cache_dir))
+        return LearnedController(learned, cache.encode, cache.clear)
     template = PromptTemplate.load(prompt)
     if backend == "vllm":
         if not model:

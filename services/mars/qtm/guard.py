@@ -61,6 +61,12 @@ class GuardedEstimator:
         if self.controller is not None:
             await self.controller.aclose()
 
+    def forget_cached(self) -> int:
+        """Drop what the controller caches of users' text (the learned backend's embeddings, keyed by
+        text): a user was forgotten. Returns the entries dropped."""
+        forget = getattr(self.controller, "forget_cached", None)
+        return int(forget()) if forget is not None else 0
+
     def _count(self, outcome: str) -> None:
         self.counts[outcome] += 1
         metrics.record_qtm_outcome(outcome, self.backend)

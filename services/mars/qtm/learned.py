@@ -247,10 +247,15 @@ class LearnedController:
     name = "learned"
     calls_llm = False
 
-    def __init__(self, model: LearnedModel, embed: Embed) -> None:
+    def __init__(self, model: LearnedModel, embed: Embed, forget: Callable[[], int] = lambda: 0) -> None:
         self.model = model
         self.prompt_version = str(model.meta.get("version", "learned"))
         self._embed = embed
+        self._forget = forget
+
+    def forget_cached(self) -> int:
+        """Drop the cached embeddings of turns (keyed by their text): a user was forgotten."""
+        return self._forget()
 
     def answer(self, text: str, active_context: Sequence[str]) -> dict[str, Any]:
         return state_json(

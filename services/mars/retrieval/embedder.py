@@ -97,6 +97,13 @@ class LruEmbedder:
         with self._lock:
             return sum(self._cache.pop(t, None) is not None for t in texts)
 
+    def clear(self) -> int:
+        """Drop every vector (a user was forgotten and whose texts these are is not known); how many."""
+        with self._lock:
+            held = len(self._cache)
+            self._cache.clear()
+            return held
+
     def encode(self, texts: Sequence[str]) -> np.ndarray:
         with self._lock:
             found = {t: self._cache[t] for t in dict.fromkeys(texts) if t in self._cache}
