@@ -16,8 +16,8 @@ from mars.v1 import services_pb2 as svc
 
 #: Pairs one call may import (a larger history is sent in several calls, in order).
 MAX_TURNS_PER_CALL = 2000
-#: An assistant reply may be this many times longer than a user turn's limit.
-ASSISTANT_TEXT_FACTOR = 4
+#: A recorded text (either side) may be this many times longer than a live turn's limit.
+RECORDED_TEXT_FACTOR = 4
 #: ControllerUsage.backend of an imported turn's state: no controller saw it.
 IMPORTED_BACKEND = "imported"
 #: User turns of the last imported thread written as the state service's active context (it keeps its
@@ -27,11 +27,11 @@ CONTEXT_TURNS = 20
 #: The state service's active context of a user (its table, mars_state MIGRATIONS), advanced only by a
 #: newer seq: the state stage after each turn, and an import for the thread its last pairs left active.
 UPSERT_STATE_CONTEXT_SQL = """
-    INSERT INTO state_context (tenant, user_id, recent_texts, thread_depth, last_seq)
-    VALUES (%s, %s, %s, %s, %s)
+    INSERT INTO state_context (tenant, user_id, recent_texts, thread_depth, last_seq, session_id)
+    VALUES (%s, %s, %s, %s, %s, %s)
     ON CONFLICT (tenant, user_id) DO UPDATE
     SET recent_texts = EXCLUDED.recent_texts, thread_depth = EXCLUDED.thread_depth,
-        last_seq = EXCLUDED.last_seq
+        last_seq = EXCLUDED.last_seq, session_id = EXCLUDED.session_id
     WHERE state_context.last_seq < EXCLUDED.last_seq
 """
 
@@ -104,10 +104,12 @@ def check_history(
         session = turn.session_id or "default"
         if not ID_PATTERN.match(session):
             raise InvalidHistory(f"{where}.session_id must match {ID_PATTERN.pattern}")
-        problem = _text_problem(turn.user_text, max_text_chars)
-        # A user turn may have gone unanswered (empty assistant_text); a reply may be longer than a turn.
+        # Recorded text is memory, not a prompt: either side may run to RECORDED_TEXT_FACTOR times a live
+        # turn's limit (a pasted document); a user turn may have gone unanswered (empty assistant_text).
+        limit = max_text_chars * RECORDED_TEXT_FACTOR
+        problem = _text_problem(turn.user_text, limit)
         if problem is None and turn.assistant_text:
-            problem = _text_problem(turn.assistant_text, max_text_chars * ASSISTANT_TEXT_FACTOR)
+            problem = _text_problem(turn.assistant_text, limit)
             problem = problem and f"assistant_text {problem}"
         elif problem is not None:
             problem = f"user_text {problem}"

@@ -829,7 +829,14 @@ class IngressServicer(svc_grpc.IngressServicer):
                 recent, depth = history.last_thread_context(pairs)
                 await conn.execute(
                     history.UPSERT_STATE_CONTEXT_SQL,
-                    (tenant, user_id, Jsonb([pg_text(t) for t in recent]), depth, max(known.values())),
+                    (
+                        tenant,
+                        user_id,
+                        Jsonb([pg_text(t) for t in recent]),
+                        depth,
+                        max(known.values()),
+                        pairs[-1].session_id,
+                    ),
                 )
         return [known[t] for t in turn_ids], len(new)
 

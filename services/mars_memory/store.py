@@ -27,7 +27,13 @@ from mars.domain.thread_state import (
     thread_to_json,
 )
 from mars.retrieval.embedder import Embedder, LruEmbedder, split_sessions
-from mars.retrieval.hybrid import POLICY_CONFIGS, HybridMemory, embed_chunks, state_conditioned
+from mars.retrieval.hybrid import (
+    POLICY_CONFIGS,
+    HybridConfig,
+    HybridMemory,
+    embed_chunks,
+    state_conditioned,
+)
 from mars.telemetry import step
 from mars.v1 import events_pb2 as ev
 from mars.v1 import services_pb2 as svc
@@ -109,8 +115,11 @@ class UserIndex:
     """One user's derived retrieval index: every record of the user up to `record_no` (its watermark,
     the highest commit_no it holds). Built from Postgres on first use, then caught up before each use."""
 
-    def __init__(self, memory: HybridMemory) -> None:
+    def __init__(self, memory: HybridMemory, sessions: HybridMemory | None = None) -> None:
         self.memory = memory
+        #: The same records grouped by session (one lexical document and centroid per session, as `mars
+        #: bench realmem` indexes them), for the view's logged session ranking; None when it is off.
+        self.sessions = sessions
         self.records: dict[str, MemoryRecord] = {}
         self.thread_of: dict[str, str] = {}
         self.order: list[str] = []  # record ids in commit order
@@ -121,6 +130,8 @@ class UserIndex:
     def add(self, record: MemoryRecord, thread_id: str, vectors: np.ndarray | None, record_no: int) -> None:
         if record.record_id not in self.memory:
             self.memory.add_group(record.record_id, record.seq, [record.text], vectors)
+            if self.sessions is not None:
+                self.sessions.extend_group(record.session_id, record.seq, [record.text], vectors)
             self.records[record.record_id] = record
             self.thread_of[record.record_id] = thread_id
             self.order.append(record.record_id)
@@ -167,7 +178,8 @@ class MemoryStore:
         key = (tenant, user_id)
         index = self._indexes.get(key)
         if index is None:
-            index = self._indexes.setdefault(key, UserIndex(self._new_memory()))
+            sessions = self._new_memory() if self._settings.view_ranking_depth > 0 else None
+            index = self._indexes.setdefault(key, UserIndex(self._new_memory(), sessions))
         return index
 
     async def forget(self, tenant: str, user_id: str) -> int:
@@ -330,50 +342,64 @@ class MemoryStore:
         if continuing and active:
             thread_state = thread_from_json(active[2]) if active[2] else new_thread(str(active[1]))
             active_state = render_active_state(thread_state)
-        depth = self._settings.view_ranking_depth
-        # The ranking runs when the view retrieves, and for the logged ranking (depth > 0) even when the
-        # state's controls retrieve nothing: it is what `mars eval realmem` scores, controller aside.
-        ranking_needed = bool(index.records) and (controls.retrieve_k > 0 or depth > 0)
         ranked: list[tuple[MemoryRecord, float]] = []
         bounds = None
-        if ranking_needed:
-            with step("memory embed-query"):  # cached: the search below reuses it
+        if index.records and (controls.retrieve_k > 0 or index.sessions is not None):
+            with step("memory embed-query"):  # cached: the searches below reuse it
                 await self._query_vector(text)
+        if controls.retrieve_k > 0 and index.records:
             with step("memory search"):
                 ranked, bounds = await asyncio.to_thread(self._rank, index, text, thread, controls)
         shown = {r.record_id for r in window}
         # LOCAL scope keeps retrieval inside the active thread (Table 6: local evidence for revisions).
         in_scope = {r.record_id for r in thread} if controls.scope == ev.LOCAL else None
-        retrieved = [
-            (r, score)
-            for r, score in ranked
-            if r.record_id not in shown and (in_scope is None or r.record_id in in_scope)
-        ]
         view = build_view(
             controls,
             active_state,
             window,
-            retrieved if controls.retrieve_k > 0 else [],
+            [
+                (r, score)
+                for r, score in ranked
+                if r.record_id not in shown and (in_scope is None or r.record_id in in_scope)
+            ],
             policy=self._settings.view_policy,
             ranking_bounds=bounds,
         )
-        view.ranking.extend(session_ranking(ranked, session_id, depth))
+        if index.sessions is not None and index.records:
+            with step("memory rank-sessions"):
+                sessions = await asyncio.to_thread(self._rank_sessions, index, text, thread, controls)
+            view.ranking.extend(
+                session_ranking(sessions, ranked, session_id, self._settings.view_ranking_depth)
+            )
         return view
+
+    def _rank_sessions(
+        self, index: UserIndex, text: str, thread: list[MemoryRecord], controls: MemoryControls
+    ) -> list[tuple[str, float]]:
+        """The user's sessions, best first, ranked over their whole text (the RealMem unit of retrieval)
+        with the view's fusion, thread context and the state's recency preference."""
+        assert index.sessions is not None
+        cfg, context = self._fusion(thread, controls)
+        depth = self._settings.view_ranking_depth
+        return index.sessions.rank_groups(text, context, depth + 1, cfg)
+
+    def _fusion(self, thread: list[MemoryRecord], controls: MemoryControls) -> tuple[HybridConfig, list[str]]:
+        """The fusion settings and secondary query texts of this turn's search."""
+        cfg = self._config
+        if self._settings.view_policy != "mars":
+            return cfg, []
+        context = [r.user_text for r in thread[-self._settings.context_turns :]]
+        return state_conditioned(cfg, controls.prefer_recent), context
 
     def _rank(
         self, index: UserIndex, text: str, thread: list[MemoryRecord], controls: MemoryControls
     ) -> tuple[list[tuple[MemoryRecord, float]], tuple[float, float] | None]:
         """Every record of the user, best first, as the view's policy ranks them for this turn (the view
         then keeps those its scope allows), and the score bounds of that ranking."""
-        policy = self._settings.view_policy
-        if policy == "recent":
+        if self._settings.view_policy == "recent":
             newest = sorted(index.records.values(), key=lambda r: -r.seq)
             return [(r, 1.0) for r in newest], None
-        cfg = self._config
-        context: list[str] = []
-        if policy == "mars":
-            context = [r.user_text for r in thread[-self._settings.context_turns :]]
-            cfg = state_conditioned(cfg, controls.prefer_recent)
+        cfg, context = self._fusion(thread, controls)
         ranked = index.memory.rank_groups(text, context, len(index.records), cfg)
         return [(index.records[rid], score) for rid, score in ranked], score_bounds(ranked)
 

@@ -39,6 +39,8 @@ MIGRATIONS = [
         PRIMARY KEY (tenant, user_id)
     )
     """,
+    # The session of the last turn: the next turn in another session opens it (mars.qtm.guard).
+    "ALTER TABLE state_context ADD COLUMN IF NOT EXISTS session_id TEXT",
 ]
 
 
@@ -136,15 +138,18 @@ class StateStage:
             return
         async with self._pool.connection() as conn:
             cur = await conn.execute(
-                "SELECT recent_texts, thread_depth, last_seq FROM state_context WHERE tenant = %s AND user_id = %s",
+                "SELECT recent_texts, thread_depth, last_seq, session_id FROM state_context "
+                "WHERE tenant = %s AND user_id = %s",
                 (turn.tenant, turn.user_id),
             )
             row = await cur.fetchone()
         # An imported history may leave more turns than this service's context holds.
         recent: list[str] = list(row[0])[-self._settings.context_turns :] if row else []
         depth = int(row[1]) if row else 0
+        # The first turn of a session after earlier ones (a row from before the column: not known).
+        opens_session = row is not None and row[3] is not None and row[3] != turn.session_id
         # No connection is held across the controller call (it may take up to the deadline).
-        state = await self._estimator.estimate(event.text, recent)
+        state = await self._estimator.estimate(event.text, recent, opens_session)
         if state.action == ev.NEW_TOPIC:
             recent, depth = [], 0
         depth += 1
@@ -154,7 +159,8 @@ class StateStage:
         async with self._pool.connection() as conn:
             # Guarded by seq so a redelivered older turn cannot roll the context back.
             await conn.execute(
-                UPSERT_STATE_CONTEXT_SQL, (turn.tenant, turn.user_id, Jsonb(recent), depth, turn.seq)
+                UPSERT_STATE_CONTEXT_SQL,
+                (turn.tenant, turn.user_id, Jsonb(recent), depth, turn.seq, turn.session_id),
             )
             out = ev.StateEstimated(
                 turn=turn, text=event.text, state=state, latency_ms=(time.perf_counter() - started) * 1000

@@ -131,25 +131,28 @@ def test_the_logged_ranking_covers_all_memory_whatever_the_controls(
     async def scenario() -> None:
         store, pool = await make_store(postgres, embedder)
         for i, ((q, a), session) in enumerate(zip(ALICE, ("bees", "bees", "fern"), strict=True), start=1):
-            await store.commit(generated("dave", i, q, a, ev.NEW_TOPIC if i in (1, 3) else ev.MATCH, session))
+            await store.commit(generated("erin", i, q, a, ev.NEW_TOPIC if i in (1, 3) else ev.MATCH, session))
         text = "when do I harvest the honey from my beehive?"
         # LOCAL scope: the view keeps to the active thread (the fern), the ranking covers all memory,
         # one entry per session, best first.
-        local = await store.view("t", "dave", text, session_state(retrieval_scope=ev.LOCAL), "now")
+        local = await store.view("t", "erin", text, session_state(retrieval_scope=ev.LOCAL), "now")
         shown = {b.source_session_id for b in local.blocks if b.kind == ev.RETRIEVED_HISTORY}
         assert shown <= {"fern"}
         assert [r.session_id for r in local.ranking] == ["bees", "fern"]
         assert local.ranking[0].score > 0
         # No memory needed: nothing retrieved into the view, the same ranking logged.
-        bare = await store.view("t", "dave", text, session_state(need_memory=0, lens_recommendation=0), "now")
+        bare = await store.view("t", "erin", text, session_state(need_memory=0, lens_recommendation=0), "now")
         assert not [b for b in bare.blocks if b.kind == ev.RETRIEVED_HISTORY]
-        assert [r.record_id for r in bare.ranking] == [r.record_id for r in local.ranking]
+        assert [(r.session_id, r.record_id) for r in bare.ranking] == [("bees", ""), ("fern", "")]
+        # The GLOBAL view ranked records: each session comes with its best one.
+        best = await store.view("t", "erin", text, session_state(), "now")
+        assert best.ranking[0].record_id in (await store.describe("t", "erin")).record_ids[:2]
         # The turn's own session is left out.
-        own = await store.view("t", "dave", text, session_state(), "bees")
+        own = await store.view("t", "erin", text, session_state(), "bees")
         assert [r.session_id for r in own.ranking] == ["fern"]
         await pool.close()  # type: ignore[attr-defined]
         off, pool2 = await make_store(postgres, embedder, view_ranking_depth=0)
-        assert not (await off.view("t", "dave", text, session_state(), "now")).ranking
+        assert not (await off.view("t", "erin", text, session_state(), "now")).ranking
         await pool2.close()  # type: ignore[attr-defined]
 
     asyncio.run(scenario())

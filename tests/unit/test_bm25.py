@@ -1,3 +1,4 @@
+import pytest
 from mars.domain.bm25 import BM25Index
 
 DOCS = [
@@ -38,3 +39,12 @@ def test_rare_terms_weigh_more_and_longer_docs_are_normalised() -> None:
 
 def test_empty_corpus() -> None:
     assert BM25Index([]).search("anything", 3) == []
+
+
+def test_extending_a_document_scores_as_adding_it_whole() -> None:
+    whole = BM25Index(["red apples and pears\nripe red cherries", "blue sky"])
+    grown = BM25Index(["red apples and pears", "blue sky"])
+    grown.extend(0, "\nripe red cherries")
+    for query in ("red cherries", "blue", "pears sky"):
+        assert whole.scores(query) == pytest.approx(grown.scores(query))
+    assert grown.avgdl == whole.avgdl and grown.idf("cherries") == whole.idf("cherries")

@@ -81,7 +81,7 @@ def test_view_ranking_prefers_the_pre_packing_ranking_without_the_own_session() 
     v = view(block(ev.RETRIEVED_HISTORY, "s9"), block(ev.RECENT_TURN, "s8"))
     assert eval_realmem.view_ranking(v, "own") == ["s9", "s8"]  # no ranking logged: the shown blocks
     v.ranking.extend(
-        ev.RankedRecord(record_id=r, session_id=s) for r, s in (("a", "s2"), ("b", "own"), ("c", "s1"))
+        ev.RankedSession(record_id=r, session_id=s) for r, s in (("a", "s2"), ("b", "own"), ("c", "s1"))
     )
     assert eval_realmem.view_ranking(v, "own") == ["s2", "s1"]
 
@@ -93,9 +93,9 @@ class FakeDriver:
         self.calls: list[tuple[str, object]] = []
         self.imported = 0
 
-    def import_history(self, turns: list[object]) -> str:
+    def import_history(self, turns: list[object]) -> list[str]:
         self.calls.append(("import", [(t.session_id, t.user_text, t.assistant_text) for t in turns]))  # type: ignore[attr-defined]
-        return ""
+        return [f"imp-{i}" for i in range(len(turns))]
 
     def send(self, session_id: str, text: str) -> SentTurn:
         self.calls.append(("send", (session_id, text)))

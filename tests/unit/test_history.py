@@ -49,7 +49,7 @@ def test_threads_start_at_the_first_pair_and_at_each_change_of_session() -> None
     [
         ([], "turns is empty"),
         ([turn("a", "  ")], "turns[0].user_text is empty"),
-        ([turn("a", "x" * 11)], "turns[0].user_text has 11 characters; the limit is 10"),
+        ([turn("a", "x" * 41)], "turns[0].user_text has 41 characters; the limit is 40"),
         (
             [turn("a", "ok"), turn("a", "ok", "y" * 41)],
             "turns[1].assistant_text has 41 characters; the limit is 40",
@@ -76,18 +76,41 @@ def record(rid: str, session: str) -> MemoryRecord:
     return MemoryRecord(rid, session, f"turn-{rid}", 1, "u", "a")
 
 
-def test_session_ranking_keeps_the_best_record_of_each_session_but_the_turns_own() -> None:
-    ranked = [
-        (record("r1", "own"), 0.9),
-        (record("r2", "s1"), 0.8),
-        (record("r3", "s1"), 0.7),
-        (record("r4", "s2"), 0.6),
-        (record("r5", "s3"), 0.5),
-    ]
-    ranking = session_ranking(ranked, "own", 2)
-    assert [(r.record_id, r.session_id, r.score) for r in ranking] == [("r2", "s1", 0.8), ("r4", "s2", 0.6)]
-    assert [r.session_id for r in session_ranking(ranked, "", 10)] == ["own", "s1", "s2", "s3"]
-    assert session_ranking(ranked, "own", 0) == []
+def test_session_ranking_leaves_out_the_own_session_and_names_each_sessions_best_record() -> None:
+    sessions = [("own", 0.9), ("s1", 0.8), ("s2", 0.6), ("s3", 0.5)]
+    records = [(record("r1", "own"), 0.9), (record("r3", "s1"), 0.8), (record("r2", "s1"), 0.7)]
+    ranking = session_ranking(sessions, records, "own", 2)
+    assert [(r.session_id, r.record_id, r.score) for r in ranking] == [("s1", "r3", 0.8), ("s2", "", 0.6)]
+    assert [r.session_id for r in session_ranking(sessions, [], "", 10)] == ["own", "s1", "s2", "s3"]
+    assert session_ranking(sessions, records, "own", 0) == []
+
+
+def test_a_session_opening_continuation_searches_beyond_the_session() -> None:
+    import asyncio
+
+    from mars.domain.state_rules import widen_session_opening
+    from mars.qtm.guard import GuardedEstimator
+
+    local = ev.SessionState(action=ev.MATCH, retrieval_scope=ev.LOCAL)
+    local.taxonomy.need_memory = 1
+    local.taxonomy.memory_span = ev.ACTIVE_THREAD
+    assert widen_session_opening(local)
+    assert (local.retrieval_scope, local.taxonomy.memory_span) == (ev.GLOBAL, ev.CROSS_SESSION)
+    assert {"retrieval_scope", "taxonomy.memory_span"} <= set(local.clamped_fields)
+    assert not widen_session_opening(local)  # already global
+    for unchanged in (
+        ev.SessionState(action=ev.NEW_TOPIC, retrieval_scope=ev.LOCAL),  # a new topic
+        ev.SessionState(action=ev.MATCH, retrieval_scope=ev.LOCAL),  # no memory needed
+    ):
+        assert not widen_session_opening(unchanged) and unchanged.retrieval_scope == ev.LOCAL
+    # Through the guard (the rules here): only a turn that opens a session is widened.
+    guard = GuardedEstimator(None)
+    text, context = "Make it shorter please", ["Draft a cover letter for the analyst job"]
+    inside = asyncio.run(guard.estimate(text, context))
+    opening = asyncio.run(guard.estimate(text, context, opens_session=True))
+    assert inside.action == ev.MATCH and inside.taxonomy.need_memory == 1
+    assert inside.retrieval_scope == ev.LOCAL and opening.retrieval_scope == ev.GLOBAL
+    assert guard.counts["session_scope"] == 1
 
 
 def test_history_file_lines_are_read_or_refused_with_their_line_number() -> None:
@@ -112,5 +135,6 @@ def test_history_file_lines_are_read_or_refused_with_their_line_number() -> None
             "line 1: session_id, user_text, assistant_text, key must be strings",
         ),
     ):
-        with pytest.raises(RecordedFileError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        with pytest.raises(RecordedFileError) as info:
             read_recorded([bad])
+        assert message in str(info.value)

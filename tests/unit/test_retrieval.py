@@ -105,6 +105,39 @@ def test_hybrid_memory_rebuild_gives_identical_results(embedder: SentenceTransfo
         assert a.rank_groups(q, k=6) == b.rank_groups(q, k=6)
 
 
+def test_a_group_grown_chunk_by_chunk_ranks_as_the_whole_group(embedder: SentenceTransformerEmbedder) -> None:
+    """extend_group (the memory service's per-session index, fed one turn pair at a time) gives the ranking
+    of add_group with the whole session (how `mars bench realmem` indexes it)."""
+    sessions = {
+        "bees": [
+            "User: I keep bees\nAssistant: Check the frames",
+            "User: harvest honey when?\nAssistant: Capped",
+        ],
+        "fern": ["User: repot a fern\nAssistant: Peat-free compost"],
+        "chess": [
+            "User: chess openings\nAssistant: Italian game",
+            "User: and for black?\nAssistant: Sicilian",
+        ],
+    }
+    config = HybridConfig(
+        recency_weight=1.0, prf_weight=1.0, prf_top=2, centroid_weight=0.5, context_weight=0.3
+    )
+    whole = HybridMemory(embedder, config, use_gpu=False)
+    grown = HybridMemory(embedder, config, use_gpu=False)
+    position = 0
+    for key, chunks in sessions.items():
+        whole.add_group(key, position + len(chunks), chunks)
+        for chunk in chunks:
+            position += 1
+            grown.extend_group(key, position, [chunk])
+    for query in ("when do I harvest honey", "what should black play", "compost for ferns"):
+        a = whole.rank_groups(query, ["I keep bees"], 10)
+        b = grown.rank_groups(query, ["I keep bees"], 10)
+        assert [k for k, _ in a] == [k for k, _ in b]
+        assert np.allclose([s for _, s in a], [s for _, s in b], atol=1e-6)
+    assert grown.dense_vectors == whole.dense_vectors and len(grown) == len(whole) == 3
+
+
 def test_empty_memory_returns_empty_view(embedder: SentenceTransformerEmbedder) -> None:
     assert HybridMemory(embedder, use_gpu=False).rank_groups("hello") == []
 

@@ -55,6 +55,20 @@ class BM25Index:
             self._postings.setdefault(term, []).append(i)
         return i
 
+    def extend(self, i: int, text: str) -> None:
+        """Append `text` to document `i` (a session growing turn by turn): the same index as adding the
+        whole document at once."""
+        more = Counter(self._tokenize(text))
+        tf = self._tfs[i]
+        for term, count in more.items():
+            if term not in tf:
+                self._df[term] += 1
+                self._postings.setdefault(term, []).append(i)
+            tf[term] += count
+        length = sum(more.values())
+        self._lens[i] += length
+        self._total_len += length
+
     def idf(self, term: str) -> float:
         n = self._df.get(term, 0)
         # The +1 inside the log keeps idf positive even for terms present in every document.

@@ -90,21 +90,22 @@ class MemoryRecord:
 
 
 def session_ranking(
-    ranked: Sequence[tuple[MemoryRecord, float]], exclude_session: str, depth: int
-) -> list[ev.RankedRecord]:
-    """The best-ranked record of each of the first `depth` sessions of a ranking (best first), the
-    sessions of `exclude_session` (the turn's own conversation) left out: the view's `ranking`, scored by
-    the RealMem protocol, whose unit of retrieval is a session."""
-    out: list[ev.RankedRecord] = []
-    seen: set[str] = set()
-    for record, score in ranked:
-        if len(out) >= depth:
-            break
-        if record.session_id == exclude_session or record.session_id in seen:
-            continue
-        seen.add(record.session_id)
-        out.append(ev.RankedRecord(record_id=record.record_id, session_id=record.session_id, score=score))
-    return out
+    sessions: Sequence[tuple[str, float]],
+    records: Sequence[tuple[MemoryRecord, float]],
+    exclude_session: str,
+    depth: int,
+) -> list[ev.RankedSession]:
+    """The view's logged ranking: the first `depth` of `sessions` (ranked best first), `exclude_session`
+    (the turn's own conversation) left out, each with its best record in `records` (the record ranking,
+    when the view ranked records)."""
+    best: dict[str, str] = {}
+    for record, _ in records:
+        best.setdefault(record.session_id, record.record_id)
+    return [
+        ev.RankedSession(session_id=session, score=score, record_id=best.get(session, ""))
+        for session, score in sessions
+        if session != exclude_session
+    ][: max(0, depth)]
 
 
 def build_view(

@@ -470,3 +470,19 @@ def estimate_state(text: str, active_context: Sequence[str]) -> ev.SessionState:
     state.usage.output_tokens = 0
     state.usage.cost_usd = 0.0
     return state
+
+
+def widen_session_opening(state: ev.SessionState) -> bool:
+    """A session's first turn has no active thread inside the session (the labelling guide's consistency
+    rule 4): a continuation that needs memory needs it from before the session, so CROSS_SESSION / GLOBAL.
+    Applied to every backend's state for a turn that opens a session; True when it changed the state."""
+    if state.action != ev.MATCH or not state.taxonomy.need_memory:
+        return False
+    if state.retrieval_scope == ev.GLOBAL and state.taxonomy.memory_span == ev.CROSS_SESSION:
+        return False
+    state.retrieval_scope = ev.GLOBAL
+    state.taxonomy.memory_span = ev.CROSS_SESSION
+    for name in ("retrieval_scope", "taxonomy.memory_span"):
+        if name not in state.clamped_fields:
+            state.clamped_fields.append(name)
+    return True

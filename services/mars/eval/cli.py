@@ -97,7 +97,8 @@ def _progress(console: Console) -> Progress:
 
 def cmd_realmem(args: argparse.Namespace) -> int:
     from mars.bench.realmem import format_table, load_selected_personas
-    from mars.eval.realmem import HistoryImportFailed, run_eval, truncate
+    from mars.eval.driver import HistoryImportFailed
+    from mars.eval.realmem import run_eval, truncate
 
     console = Console()
     try:
@@ -141,6 +142,7 @@ def cmd_realmem(args: argparse.Namespace) -> int:
 
 def cmd_locomo(args: argparse.Namespace) -> int:
     from mars.bench.locomo import category_report, load_locomo
+    from mars.eval.driver import HistoryImportFailed
     from mars.eval.locomo import run_eval, truncate
 
     console = Console()
@@ -163,15 +165,21 @@ def cmd_locomo(args: argparse.Namespace) -> int:
     )
     with _progress(console) as progress:
         task = progress.add_task("turns", total=total)
-        result = run_eval(
-            conversations,
-            target,
-            on_turn=lambda: progress.update(task, advance=1),
-        )
+        try:
+            result = run_eval(
+                conversations,
+                target,
+                on_turn=lambda: progress.update(task, advance=1),
+                import_history=args.history == "import",
+            )
+        except HistoryImportFailed as exc:
+            console.print(f"[red]{exc}[/]")
+            return 1
     table, report = category_report(result.by_category, "LoCoMo evidence recall through the pipeline")
     console.print(table)
     console.print(
-        f"turns sent {result.turns_sent}, failed {result.turns_failed}; questions {len(result.answered)}, "
+        f"turns sent {result.turns_sent}, failed {result.turns_failed}; turns imported {result.turns_imported}; "
+        f"questions {len(result.answered)}, "
         f"without a logged view {result.views_missing} (scored 0)"
     )
     if args.out:
@@ -209,5 +217,12 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--data", required=True, help="a LoCoMo JSON file (list of conversations)")
     p.add_argument("--conversations", nargs="+", help="only these sample ids")
     p.add_argument("--max-questions", type=int, help="ask only the first N questions of each conversation")
+    p.add_argument(
+        "--history",
+        choices=("import", "send"),
+        default="import",
+        help="import: store the conversation's turns as recorded (Ingress.ImportHistory, an admin key) and "
+        "send only the questions (default); send: send every turn and let the pipeline answer it",
+    )
     _common(p)
     p.set_defaults(func=cmd_locomo)

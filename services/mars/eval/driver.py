@@ -25,6 +25,10 @@ from mars.v1 import services_pb2 as svc
 from mars.v1 import services_pb2_grpc as svc_grpc
 
 
+class HistoryImportFailed(RuntimeError):
+    """Recorded history could not be stored: scoring queries without it would mislead."""
+
+
 @dataclass(frozen=True)
 class SentTurn:
     """One turn sent through the ingress: its pipeline turn id and answer, or the error it got."""
@@ -89,9 +93,11 @@ class IngressDriver:
         self.sent.append(turn)
         return turn
 
-    def import_history(self, turns: Sequence[svc.RecordedTurn]) -> str:
+    def import_history(self, turns: Sequence[svc.RecordedTurn]) -> list[str]:
         """Store recorded turn pairs as this user's history (`Ingress.ImportHistory`, waiting until memory
-        holds them), in calls of at most MAX_TURNS_PER_CALL; "" or the error that stopped it."""
+        holds them), in calls of at most MAX_TURNS_PER_CALL; their turn ids, in order. HistoryImportFailed
+        when a call fails (scoring queries without their history would mislead)."""
+        turn_ids: list[str] = []
         for start in range(0, len(turns), MAX_TURNS_PER_CALL):
             request = svc.ImportHistoryRequest(
                 tenant=self.tenant,
@@ -103,9 +109,12 @@ class IngressDriver:
                 reply = self._stub.ImportHistory(request, timeout=max(self._timeout_s, 600.0))
             except grpc.RpcError as exc:
                 code = exc.code().name if exc.code() is not None else "UNKNOWN"
-                return f"{code}: {exc.details()}"
+                raise HistoryImportFailed(
+                    f"importing {len(request.turns)} recorded pairs of user {self.user_id}: {code}: {exc.details()}"
+                ) from None
             self.imported += reply.imported
-        return ""
+            turn_ids += reply.turn_ids
+        return turn_ids
 
     def close(self) -> None:
         self._channel.close()

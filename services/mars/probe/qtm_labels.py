@@ -69,7 +69,7 @@ async def _run_config(
             task = progress.add_task(config.label(), total=len(turns))
             for t in turns:
                 started = time.perf_counter()
-                state = await est.estimate(t.text, list(t.context))
+                state = await est.estimate(t.text, list(t.context), t.opens_session)
                 latencies.append((time.perf_counter() - started) * 1000)
                 predicted.append(state_labels(state))
                 progress.advance(task)

@@ -6,6 +6,8 @@
   endpoint_error).
 - Its output holds no JSON: conservative defaults (continuation, memory on; `fallback_reason`
   parse_error), since guessing from broken output would invent state.
+- The turn opens a session after earlier ones: a continuation that needs memory searches beyond the
+  session (GLOBAL / CROSS_SESSION), since the session holds no thread yet.
 
 Each outcome is counted (OpenTelemetry counter `mars.qtm.outcomes` and `GuardedEstimator.counts`) and
 written on the state's usage, with tokens and the controller cost priced per million tokens.
@@ -19,7 +21,7 @@ from collections import Counter
 from collections.abc import Sequence
 
 from mars import metrics
-from mars.domain.state_rules import clamp_state, detect_cues, estimate_state
+from mars.domain.state_rules import clamp_state, detect_cues, estimate_state, widen_session_opening
 from mars.llm_json import TokenPrices
 from mars.qtm.controllers import Controller, ControllerReply, ControllerUnavailable
 from mars.qtm.schema import ControllerOutputError, parse_controller_output
@@ -71,7 +73,17 @@ class GuardedEstimator:
         self.counts[outcome] += 1
         metrics.record_qtm_outcome(outcome, self.backend)
 
-    async def estimate(self, text: str, active_context: Sequence[str]) -> ev.SessionState:
+    async def estimate(
+        self, text: str, active_context: Sequence[str], opens_session: bool = False
+    ) -> ev.SessionState:
+        """The turn's state. `opens_session`: the turn is the first of a session after earlier ones (the
+        state service knows; `widen_session_opening` then applies, whoever answered)."""
+        state = await self._estimate(text, active_context)
+        if opens_session and widen_session_opening(state):
+            self._count("session_scope")
+        return state
+
+    async def _estimate(self, text: str, active_context: Sequence[str]) -> ev.SessionState:
         started = time.perf_counter()
         if self.controller is None:
             state = estimate_state(text, active_context)

@@ -57,6 +57,11 @@ class LabelledTurn:
     #: turns since the last gold NEW_TOPIC before this turn, across sessions (newest last).
     context: tuple[str, ...]
 
+    @property
+    def opens_session(self) -> bool:
+        """The first turn of a session after earlier turns (as the state service tells it)."""
+        return self.index == 0 and bool(self.context)
+
 
 def load_labelled(lines: Iterable[str]) -> list[LabelledTurn]:
     """The labelled turns in file order, each with its gold active context. LabelError names the line of

@@ -17,6 +17,7 @@ import numpy as np
 from rich.console import Console
 from rich.progress import Progress
 
+from mars.domain.state_rules import clamp_state, widen_session_opening
 from mars.probe.qtm_labels import score
 from mars.qtm.labelled import (
     DEFAULT_LABELS,
@@ -25,6 +26,7 @@ from mars.qtm.labelled import (
     accuracy_header,
     accuracy_row,
     read_labelled,
+    state_labels,
 )
 from mars.qtm.learned import DEFAULT_MODEL, HEADS, Embed, LearnedModel, featurize, state_json
 
@@ -49,21 +51,14 @@ def features_of(
 def predicted_fields(
     model: LearnedModel, x: np.ndarray, turns: Sequence[LabelledTurn]
 ) -> list[dict[str, str]]:
-    """The learned state of each turn in the labelled set's terms (memory_span derived as the state is)."""
+    """The learned state of each turn in the labelled set's terms, as the state service would give it:
+    clamped, memory span derived, a session opening widened (mars.qtm.guard)."""
     out = []
     for row, t in zip(x, turns, strict=True):
-        state = state_json(model.predict(row), t.text, t.context)
-        out.append(
-            {
-                "action": state["action"],
-                "query_type": state["query_type"],
-                "phase": state["phase"],
-                "need_memory": str(state["taxonomy"]["need_memory"]),
-                "memory_span": state["taxonomy"]["memory_span"],
-                "retrieval_scope": state["retrieval_scope"],
-                "ambiguity": state["taxonomy"]["ambiguity"],
-            }
-        )
+        state = clamp_state(state_json(model.predict(row), t.text, t.context))
+        if t.opens_session:
+            widen_session_opening(state)
+        out.append(state_labels(state))
     return out
 
 

@@ -94,6 +94,8 @@ class HybridMemory:
         self._chunk_group: list[int] = []
         self.chunk_texts: list[str] = []
         self._centroid_rows: list[np.ndarray] = []
+        #: Per group, the sum of its piece vectors (its centroid's direction, kept for extend_group).
+        self._vector_sums: list[np.ndarray] = []
         self._centroids: np.ndarray | None = None  # stacked lazily; appends stay O(1)
 
     @property
@@ -130,16 +132,46 @@ class HybridMemory:
         self._lexical.add("\n".join(chunks))
         if self._embedder is None or self._dense is None:
             return
-        self._centroids = None
-        if not pieces:
-            self._centroid_rows.append(np.zeros(self._embedder.dim, np.float32))
+        self._centroid_rows.append(np.zeros(self._embedder.dim, np.float32))
+        self._vector_sums.append(np.zeros(self._embedder.dim, np.float64))
+        self._add_pieces(gi, pieces, vectors)
+
+    def extend_group(
+        self, key: str, position: int, chunks: Sequence[str], vectors: np.ndarray | None = None
+    ) -> None:
+        """Append chunks to group `key` (added when new): a session growing turn by turn ranks exactly
+        as the whole session added at once (same lexical document, same pieces, same centroid); its
+        position becomes `position` when later."""
+        gi = self._group_index.get(key)
+        if gi is None:
+            self.add_group(key, position, chunks, vectors)
             return
+        group = self._groups[gi]
+        group.position = max(group.position, position)
+        self._lexical.extend(gi, "\n" + "\n".join(chunks))
+        if self._embedder is None or self._dense is None:
+            return
+        pieces = chunk_pieces(chunks, self.config.max_chunk_words)
+        if vectors is not None and len(vectors) != len(pieces):
+            raise ValueError(f"group {key!r}: {len(vectors)} vectors for {len(pieces)} pieces")
+        self._add_pieces(gi, pieces, vectors)
+
+    def _add_pieces(self, gi: int, pieces: Sequence[str], vectors: np.ndarray | None) -> None:
+        assert self._embedder is not None and self._dense is not None
+        if not pieces:
+            return
+        self._centroids = None
         vecs = vectors if vectors is not None else self._embedder.encode(pieces)
-        centroid = vecs.mean(axis=0)
-        centroid /= max(float(np.linalg.norm(centroid)), 1e-9)
-        self._centroid_rows.append(centroid.astype(np.float32))
+        # The centroid is the normalised mean of every piece of the group so far (computed from these
+        # pieces alone when they are the first, exactly as before groups could grow).
+        first = not self._groups[gi].chunk_ids
+        self._vector_sums[gi] = self._vector_sums[gi] + vecs.astype(np.float64).sum(axis=0)
+        centroid = vecs.mean(axis=0) if first else self._vector_sums[gi]
+        centroid = centroid / max(float(np.linalg.norm(centroid)), 1e-9)
+        self._centroid_rows[gi] = centroid.astype(np.float32)
         ids = np.arange(len(self.chunk_texts), len(self.chunk_texts) + len(pieces), dtype=np.int64)
         self._dense.add(ids, vecs)
+        group = self._groups[gi]
         for cid, text in zip(ids.tolist(), pieces, strict=True):
             group.chunk_ids.append(cid)
             self._chunk_group.append(gi)
