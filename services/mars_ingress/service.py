@@ -91,7 +91,7 @@ STAGE_OF_TOPIC = {
     TOPIC_VIEW: "router",
     TOPIC_ROUTED: "dispatch",
 }
-KNOWN_OPTIONS = {"max_tokens", "stream"}
+KNOWN_OPTIONS = {"max_tokens", "stream", "remember"}
 
 
 class IngressSettings(ServiceSettings):
@@ -175,8 +175,9 @@ def validate_turn(req: svc.TurnRequest, max_chars: int) -> dict[str, str]:
         raw = req.options["max_tokens"]
         if not raw.isdigit() or not 1 <= int(raw) <= 1024:
             raise InvalidTurn("option max_tokens must be an integer in 1..1024")
-    if req.options.get("stream", "false") not in ("true", "false"):
-        raise InvalidTurn('option stream must be "true" or "false"')
+    for flag in ("stream", "remember"):
+        if req.options.get(flag, "true") not in ("true", "false"):
+            raise InvalidTurn(f'option {flag} must be "true" or "false"')
     return dict(req.options)
 
 

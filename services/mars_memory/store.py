@@ -367,21 +367,26 @@ class MemoryStore:
         )
         if index.sessions is not None and index.records:
             with step("memory rank-sessions"):
-                sessions = await asyncio.to_thread(self._rank_sessions, index, text, thread, controls)
+                sessions = await asyncio.to_thread(self._rank_sessions, index, text, session_id)
             view.ranking.extend(
                 session_ranking(sessions, ranked, session_id, self._settings.view_ranking_depth)
             )
         return view
 
-    def _rank_sessions(
-        self, index: UserIndex, text: str, thread: list[MemoryRecord], controls: MemoryControls
-    ) -> list[tuple[str, float]]:
-        """The user's sessions, best first, ranked over their whole text (the RealMem unit of retrieval)
-        with the view's fusion, thread context and the state's recency preference."""
+    def _rank_sessions(self, index: UserIndex, text: str, session_id: str) -> list[tuple[str, float]]:
+        """The user's other sessions, best first, each ranked over its whole text (the RealMem unit of
+        retrieval), with the policy's fusion and the session's recent user turns as context, the state
+        aside (what it then lets into the view is the controller's part): the ranking `mars bench
+        realmem` computes. The turn's own session is ranked as absent."""
         assert index.sessions is not None
-        cfg, context = self._fusion(thread, controls)
+        cfg, context = self._config, []
+        if self._settings.view_policy == "mars":
+            own = sorted(
+                (r for r in index.records.values() if r.session_id == session_id), key=lambda r: r.seq
+            )
+            context = [r.user_text for r in own[-self._settings.context_turns :]]
         depth = self._settings.view_ranking_depth
-        return index.sessions.rank_groups(text, context, depth + 1, cfg)
+        return index.sessions.rank_groups(text, context, depth, cfg, {session_id})
 
     def _fusion(self, thread: list[MemoryRecord], controls: MemoryControls) -> tuple[HybridConfig, list[str]]:
         """The fusion settings and secondary query texts of this turn's search."""
@@ -420,7 +425,7 @@ class MemoryStore:
             existing = await cur.fetchone()
             if existing is not None:
                 out.record_id, out.thread_id, out.stored = existing[0], existing[1], True
-            elif event.status == ev.OK:
+            elif event.status == ev.OK and turn.options.get("remember") != "false":
                 cur = await conn.execute(
                     "SELECT thread_id, state, title FROM memory_threads "
                     "WHERE tenant = %s AND user_id = %s AND status = 'ACTIVE'",
@@ -470,7 +475,8 @@ class MemoryStore:
                     ),
                 )
                 out.stored = True
-            # A failed turn stores nothing but still advances seq, so turn n+1 never waits for it.
+            # A failed (or remember=false) turn stores nothing but still advances seq, so turn n+1 never
+            # waits for it.
             await conn.execute(
                 """
                 INSERT INTO memory_progress (tenant, user_id, applied_seq) VALUES (%s, %s, %s)

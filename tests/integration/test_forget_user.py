@@ -482,7 +482,10 @@ def test_import_history_is_idempotent_isolated_per_user_and_never_judged(stack: 
     # the other user's records) and continues the state's context of the last imported thread.
     reply = ingress_stub(stack, TENANT).SendTurn(
         svc.TurnRequest(
-            user_id="hist1", session_id="now", text="What did we decide last time about my Lisbon ferry?"
+            user_id="hist1",
+            session_id="now",
+            text="What did we decide last time about my Lisbon ferry?",
+            options={"remember": "false"},
         ),
         timeout=60,
     )
@@ -504,7 +507,18 @@ def test_import_history_is_idempotent_isolated_per_user_and_never_judged(stack: 
     assert {r.record_id for r in view.ranking} - {""} <= hist1_records
 
     # Imported turns are never judged, rewarded or rateable; replay leaves them out of its traces.
-    wait_for(lambda: _settled(stack, [reply.turn_id]), 60, "the live turn judged")
+    def judged() -> bool:
+        return query(stack, "SELECT count(*) FROM judge_rewards WHERE turn_id = %s", (reply.turn_id,)) == [
+            (1,)
+        ]
+
+    wait_for(judged, 60, "the live turn judged")
+    # Asked with remember=false: answered and judged, not stored; its seq is applied all the same.
+    assert query(stack, "SELECT count(*) FROM memory_records WHERE turn_id = %s", (reply.turn_id,)) == [(0,)]
+    applied = query(
+        stack, "SELECT applied_seq FROM memory_progress WHERE tenant = %s AND user_id = %s", (TENANT, "hist1")
+    )
+    assert applied == [(4,)]
     imported = list(first.turn_ids) + list(keyed.turn_ids)
     assert query(stack, "SELECT count(*) FROM judge_rewards WHERE turn_id = ANY(%s)", (imported,)) == [(0,)]
     assert query(stack, "SELECT count(*) FROM router_ledger WHERE turn_id = ANY(%s)", (imported,)) == [(0,)]

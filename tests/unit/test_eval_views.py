@@ -114,15 +114,20 @@ def test_drive_persona_imports_the_recorded_pairs_before_each_query_and_sends_on
         Session("s2", 2, "", (Turn("User", "u4"), Turn("Assistant", "a4"))),
     ]
     q = Query("p", "Q1", "Q?", 1, frozenset({"s0"}), None, "")
-    persona = Persona("p", sessions, [q])
+    q2 = Query("p", "Q2", "u4", 2, frozenset({"s1"}), None, "")
+    persona = Persona("p", sessions, [q, q2])
     driver = FakeDriver()
     answered = eval_realmem.drive_persona(driver, persona)  # type: ignore[arg-type]
+    # Each query is asked (not remembered: the driver's options), then its recorded pair is imported.
     assert driver.calls == [
         ("import", [("s0", "u1", "a1"), ("s0", "u2", ""), ("s1", "u3", "a3")]),
         ("send", ("s1", "Q?")),
+        ("import", [("s1", "Q?", "ref")]),
+        ("send", ("s2", "u4")),
     ]
     assert [(a.query.query_id, a.sent.turn_id, a.reference_answer) for a in answered] == [
-        ("Q1", "t-Q?", "ref")
+        ("Q1", "t-Q?", "ref"),
+        ("Q2", "t-u4", "a4"),
     ]
     # Without import every user turn is sent, in order.
     driver = FakeDriver()

@@ -26,6 +26,7 @@ def test_valid_turn_returns_options() -> None:
         ({"text": "x" * 101}, "limit is 100"),
         ({"options": {"verbose": "yes"}}, "unknown option"),
         ({"options": {"stream": "yes"}}, "option stream must be"),
+        ({"options": {"remember": "no"}}, "option remember must be \"true\" or \"false\""),
         ({"options": {"max_tokens": "0"}}, "max_tokens"),
         ({"options": {"max_tokens": "2000"}}, "max_tokens"),
     ],

@@ -138,6 +138,18 @@ def test_a_group_grown_chunk_by_chunk_ranks_as_the_whole_group(embedder: Sentenc
     assert grown.dense_vectors == whole.dense_vectors and len(grown) == len(whole) == 3
 
 
+def test_an_excluded_group_is_ranked_as_absent(embedder: SentenceTransformerEmbedder) -> None:
+    memory = HybridMemory(
+        embedder, HybridConfig(recency_weight=1.0, prf_weight=1.0, prf_top=1), use_gpu=False
+    )
+    memory.add_group("own", 3, ["User: harvest honey from my beehive\nAssistant: when capped"])
+    memory.add_group("bees", 1, ["User: I keep bees in the garden\nAssistant: nice"])
+    memory.add_group("chess", 2, ["User: chess openings\nAssistant: Italian game"])
+    assert memory.rank_groups("harvest honey beehive", k=3)[0][0] == "own"
+    ranked = memory.rank_groups("harvest honey beehive", k=3, exclude={"own", "unknown"})
+    assert [k for k, _ in ranked] == ["bees", "chess"]
+
+
 def test_empty_memory_returns_empty_view(embedder: SentenceTransformerEmbedder) -> None:
     assert HybridMemory(embedder, use_gpu=False).rank_groups("hello") == []
 

@@ -73,13 +73,17 @@ def _target(args: argparse.Namespace) -> PipelineTarget:
     else:
         tenant = args.tenant or os.environ.get("MARS_TENANT") or f"eval-{int(time.time())}"
         api_key = args.api_key
+    options = {} if args.max_tokens is None else {"max_tokens": str(args.max_tokens)}
+    if getattr(args, "history", "send") == "import":
+        # Scored turns are asked, not remembered: memory holds the recorded history (imported).
+        options["remember"] = "false"
     return PipelineTarget(
         ingress=args.ingress,
         bootstrap=args.bootstrap,
         api_key=api_key,
         tenant=tenant,
         prefix=args.topic_prefix,
-        options={} if args.max_tokens is None else {"max_tokens": str(args.max_tokens)},
+        options=options,
         timeout_s=args.timeout_s,
         since_ms=int(time.time() * 1000) - 1000,
     )

@@ -67,9 +67,11 @@ def drive_persona(
 ) -> list[AnsweredQuery]:
     """Play `persona`'s timeline through the ingress; the scored queries with their answers.
 
-    With `import_history` every turn pair but the scored queries is imported as recorded (ImportHistory,
-    in the order they happened, waiting until memory holds them before the next query), and only the
-    scored queries are sent; without it every user turn is sent and answered by the pipeline."""
+    With `import_history` every recorded turn pair is imported as recorded (ImportHistory, in the order
+    they happened, waiting until memory holds them before the next query), and only the scored queries
+    are sent, with remember=false (the driver's options): memory then holds the recorded conversation,
+    each query's recorded pair imported after it is asked. Without it every user turn is sent, answered
+    and remembered by the pipeline."""
     by_session: dict[int, list[Query]] = {}
     for q in persona.queries:
         by_session.setdefault(q.session_position, []).append(q)
@@ -96,6 +98,14 @@ def drive_persona(
             sent = driver.send(session.uuid, turn.text)
             if query is not None:
                 answered.append(AnsweredQuery(query, sent, nxt.text if nxt else ""))
+            if import_history:
+                # The query was asked with remember=false: memory gets the recorded pair instead, as the
+                # protocol's timeline holds it (the pipeline's own answer would stand in for the reply).
+                recorded.append(
+                    svc.RecordedTurn(
+                        session_id=session.uuid, user_text=turn.text, assistant_text=nxt.text if nxt else ""
+                    )
+                )
         on_session(session.position + 1)
     return answered
 

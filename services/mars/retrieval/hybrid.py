@@ -9,7 +9,7 @@ since memory a user needs again is more often recent. Chunks of the top groups a
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
@@ -211,10 +211,16 @@ class HybridMemory:
         return scores
 
     def rank_groups(
-        self, query: str, context: Sequence[str] = (), k: int = 20, config: HybridConfig | None = None
+        self,
+        query: str,
+        context: Sequence[str] = (),
+        k: int = 20,
+        config: HybridConfig | None = None,
+        exclude: Collection[str] = (),
     ) -> list[tuple[str, float]]:
         """Groups best first with fused scores; `context` holds secondary query texts (earlier turns);
-        `config` overrides the memory's own fusion settings for this query (state-guided retrieval)."""
+        `config` overrides the memory's own fusion settings for this query (state-guided retrieval);
+        `exclude` names groups ranked as if absent (no slot, no pull on recency or feedback)."""
         if not self._groups:
             return []
         cfg = config or self.config
@@ -222,9 +228,11 @@ class HybridMemory:
         weights = [1.0] + [cfg.context_weight] * (len(texts) - 1)
         if cfg.context_weight == 0.0:
             texts, weights = texts[:1], weights[:1]
-        dense = self._dense_group_scores(texts, weights)
-        lexical = self._lexical_group_scores(texts, weights)
-        by_recency = sorted(range(len(self._groups)), key=lambda g: -self._groups[g].position)
+        gone = {self._group_index[key] for key in exclude if key in self._group_index}
+        dense = {g: v for g, v in self._dense_group_scores(texts, weights).items() if g not in gone}
+        lexical = {g: v for g, v in self._lexical_group_scores(texts, weights).items() if g not in gone}
+        kept = [g for g in range(len(self._groups)) if g not in gone]
+        by_recency = sorted(kept, key=lambda g: -self._groups[g].position)
         if cfg.fusion == "rrf":
             rankings = [_ranking(dense), _ranking(lexical)]
             ws = [cfg.dense_weight, cfg.lexical_weight]
@@ -243,13 +251,13 @@ class HybridMemory:
             self._centroids = np.stack(self._centroid_rows)
         if cfg.centroid_weight and self._centroids is not None and self._query_embedder is not None:
             q = self._query_embedder.encode(texts[:1])[0]
-            topical = {g: float(v) for g, v in enumerate(self._centroids @ q)}
+            topical = {g: float(v) for g, v in enumerate(self._centroids @ q) if g not in gone}
             for g, v in reciprocal_rank_fusion([_ranking(topical)], [cfg.centroid_weight], cfg.rrf_k).items():
                 fused[g] = fused.get(g, 0.0) + v
         if cfg.prf_weight and fused and self._centroids is not None:
             top = sorted(fused, key=lambda g: -fused[g])[: cfg.prf_top]
             sims = (self._centroids @ self._centroids[top].T).max(axis=1)
-            prf = {g: float(sims[g]) for g in range(len(self._groups))}
+            prf = {g: float(sims[g]) for g in kept}
             extra = reciprocal_rank_fusion([_ranking(prf)], [cfg.prf_weight], cfg.rrf_k)
             for g, v in extra.items():
                 fused[g] = fused.get(g, 0.0) + v
