@@ -42,6 +42,7 @@ from mars import metrics
 from mars.config import (
     ALL_TOPICS,
     SCHEMA_VERSION,
+    TOPIC_CONTROL,
     TOPIC_FEEDBACK,
     TOPIC_GENERATED,
     TOPIC_JUDGED,
@@ -827,6 +828,24 @@ class _FreshOffsets(ConsumerRebalanceListener):  # type: ignore[misc]
 
     async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
         await self._consumer._partitions_assigned(set(assigned))
+
+
+def control_reader(
+    settings: ServiceSettings,
+    producer: EventProducer,
+    service: str,
+    on_forgotten: Callable[[ev.UserForgotten], Awaitable[None]],
+) -> StageConsumer:
+    """Every replica of `service` reads every control event (a broadcast reader, outside any group): a
+    forgotten user's caches go everywhere, whoever owns their partitions."""
+    return StageConsumer(
+        settings,
+        producer,
+        service,
+        f"{service}-control",
+        [Subscription(TOPIC_CONTROL, ev.UserForgotten, on_forgotten, requires_envelope=False)],
+        broadcast=True,
+    )
 
 
 class StageOutput:

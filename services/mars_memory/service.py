@@ -12,9 +12,8 @@ from typing import Literal
 
 import grpc
 from mars import consumer_groups
-from mars.bus import EventProducer, StageConsumer, StageOutput, Subscription
+from mars.bus import EventProducer, StageConsumer, StageOutput, Subscription, control_reader
 from mars.config import (
-    TOPIC_CONTROL,
     TOPIC_GENERATED,
     TOPIC_MEMORY_COMMITTED,
     TOPIC_RECEIVED,
@@ -209,16 +208,7 @@ async def build(ctx: ServiceContext) -> ServiceParts:
     consumers = [c for role, c in (("views", views), ("writer", writer)) if role in settings.roles]
     # Every replica, whatever its roles, holds indexes (DescribeIndex, BuildView): each reads every control
     # event (a broadcast reader, outside any group) and drops a forgotten user's index.
-    consumers.append(
-        StageConsumer(
-            settings,
-            ctx.producer,
-            "memory",
-            "memory-control",
-            [Subscription(TOPIC_CONTROL, ev.UserForgotten, stage.on_forgotten, requires_envelope=False)],
-            broadcast=True,
-        )
-    )
+    consumers.append(control_reader(settings, ctx.producer, "memory", stage.on_forgotten))
     return ServiceParts(
         bindings=[
             GrpcBinding(svc_grpc.add_MemoryServicer_to_server, MemoryServicer(store), "mars.v1.Memory")

@@ -11,8 +11,8 @@ import time
 
 import grpc
 from mars import consumer_groups
-from mars.bus import EventProducer, StageConsumer, StageOutput, Subscription
-from mars.config import STATE_STAGE, TOPIC_CONTROL, TOPIC_RECEIVED, TOPIC_STATE, ServiceSettings
+from mars.bus import EventProducer, StageConsumer, StageOutput, Subscription, control_reader
+from mars.config import STATE_STAGE, TOPIC_RECEIVED, TOPIC_STATE, ServiceSettings
 from mars.db import pg_text
 from mars.history import UPSERT_STATE_CONTEXT_SQL
 from mars.llm_json import TokenPrices, endpoint_url
@@ -196,15 +196,7 @@ async def build(ctx: ServiceContext) -> ServiceParts:
         ],
         consumers=[
             consumer,
-            # Every replica reads every control event (a broadcast reader, outside any group).
-            StageConsumer(
-                settings,
-                ctx.producer,
-                "state",
-                "state-control",
-                [Subscription(TOPIC_CONTROL, ev.UserForgotten, stage.on_forgotten, requires_envelope=False)],
-                broadcast=True,
-            ),
+            control_reader(settings, ctx.producer, "state", stage.on_forgotten),
         ],
         # NOT_SERVING while the controller keeps failing: turns still get states, from the rules.
         health_probes={"mars.v1.StateEstimator.controller": lambda: estimator.healthy},
