@@ -150,6 +150,14 @@ def check_fields(**fields: str) -> None:
         check_no_control(field_name, value)
 
 
+def check_user_ids(tenant: str, user_id: str) -> None:
+    """InvalidTurn unless both ids are usable (an administrative call names its user exactly)."""
+    for field_name, value in (("tenant", tenant), ("user_id", user_id)):
+        check_no_control(field_name, value)
+        if not _ID.match(value):
+            raise InvalidTurn(f"{field_name} must match {_ID.pattern}")
+
+
 def validate_turn(req: svc.TurnRequest, max_chars: int) -> dict[str, str]:
     """Bad input gets INVALID_ARGUMENT before anything is written."""
     check_fields(tenant=req.tenant, user_id=req.user_id, session_id=req.session_id, text=req.text)
@@ -688,10 +696,7 @@ class IngressServicer(svc_grpc.IngressServicer):
         try:
             principal = await self._authenticate(context.invocation_metadata())
             request.tenant = admin_tenant(principal, request.tenant)
-            for field_name, value in (("tenant", request.tenant), ("user_id", request.user_id)):
-                check_no_control(field_name, value)
-                if not _ID.match(value):
-                    raise InvalidTurn(f"{field_name} must match {_ID.pattern}")
+            check_user_ids(request.tenant, request.user_id)
         except AuthError as exc:
             await _abort(context, auth_failure(exc))
         except Exception as exc:
@@ -724,10 +729,7 @@ class IngressServicer(svc_grpc.IngressServicer):
         try:
             principal = await self._authenticate(context.invocation_metadata())
             request.tenant = admin_tenant(principal, request.tenant, "importing history")
-            for field_name, value in (("tenant", request.tenant), ("user_id", request.user_id)):
-                check_no_control(field_name, value)
-                if not _ID.match(value):
-                    raise InvalidTurn(f"{field_name} must match {_ID.pattern}")
+            check_user_ids(request.tenant, request.user_id)
             pairs = history.check_history(
                 request.tenant, request.user_id, request.turns, self._settings.max_text_chars
             )

@@ -74,7 +74,7 @@ def _target(args: argparse.Namespace) -> PipelineTarget:
         tenant = args.tenant or os.environ.get("MARS_TENANT") or f"eval-{int(time.time())}"
         api_key = args.api_key
     options = {} if args.max_tokens is None else {"max_tokens": str(args.max_tokens)}
-    if getattr(args, "history", "send") == "import":
+    if args.history == "import":
         # Scored turns are asked, not remembered: memory holds the recorded history (imported).
         options["remember"] = "false"
     return PipelineTarget(
