@@ -130,6 +130,9 @@ class StackSettings:
     #: alone in plaintext on a port of its own per process (the readiness checks use it), and the callers'
     #: settings (MARS_TLS_CA_FILE, MARS_TLS_CLIENT_CERT_FILE / _KEY_FILE) in stack.env and `env`.
     tls: bool = False
+    #: The OpenAI-compatible HTTP gateway (mars_gateway) in front of the ingress, at ports["gateway"]
+    #: (MARS_GATEWAY_URL in stack.env); only with the ingress. `mars stack` and `mars run` start it.
+    gateway: bool = False
 
     def replica_count(self, service: str) -> int:
         return max(1, self.replicas_of.get(service, self.replicas))
@@ -238,6 +241,9 @@ class LocalStack:
             self._write_env()
             progress(f"starting services: {', '.join(n for n, _ in self.service_procs())}")
             self._start_services()
+            if self.settings.gateway and "ingress" in self.settings.services:
+                progress("starting the OpenAI-compatible gateway")
+                self._start_gateway()
         except BaseException:
             self.stop()
             raise
@@ -729,6 +735,36 @@ class LocalStack:
                 proc.popen,
                 proc.log,
             )
+
+    def _start_gateway(self) -> None:
+        """The HTTP gateway, a caller of the (first) ingress like any client: the callers' TLS settings."""
+        port = free_port()
+        env = {**os.environ, **self.env, "PYTHONUNBUFFERED": "1"}
+        env.update(
+            {
+                "MARS_HTTP_PORT": str(port),
+                "MARS_INGRESS_ADDR": self.addr("ingress"),
+                "MARS_REPLICA": "gateway",
+            }
+        )
+        env.update(self.settings.service_env.get("gateway", {}))
+        env.pop("MARS_ENV_FILE", None)
+        env.pop("MARS_API_KEY", None)
+        proc = self._spawn("gateway", [sys.executable, "-m", "mars_gateway"], env=env)
+
+        def ready() -> bool:
+            import httpx
+
+            try:
+                return httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_until(ready, 60, "gateway", proc.popen, proc.log)
+        self.ports["gateway"] = port
+        self.env["MARS_GATEWAY_URL"] = f"http://127.0.0.1:{port}"
+        with (self.workdir / "stack.env").open("a") as fh:
+            fh.write(f"MARS_GATEWAY_URL=http://127.0.0.1:{port}\n")
 
     def addr(self, service: str) -> str:
         """The first replica's address of a service (or the address of a named replica, "ingress-2")."""

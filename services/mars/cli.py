@@ -63,6 +63,7 @@ def _start_stack(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         replicas=args.replicas,
         replicas_of=dict(args.replicas_of or []),
         tls=args.tls,
+        gateway=True,
     )
     stack = LocalStack(settings)
     with console.status("starting the local stack") as status:
@@ -86,8 +87,10 @@ def _start_stack(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 def _serve_until_interrupted(stack) -> int:  # type: ignore[no-untyped-def]
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    gateway = stack.env.get("MARS_GATEWAY_URL")
+    http = f" or OpenAI clients to {gateway}/v1 (the tenant's key as the API key)" if gateway else ""
     console.print(
-        f"[bold]serving: send turns to the gRPC ingress at {stack.addr('ingress')}; Ctrl-C stops[/]"
+        f"[bold]serving: send turns to the gRPC ingress at {stack.addr('ingress')}{http}; Ctrl-C stops[/]"
     )
     seen = 0
     try:

@@ -157,3 +157,47 @@ def last_thread_context(pairs: Sequence[ImportedPair]) -> tuple[list[str], int]:
     start = max((i for i, p in enumerate(pairs) if p.new_thread), default=0)
     texts = [p.user_text for p in pairs[start:]]
     return texts[-CONTEXT_TURNS:], len(texts)
+
+
+def text_digest(tenant: str, user_id: str, session_id: str, user_text: str) -> str:
+    """A user turn's content digest within its session: how a turn that carries its conversation's earlier
+    messages (`TurnRequest.history`) finds the ones MARS holds already, answered or imported."""
+    return hashlib.sha256("\x1f".join((tenant, user_id, session_id, user_text)).encode()).hexdigest()[:32]
+
+
+def unheld_turns(
+    tenant: str, user_id: str, session_id: str, turns: Sequence[svc.RecordedTurn], held: Counter[str]
+) -> list[svc.RecordedTurn]:
+    """The earlier pairs of a turn's conversation that MARS does not hold, in order, each in the turn's
+    session. `held` counts the session's turns by `text_digest`: a user text sent n times and held m times
+    has its first m occurrences taken as held (a repeated "yes" is each its own turn)."""
+    left = Counter(held)
+    out: list[svc.RecordedTurn] = []
+    for turn in turns:
+        digest = text_digest(tenant, user_id, session_id, turn.user_text)
+        if left[digest] > 0:
+            left[digest] -= 1
+            continue
+        out.append(
+            svc.RecordedTurn(session_id=session_id, user_text=turn.user_text, assistant_text=turn.assistant_text)
+        )
+    return out
+
+
+def check_turn_history(turns: Sequence[svc.RecordedTurn], session_id: str, max_text_chars: int) -> None:
+    """InvalidHistory naming the first bad pair of a turn's `history` (nothing is written then)."""
+    if len(turns) > MAX_TURNS_PER_CALL:
+        raise InvalidHistory(f"history has {len(turns)} pairs; the limit is {MAX_TURNS_PER_CALL}")
+    limit = max_text_chars * RECORDED_TEXT_FACTOR
+    for i, turn in enumerate(turns):
+        if turn.session_id and turn.session_id != session_id:
+            raise InvalidHistory(f"history[{i}].session_id differs from the turn's; leave it empty")
+        if turn.key:
+            raise InvalidHistory(f"history[{i}].key is not used here; leave it empty")
+        problem = _text_problem(turn.user_text, limit)
+        if problem is not None:
+            raise InvalidHistory(f"history[{i}].user_text {problem}")
+        if turn.assistant_text:
+            problem = _text_problem(turn.assistant_text, limit)
+            if problem is not None:
+                raise InvalidHistory(f"history[{i}].assistant_text {problem}")

@@ -78,6 +78,7 @@ class Dispatcher:
         cascade_min_logprob: float = 0.0,
         on_delta: DeltaSink | None = None,
         deadline_ms: int = 0,
+        view_tokens: int | None = None,
     ) -> ev.Generated:
         """Try each arm in order; each attempt packs the view for that arm's own budget.
 
@@ -86,14 +87,15 @@ class Dispatcher:
         With `on_delta(arm, text, restart)` the answer is streamed (not with the cascade, which needs the
         whole answer's log-probabilities first); `restart` marks the first piece of a fallback arm after
         another arm streamed part of an answer and failed. `deadline_ms` (epoch ms, 0 = none) is the
-        turn's deadline: no call outlives it, and a call it cuts is not held against the arm."""
+        turn's deadline: no call outlives it, and a call it cuts is not held against the arm. `view_tokens`
+        (the turn's option) caps the tokens of the memory blocks packed for any arm."""
         out = ev.Generated(status=ev.FAILED, query=text, state=state)
         started = time.perf_counter()
         relay = _StreamRelay(on_delta) if on_delta is not None and cascade_min_logprob >= 0 else None
         for arm in arms:
             spec = self._pool.get(arm)
             with step("dispatch pack"):
-                packed = self._pack(spec, text, state, view)
+                packed = self._pack(spec, text, state, view, view_tokens)
             # The attempt's latency is the model call alone (load harnesses subtract it as model time).
             t0 = time.perf_counter()
             attempt = ev.GenerationAttempt(
@@ -124,9 +126,14 @@ class Dispatcher:
         return out
 
     def _pack(
-        self, spec: ModelSpec, text: str, state: ev.SessionState, view: ev.CandidateView
+        self,
+        spec: ModelSpec,
+        text: str,
+        state: ev.SessionState,
+        view: ev.CandidateView,
+        view_tokens: int | None = None,
     ) -> PackedPrompt:
-        """Eq. 13 for this arm: its own input budget and token counter."""
+        """Eq. 13 for this arm: its own input budget and token counter; `view_tokens` caps the memory."""
         return pack_view(
             view,
             text,
@@ -134,6 +141,7 @@ class Dispatcher:
             input_budget(spec.context_window, spec.output_reserve, spec.safety_margin),
             load_counter(spec.tokenizer),
             state_header=self._state_header,
+            memory_budget=view_tokens,
         )
 
     async def _try_arm(

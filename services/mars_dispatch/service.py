@@ -12,6 +12,7 @@ from mars import consumer_groups
 from mars.bus import EventProducer, PoisonEvent, StageConsumer, StageOutput, Subscription
 from mars.config import TOPIC_GENERATED, TOPIC_ROUTED, TOPIC_TOKENS, ServiceSettings
 from mars.domain.circuit import CircuitBreaker
+from mars.domain.turn_options import MAX_TOKENS_LIMIT, InvalidOption, parse_turn_options
 from mars.pool import ModelPool, load_pool
 from mars.runtime import GrpcBinding, InvalidRequest, ServiceContext, ServiceParts, rpc_errors, run
 from mars.v1 import events_pb2 as ev
@@ -24,7 +25,6 @@ from mars_dispatch.dispatcher import Dispatcher
 
 STAGE = "dispatch"
 #: Largest max_tokens a turn may ask for (ingress's limit on the option too).
-MAX_TOKENS_LIMIT = 1024
 
 
 class DispatchSettings(ServiceSettings):
@@ -62,12 +62,11 @@ class DispatchStage:
         turn = event.turn
         if await self._out.done(turn.turn_id):
             return
-        max_tokens = self._settings.default_max_tokens
-        if "max_tokens" in turn.options:
-            raw = turn.options["max_tokens"]
-            if not raw.isdigit() or not 1 <= int(raw) <= MAX_TOKENS_LIMIT:
-                raise PoisonEvent(f"option max_tokens must be an integer in 1..{MAX_TOKENS_LIMIT}")
-            max_tokens = int(raw)
+        try:
+            options = parse_turn_options(turn.options)
+        except InvalidOption as exc:
+            raise PoisonEvent(str(exc)) from None
+        max_tokens = options.max_tokens or self._settings.default_max_tokens
         # Arms this pool has not got (a router on another pool, a foreign event) are skipped.
         arms = [a for a in dict.fromkeys([event.chosen_arm, *event.fallback_order]) if a in self._pool_arms]
         if not arms:
@@ -76,7 +75,7 @@ class DispatchStage:
                 f"{len(event.fallback_order)} fallback(s)); the pool has {', '.join(self._pool_arms)}"
             )
         on_delta = None
-        if turn.options.get("stream") == "true":
+        if options.stream:
             index = 0
 
             async def on_delta(arm: str, piece: str, restart: bool) -> None:
@@ -94,6 +93,7 @@ class DispatchStage:
             event.cascade_min_logprob,
             on_delta,
             turn.deadline_ms,
+            view_tokens=options.view_tokens,
         )
         out.turn.CopyFrom(turn)
         out.controller_cost_usd = event.state.usage.cost_usd

@@ -7,6 +7,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 
@@ -32,6 +33,7 @@ from mars.data_keys import Forgotten
 from mars.db import pg_text
 from mars.domain.feedback import rating_from
 from mars.domain.text import control_character
+from mars.domain.turn_options import InvalidOption, parse_turn_options
 from mars.quota import Quotas, Refusal, SpendCache, TenantLimits, pool_spend, spend_refusal
 from mars.runtime import GrpcBinding, ServiceContext, ServiceParts, run
 from mars.telemetry import context_from_metadata, current_trace_id, step
@@ -69,6 +71,10 @@ MIGRATIONS = [
     "ALTER TABLE ingress_turns ADD COLUMN IF NOT EXISTS republished_at TIMESTAMPTZ",
     # A tenant's turns of today, for the daily spend limit (mars.quota.SPENT_TODAY_SQL).
     "CREATE INDEX IF NOT EXISTS ingress_turns_tenant_day ON ingress_turns (tenant, created_at)",
+    # A user turn's content digest in its session (mars.history.text_digest): a turn's earlier messages
+    # (TurnRequest.history) that MARS holds already are found by it and not stored again.
+    "ALTER TABLE ingress_turns ADD COLUMN IF NOT EXISTS text_digest TEXT",
+    "CREATE INDEX IF NOT EXISTS ingress_turns_text_digest ON ingress_turns (tenant, user_id, text_digest)",
     # The API keys (mars.auth): applied with the ingress's schema, by the service and by `mars migrate`.
     *auth.MIGRATIONS,
 ]
@@ -91,7 +97,6 @@ STAGE_OF_TOPIC = {
     TOPIC_VIEW: "router",
     TOPIC_ROUTED: "dispatch",
 }
-KNOWN_OPTIONS = {"max_tokens", "stream", "remember"}
 
 
 class IngressSettings(ServiceSettings):
@@ -174,18 +179,11 @@ def validate_turn(req: svc.TurnRequest, max_chars: int) -> dict[str, str]:
         raise InvalidTurn("text is empty")
     if len(req.text) > max_chars:
         raise InvalidTurn(f"text has {len(req.text)} characters; the limit is {max_chars}")
-    unknown = sorted(set(req.options) - KNOWN_OPTIONS)
-    if unknown:
-        raise InvalidTurn(
-            f"unknown option(s) {', '.join(unknown)}; known: {', '.join(sorted(KNOWN_OPTIONS))}"
-        )
-    if "max_tokens" in req.options:
-        raw = req.options["max_tokens"]
-        if not raw.isdigit() or not 1 <= int(raw) <= 1024:
-            raise InvalidTurn("option max_tokens must be an integer in 1..1024")
-    for flag in ("stream", "remember"):
-        if req.options.get(flag, "true") not in ("true", "false"):
-            raise InvalidTurn(f'option {flag} must be "true" or "false"')
+    try:
+        parse_turn_options(req.options)
+        history.check_turn_history(req.history, req.session_id or "default", max_chars)
+    except (InvalidOption, history.InvalidHistory) as exc:
+        raise InvalidTurn(str(exc)) from None
     return dict(req.options)
 
 
@@ -388,8 +386,8 @@ class IngressServicer(svc_grpc.IngressServicer):
                     received = ev.TurnReceived(turn=envelope, text=text)
                     await conn.execute(
                         "INSERT INTO ingress_turns (turn_id, tenant, user_id, session_id, seq, status, "
-                        "deadline_at, received) "
-                        "VALUES (%s, %s, %s, %s, %s, 'PENDING', to_timestamp(%s / 1000.0), %s)",
+                        "deadline_at, received, text_digest) "
+                        "VALUES (%s, %s, %s, %s, %s, 'PENDING', to_timestamp(%s / 1000.0), %s, %s)",
                         (
                             envelope.turn_id,
                             envelope.tenant,
@@ -398,6 +396,7 @@ class IngressServicer(svc_grpc.IngressServicer):
                             envelope.seq,
                             envelope.deadline_ms,
                             received.SerializeToString(),
+                            history.text_digest(envelope.tenant, envelope.user_id, envelope.session_id, text),
                         ),
                     )
                     return received
@@ -506,6 +505,10 @@ class IngressServicer(svc_grpc.IngressServicer):
             )
             span.set_attribute("mars.turn_id", envelope.turn_id)
             span.set_attribute("mars.service", "ingress")
+            if req.history:
+                with step("ingress history"):
+                    imported = await self._import_unheld(req)
+                span.set_attribute("mars.history_imported", imported)
             with step("ingress accept"):
                 envelope.data_key_id = await self._producer.data_key_for(req.tenant, req.user_id)
                 received = await self._accept(envelope, req.text)
@@ -567,6 +570,7 @@ class IngressServicer(svc_grpc.IngressServicer):
                 latency_ms=(time.perf_counter() - started) * 1000,
                 attempts=list(generated.attempts),
                 trace_id=current_trace_id(),
+                usage=generated.usage,
             )
 
     async def SendTurn(self, request: svc.TurnRequest, context: grpc.aio.ServicerContext) -> svc.TurnReply:
@@ -741,31 +745,7 @@ class IngressServicer(svc_grpc.IngressServicer):
             await _abort(context, exc)
         try:
             seqs, fresh = await self._record_imported(request.tenant, request.user_id, pairs)
-            data_key_id = await self._producer.data_key_for(request.tenant, request.user_id)
-            depths = history.thread_depths(pairs)
-            # Every pair is published, the ones recorded before too: a call that failed after recording
-            # is simply made again (the memory writer stores each turn id once).
-            for pair, seq, depth in zip(pairs, seqs, depths, strict=True):
-                envelope = ev.TurnEnvelope(
-                    turn_id=pair.turn_id,
-                    tenant=request.tenant,
-                    user_id=request.user_id,
-                    session_id=pair.session_id,
-                    seq=seq,
-                    received_at_ms=int(time.time() * 1000),
-                    schema_version=SCHEMA_VERSION,
-                    data_key_id=data_key_id,
-                )
-                event = ev.Generated(
-                    turn=envelope,
-                    status=ev.OK,
-                    model=history.IMPORTED_BACKEND,
-                    text=pair.assistant_text,
-                    query=pair.user_text,
-                    state=history.imported_state(pair, depth),
-                    imported=True,
-                )
-                await self._producer.publish(TOPIC_GENERATED, event, envelope)
+            await self._publish_imported(request.tenant, request.user_id, pairs, seqs)
         except Exception as exc:
             await _abort(context, exc)
         last_seq = max(seqs)
@@ -795,6 +775,56 @@ class IngressServicer(svc_grpc.IngressServicer):
             turn_ids=[p.turn_id for p in pairs],
             last_seq=last_seq,
         )
+
+    async def _publish_imported(
+        self, tenant: str, user_id: str, pairs: list[history.ImportedPair], seqs: list[int]
+    ) -> None:
+        """Each recorded pair as an imported generated event. Every pair is published, the ones recorded
+        before too: a call that failed after recording is simply made again (the memory writer stores each
+        turn id once)."""
+        data_key_id = await self._producer.data_key_for(tenant, user_id)
+        depths = history.thread_depths(pairs)
+        for pair, seq, depth in zip(pairs, seqs, depths, strict=True):
+            envelope = ev.TurnEnvelope(
+                turn_id=pair.turn_id,
+                tenant=tenant,
+                user_id=user_id,
+                session_id=pair.session_id,
+                seq=seq,
+                received_at_ms=int(time.time() * 1000),
+                schema_version=SCHEMA_VERSION,
+                data_key_id=data_key_id,
+            )
+            event = ev.Generated(
+                turn=envelope,
+                status=ev.OK,
+                model=history.IMPORTED_BACKEND,
+                text=pair.assistant_text,
+                query=pair.user_text,
+                state=history.imported_state(pair, depth),
+                imported=True,
+            )
+            await self._producer.publish(TOPIC_GENERATED, event, envelope)
+
+    async def _import_unheld(self, req: svc.TurnRequest) -> int:
+        """A turn's earlier messages (`history`) that MARS does not hold in the turn's session, imported
+        before the turn takes its seq (so its view, which waits for earlier seqs, sees them). How many."""
+        session = req.session_id or "default"
+        digests = [history.text_digest(req.tenant, req.user_id, session, t.user_text) for t in req.history]
+        async with self._pool.connection() as conn:
+            cur = await conn.execute(
+                "SELECT text_digest, count(*) FROM ingress_turns WHERE tenant = %s AND user_id = %s "
+                "AND text_digest = ANY(%s) AND status <> 'FAILED' GROUP BY text_digest",
+                (req.tenant, req.user_id, digests),
+            )
+            held = Counter({str(d): int(n) for d, n in await cur.fetchall()})
+        turns = history.unheld_turns(req.tenant, req.user_id, session, req.history, held)
+        if not turns:
+            return 0
+        pairs = history.check_history(req.tenant, req.user_id, turns, self._settings.max_text_chars)
+        seqs, _ = await self._record_imported(req.tenant, req.user_id, pairs)
+        await self._publish_imported(req.tenant, req.user_id, pairs, seqs)
+        return len(pairs)
 
     async def _record_imported(
         self, tenant: str, user_id: str, pairs: list[history.ImportedPair]
@@ -826,8 +856,18 @@ class IngressServicer(svc_grpc.IngressServicer):
                 async with conn.cursor() as many:
                     await many.executemany(
                         "INSERT INTO ingress_turns (turn_id, tenant, user_id, session_id, seq, status, "
-                        "finished_at) VALUES (%s, %s, %s, %s, %s, 'IMPORTED', now())",
-                        [(p.turn_id, tenant, user_id, p.session_id, known[p.turn_id]) for p in new],
+                        "finished_at, text_digest) VALUES (%s, %s, %s, %s, %s, 'IMPORTED', now(), %s)",
+                        [
+                            (
+                                p.turn_id,
+                                tenant,
+                                user_id,
+                                p.session_id,
+                                known[p.turn_id],
+                                history.text_digest(tenant, user_id, p.session_id, p.user_text),
+                            )
+                            for p in new
+                        ],
                     )
                 recent, depth = history.last_thread_context(pairs)
                 await conn.execute(

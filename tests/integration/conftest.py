@@ -45,6 +45,7 @@ def start_stack(
     broker: str | None = None,
     llm: str = "llama",
     replicas: int = 1,
+    gateway: bool = False,
 ) -> LocalStack:
     check_settings(STACK_ENV)
     settings = StackSettings(
@@ -58,6 +59,7 @@ def start_stack(
         broker=broker,
         llm=llm,
         replicas=replicas,
+        gateway=gateway,
     )
     if services is not None:
         settings.services = services

@@ -3,6 +3,8 @@ imported pair is stored under, and the checks a request passes before anything i
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 from mars import history
 from mars.domain.memory_policy import MemoryRecord, session_ranking
@@ -138,3 +140,38 @@ def test_history_file_lines_are_read_or_refused_with_their_line_number() -> None
         with pytest.raises(RecordedFileError) as info:
             read_recorded([bad])
         assert message in str(info.value)
+
+
+def test_a_turns_history_skips_what_mars_holds_by_user_text_in_the_session() -> None:
+    """TurnRequest.history: held turns (counted by text digest) are skipped, a repeated text is skipped only
+    as often as it is held, and each unheld pair is put in the turn's session."""
+    sent = [turn("", "plan a trip", "sure"), turn("", "yes", "ok"), turn("", "yes", "done"), turn("", "new")]
+    digest = history.text_digest("t", "u", "s1", "yes")
+    assert digest != history.text_digest("t", "u", "s2", "yes") != history.text_digest("t", "v", "s1", "yes")
+    held = Counter({history.text_digest("t", "u", "s1", "plan a trip"): 1, digest: 1})
+    left = history.unheld_turns("t", "u", "s1", sent, held)
+    assert [(t.session_id, t.user_text, t.assistant_text) for t in left] == [
+        ("s1", "yes", "done"),
+        ("s1", "new", "ok"),
+    ]
+    assert history.unheld_turns("t", "u", "s1", sent, Counter()) == [
+        svc.RecordedTurn(session_id="s1", user_text=t.user_text, assistant_text=t.assistant_text) for t in sent
+    ]
+
+
+@pytest.mark.parametrize(
+    ("turns", "message"),
+    [
+        ([turn("", "")], r"history\[0\].user_text is empty"),
+        ([turn("", "a"), turn("other", "b")], r"history\[1\].session_id differs from the turn's"),
+        ([turn("", "a", key="k")], r"history\[0\].key is not used here"),
+        ([turn("", "a", "x" * 401)], r"history\[0\].assistant_text has 401 characters; the limit is 400"),
+        ([turn("", "a\x00")], r"history\[0\].user_text contains the control character U\+0000"),
+    ],
+)
+def test_a_turns_history_is_checked_before_anything_is_written(
+    turns: list[svc.RecordedTurn], message: str
+) -> None:
+    with pytest.raises(history.InvalidHistory, match=message):
+        history.check_turn_history(turns, "s1", 100)
+    history.check_turn_history([turn("s1", "fine", "yes"), turn("", "also")], "s1", 100)

@@ -29,6 +29,9 @@ def test_valid_turn_returns_options() -> None:
         ({"options": {"remember": "no"}}, "option remember must be \"true\" or \"false\""),
         ({"options": {"max_tokens": "0"}}, "max_tokens"),
         ({"options": {"max_tokens": "2000"}}, "max_tokens"),
+        ({"options": {"max_tokens": "١٢"}}, "max_tokens"),
+        ({"options": {"view_tokens": "0"}}, "option view_tokens must be an integer in 1..1000000"),
+        ({"options": {"view_tokens": "-5"}}, "view_tokens"),
     ],
 )
 def test_invalid_turns(kw: dict[str, object], message: str) -> None:

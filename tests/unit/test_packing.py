@@ -179,3 +179,18 @@ def test_without_state_header_the_prompt_has_rules_memory_and_query_only() -> No
     tight = with_header.prompt_tokens - 50
     assert pack_view(_view(), QUERY, STATE, tight).clipped_block_ids == ["hist:h2"]
     assert pack_view(_view(), QUERY, STATE, tight, state_header=False).clipped_block_ids == []
+
+
+def test_memory_budget_clips_the_memory_in_drop_order() -> None:
+    """A turn's view_tokens caps the memory blocks alone: lowest-scored history goes first, and no
+    remaining block set exceeds the cap; active state and query stay."""
+    full = pack_view(_view(), QUERY, STATE, 100_000)
+    block_tokens = estimate_tokens("[Retrieved history]\nhist:h1 " + "x" * 400)
+    capped = pack_view(_view(), QUERY, STATE, 100_000, memory_budget=4 * block_tokens)
+    assert capped.fits and capped.prompt_tokens < full.prompt_tokens
+    assert capped.clipped_block_ids[:2] == ["hist:h2", "hist:h3"]
+    assert "active" in [b.block_id for b in capped.blocks]
+    assert capped.messages[-1]["content"] == QUERY
+    tiny = pack_view(_view(), QUERY, STATE, 100_000, memory_budget=1)
+    assert [b.block_id for b in tiny.blocks] == ["active"]
+    assert tiny.fits

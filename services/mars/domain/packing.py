@@ -110,10 +110,12 @@ class _PieceCounter:
         self.blocks = [count(_block_text(b)) for b in blocks]
         self.query = count(query)
 
+    def memory(self, kept: list[int]) -> int:
+        """Tokens of the memory blocks alone (with their separators)."""
+        return sum(self.blocks[i] for i in kept) + self.separator * max(0, len(kept) - 1)
+
     def total(self, kept: list[int]) -> int:
-        memory = (
-            sum(self.blocks[i] for i in kept) + self.separator * max(0, len(kept) - 1) if kept else self.empty
-        )
+        memory = self.memory(kept) if kept else self.empty
         return self.header + memory + self.query + 2 * MESSAGE_OVERHEAD_TOKENS
 
 
@@ -133,19 +135,24 @@ def pack_view(
     budget: int,
     count_tokens: Callable[[str], int] = estimate_tokens,
     state_header: bool = True,
+    memory_budget: int | None = None,
 ) -> PackedPrompt:
     """Clip the candidate view to `budget` prompt tokens; active state and the query are never dropped.
-    `state_header=False` leaves the MEMORY GUIDANCE header (the session state) out of the prompt."""
+    `state_header=False` leaves the MEMORY GUIDANCE header (the session state) out of the prompt.
+    `memory_budget` also caps the memory blocks' own tokens (a turn's `view_tokens` option), clipped in
+    the same order."""
     guidance = memory_guidance(state) if state_header else None
     blocks = list(view.blocks)
     counter = _PieceCounter(guidance, blocks, query, count_tokens)
     dropped: set[int] = set()
-    tokens = counter.total(list(range(len(blocks))))
+    kept_now = list(range(len(blocks)))
+    tokens = counter.total(kept_now)
     for pos in _drop_order(blocks):
-        if tokens <= budget:
+        if tokens <= budget and (memory_budget is None or counter.memory(kept_now) <= memory_budget):
             break
         dropped.add(pos)
-        tokens = counter.total([i for i in range(len(blocks)) if i not in dropped])
+        kept_now = [i for i in range(len(blocks)) if i not in dropped]
+        tokens = counter.total(kept_now)
     kept = [b for i, b in enumerate(blocks) if i not in dropped]
     messages = _messages(guidance, kept, query)
     clipped = [blocks[i].block_id for i in _drop_order(blocks) if i in dropped]

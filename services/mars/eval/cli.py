@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from mars.domain.turn_options import MAX_TOKENS_LIMIT, VIEW_TOKENS_LIMIT
 from mars.eval.driver import PipelineTarget
 from mars.replay.cli import topic_prefix_arg
 
@@ -44,21 +46,35 @@ def _common(p: argparse.ArgumentParser) -> None:
         help="without --postgres-dsn: the tenant's API key (default: $MARS_API_KEY); the tenant then "
         "defaults to $MARS_TENANT, the key's",
     )
-    p.add_argument("--max-tokens", type=_max_tokens, help="answer length cap sent with every turn (1..1024)")
+    p.add_argument(
+        "--max-tokens",
+        type=_bounded(MAX_TOKENS_LIMIT),
+        help=f"answer length cap sent with every turn (1..{MAX_TOKENS_LIMIT})",
+    )
+    p.add_argument(
+        "--view-tokens",
+        type=_bounded(VIEW_TOKENS_LIMIT),
+        help="cap on the memory tokens packed into each prompt (the turn option view_tokens): shorter "
+        "prompts, a faster run; the scored ranking is taken before packing, so it is the same",
+    )
     p.add_argument("--timeout-s", type=float, default=300.0, help="seconds to wait for each answer")
     p.add_argument("--max-sessions", type=int, help="send only the first N sessions of each conversation")
     p.add_argument("--out", help="folder for results.json and answers.jsonl (for an external judge)")
 
 
-def _max_tokens(value: str) -> int:
-    """argparse type of --max-tokens: the ingress accepts 1..1024."""
-    try:
-        n = int(value)
-    except ValueError:
-        n = 0
-    if not 1 <= n <= 1024:
-        raise argparse.ArgumentTypeError(f"must be an integer in 1..1024, got {value!r}")
-    return n
+def _bounded(limit: int) -> Callable[[str], int]:
+    """argparse type of an integer turn option: the ingress accepts 1..limit."""
+
+    def parse(value: str) -> int:
+        try:
+            n = int(value)
+        except ValueError:
+            n = 0
+        if not 1 <= n <= limit:
+            raise argparse.ArgumentTypeError(f"must be an integer in 1..{limit}, got {value!r}")
+        return n
+
+    return parse
 
 
 def _target(args: argparse.Namespace) -> PipelineTarget:
@@ -74,6 +90,8 @@ def _target(args: argparse.Namespace) -> PipelineTarget:
         tenant = args.tenant or os.environ.get("MARS_TENANT") or f"eval-{int(time.time())}"
         api_key = args.api_key
     options = {} if args.max_tokens is None else {"max_tokens": str(args.max_tokens)}
+    if args.view_tokens is not None:
+        options["view_tokens"] = str(args.view_tokens)
     if args.history == "import":
         # Scored turns are asked, not remembered: memory holds the recorded history (imported).
         options["remember"] = "false"

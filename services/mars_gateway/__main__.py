@@ -1,0 +1,3 @@
+from mars_gateway.server import main
+
+main()

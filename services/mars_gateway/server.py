@@ -1,0 +1,38 @@
+"""`python -m mars_gateway`: the OpenAI-compatible HTTP gateway (uvicorn serving mars_gateway.app)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import uvicorn
+from mars.pool import PoolFileError, load_pool
+from mars.runtime import configure_logging
+
+from mars_gateway.app import create_app
+from mars_gateway.settings import GatewaySettings
+
+log = logging.getLogger("mars_gateway")
+
+
+def main() -> None:
+    settings = GatewaySettings()
+    configure_logging(settings.log_level, "gateway")
+    try:
+        arms = load_pool(settings.model_pool).arms
+    except PoolFileError as exc:
+        log.error("%s", exc)
+        sys.exit(2)
+    app = create_app(settings, arms)
+    log.info(
+        "gateway on http://%s:%d -> ingress %s", settings.http_host, settings.http_port, settings.ingress_addr
+    )
+    uvicorn.run(
+        app,
+        host=settings.http_host,
+        port=settings.http_port,
+        loop="uvloop" if settings.uvloop else "asyncio",
+        log_level=settings.log_level.lower(),
+        access_log=False,
+        timeout_graceful_shutdown=5,
+    )

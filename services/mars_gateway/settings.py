@@ -1,0 +1,29 @@
+"""The gateway's settings (`MARS_*` environment variables, or a file named by MARS_ENV_FILE)."""
+
+from __future__ import annotations
+
+import os
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class GatewaySettings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="MARS_", env_file=os.environ.get("MARS_ENV_FILE"), extra="ignore"
+    )
+
+    #: Where the gateway serves HTTP.
+    http_host: str = "127.0.0.1"
+    http_port: int = Field(default=8080, ge=0, le=65535)
+    #: The gRPC ingress it forwards to (TLS with the caller settings MARS_TLS_CA_FILE / _CLIENT_*).
+    ingress_addr: str = "127.0.0.1:50051"
+    #: The model pool, for GET /v1/models (the arms); the same file as the router's and dispatch's.
+    model_pool: str = "config/models.local.yaml"
+    #: How long a completion waits for its answer (the ingress's own bound, MARS_TURN_TIMEOUT_S, also holds).
+    turn_timeout_s: float = Field(default=180.0, gt=0)
+    #: Largest request body (413 above it). The ingress's text limits apply to what is inside.
+    max_body_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
+    log_level: str = "INFO"
+    #: Serve on uvloop (libuv) rather than asyncio's own loop.
+    uvloop: bool = True
