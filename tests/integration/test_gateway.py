@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -313,10 +314,10 @@ def test_health_and_the_openapi_document(gw_stack: LocalStack) -> None:
     assert "bearer" in json.dumps(doc["components"]["securitySchemes"]).lower()
 
 
-def test_schemathesis_finds_no_server_error(gw_stack: LocalStack) -> None:
+def test_schemathesis_finds_no_server_error(gw_stack: LocalStack, tmp_path: Path) -> None:
     """Generated requests (valid and not) against the served OpenAPI document: no 5xx. The fuzzing
     tenant's quota answers most valid completions with 429, so the run stays short."""
-    st = shutil.which("st", path=str(__import__("pathlib").Path(sys.executable).parent))
+    st = shutil.which("st", path=str(Path(sys.executable).parent))
     assert st, "schemathesis' st is installed with the dev extras"
     proc = subprocess.run(
         [
@@ -335,6 +336,7 @@ def test_schemathesis_finds_no_server_error(gw_stack: LocalStack) -> None:
         capture_output=True,
         text=True,
         timeout=400,
+        cwd=tmp_path,  # its cache folder (.schemathesis) goes there
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert "5 operations" in proc.stdout or "Tested: 5" in proc.stdout, proc.stdout[-2000:]
