@@ -15,7 +15,7 @@ import grpc
 import grpc.aio
 from fastapi import Depends, FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from mars.v1 import services_pb2 as svc
@@ -97,8 +97,10 @@ def from_rpc(exc: grpc.aio.AioRpcError) -> GatewayError:
     return GatewayError(err.status, message, err.type, err.code, headers=headers)
 
 
-class BodyLimit:
-    """413 for a request body over `limit` bytes, by its Content-Length or, chunked, as it arrives."""
+class Edge:
+    """What every request passes first: 413 for a body over `limit` bytes (by its Content-Length or, chunked,
+    as it arrives), and a Server-Timing header on the response: `gateway` is the time spent here, outside
+    the ingress call (`ingress`, when the route made one)."""
 
     def __init__(self, app: ASGIApp, limit: int) -> None:
         self.app = app
@@ -108,6 +110,7 @@ class BodyLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        started = time.perf_counter()
         too_large = GatewayError(
             413,
             f"request body is over the gateway's limit of {self.limit} bytes",
@@ -129,8 +132,21 @@ class BodyLimit:
                     raise _TooLarge
             return message
 
+        timing: dict[str, float] = {}
+        scope.setdefault("state", {})["timing"] = timing
+
+        async def timed(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                total = (time.perf_counter() - started) * 1000
+                ingress = timing.get("ingress_ms", 0.0)
+                value = f"gateway;dur={total - ingress:.2f}"
+                if "ingress_ms" in timing:
+                    value += f", ingress;dur={ingress:.2f}"
+                message["headers"] = [*message.get("headers", []), (b"server-timing", value.encode())]
+            await send(message)
+
         try:
-            await self.app(scope, limited, send)
+            await self.app(scope, limited, timed)
         except _TooLarge:
             await too_large.response()(scope, receive, send)
 
@@ -165,7 +181,7 @@ class Gateway:
     async def open(self) -> None:
         from mars import tls
 
-        self.channel = tls.aio_channel(self.settings.ingress_addr)
+        self.channel = tls.aio_channel(self.settings.ingress_addr, self.settings.client_tls())
         self.stub = svc_grpc.IngressStub(self.channel)
 
     async def close(self) -> None:
@@ -176,11 +192,17 @@ class Gateway:
         assert self.stub is not None, "gateway not started"
         return self.stub
 
-    async def call(self, make: Callable[[], Awaitable[Any]]) -> Any:
+    async def call(self, request: Request, make: Callable[[], Awaitable[Any]]) -> Any:
+        """The ingress call `make` makes, its time noted for Server-Timing; its error as OpenAI's."""
+        started = time.perf_counter()
         try:
             return await make()
         except grpc.aio.AioRpcError as exc:
             raise from_rpc(exc) from None
+        finally:
+            timing = getattr(request.state, "timing", None)
+            if timing is not None:
+                timing["ingress_ms"] = (time.perf_counter() - started) * 1000
 
 
 def create_app(settings: GatewaySettings, arms: list[str]) -> FastAPI:
@@ -206,7 +228,7 @@ def create_app(settings: GatewaySettings, arms: list[str]) -> FastAPI:
         lifespan=lifespan,
         responses=_ERRORS,
     )
-    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    app.add_middleware(Edge, limit=settings.max_body_bytes)
 
     @app.exception_handler(GatewayError)
     async def _gateway_error(_: Request, exc: GatewayError) -> JSONResponse:
@@ -268,6 +290,7 @@ def create_app(settings: GatewaySettings, arms: list[str]) -> FastAPI:
         },
     )
     async def chat_completions(
+        http: Request,
         body: ChatCompletionRequest,
         key: Annotated[str, Depends(api_key)],
         x_mars_user: Annotated[str | None, Header()] = None,
@@ -286,9 +309,11 @@ def create_app(settings: GatewaySettings, arms: list[str]) -> FastAPI:
         timeout = settings.turn_timeout_s
         if not body.stream:
             reply = await gateway.call(
-                lambda: gateway.ingress().SendTurn(request, metadata=metadata, timeout=timeout)
+                http, lambda: gateway.ingress().SendTurn(request, metadata=metadata, timeout=timeout)
             )
-            return mapping.completion(reply, plan)
+            # Serialized by pydantic-core directly: FastAPI's response_model pass (validate, then encode)
+            # would double the work for a body built from typed parts.
+            return Response(mapping.completion(reply, plan).model_dump_json(), media_type="application/json")
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         call = gateway.ingress().Converse(iter([request]), metadata=metadata, timeout=timeout)
         stream = call.__aiter__()
@@ -308,6 +333,7 @@ def create_app(settings: GatewaySettings, arms: list[str]) -> FastAPI:
 
     @app.post("/v1/feedback", response_model=FeedbackResult, tags=["mars"])
     async def feedback(
+        http: Request,
         body: FeedbackBody,
         key: Annotated[str, Depends(api_key)],
         x_mars_user: Annotated[str | None, Header()] = None,
@@ -326,7 +352,7 @@ def create_app(settings: GatewaySettings, arms: list[str]) -> FastAPI:
         )
         metadata = (("authorization", f"Bearer {key}"),)
         reply = await gateway.call(
-            lambda: gateway.ingress().SubmitFeedback(request, metadata=metadata, timeout=30)
+            http, lambda: gateway.ingress().SubmitFeedback(request, metadata=metadata, timeout=30)
         )
         return FeedbackResult(accepted=reply.accepted)
 

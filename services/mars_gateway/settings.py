@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+from mars.tls import ClientTls
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -16,8 +17,13 @@ class GatewaySettings(BaseSettings):
     #: Where the gateway serves HTTP.
     http_host: str = "127.0.0.1"
     http_port: int = Field(default=8080, ge=0, le=65535)
-    #: The gRPC ingress it forwards to (TLS with the caller settings MARS_TLS_CA_FILE / _CLIENT_*).
+    #: The gRPC ingress it forwards to.
     ingress_addr: str = "127.0.0.1:50051"
+    #: The ingress serves TLS: the CA to trust (PEM), and for mutual TLS this caller's certificate and key;
+    #: all empty calls in plaintext (the same variables every MARS caller reads, mars.tls.ClientTls).
+    tls_ca_file: str = ""
+    tls_client_cert_file: str = ""
+    tls_client_key_file: str = ""
     #: The model pool, for GET /v1/models (the arms); the same file as the router's and dispatch's.
     model_pool: str = "config/models.local.yaml"
     #: How long a completion waits for its answer (the ingress's own bound, MARS_TURN_TIMEOUT_S, also holds).
@@ -27,3 +33,6 @@ class GatewaySettings(BaseSettings):
     log_level: str = "INFO"
     #: Serve on uvloop (libuv) rather than asyncio's own loop.
     uvloop: bool = True
+
+    def client_tls(self) -> ClientTls:
+        return ClientTls(self.tls_ca_file, self.tls_client_cert_file, self.tls_client_key_file)

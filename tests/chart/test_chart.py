@@ -65,6 +65,7 @@ PROFILES: dict[str, dict[str, Any]] = {
             "networkPolicy": {
                 "restrictEgress": True,
                 "ingressFrom": [{"podSelector": {"matchLabels": {"mars.io/client": "true"}}}],
+                "gatewayFrom": [{"podSelector": {"matchLabels": {"mars.io/client": "true"}}}],
                 "egressTo": [{"ipBlock": {"cidr": "10.20.0.0/16"}}],
             },
             "metrics": {"serviceMonitor": {"enabled": True}},
@@ -413,7 +414,7 @@ def test_hpa_mode_caps_stages_at_the_partition_count() -> None:
 
 def test_every_service_has_a_disruption_budget() -> None:
     pdbs = by_component(render(BASE), "PodDisruptionBudget")
-    assert set(pdbs) == set(SERVICES)
+    assert set(pdbs) == {*SERVICES, "gateway"}
     deployments = by_component(render(BASE), "Deployment")
     for service, pdb in pdbs.items():
         assert (
@@ -495,15 +496,15 @@ def test_network_policies_let_each_service_be_reached_by_its_callers_only() -> N
     objects = render(PROFILES["networkpolicy"])
     policies = helm.find(objects, "NetworkPolicy")
     pods = _pods(objects)
-    sources = ["client", "neighbour", "outsider", "prometheus", "migrate", *SERVICES, "vllm"]
+    sources = ["client", "neighbour", "outsider", "prometheus", "migrate", *SERVICES, "gateway", "vllm"]
     allowed = {
         (src, dst, port)
-        for dst in (*SERVICES, "vllm")
+        for dst in (*SERVICES, "gateway", "vllm")
         for port in ("grpc", "metrics", "http")
         for src in sources
         if reachable(policies, pods[src], pods[dst], port)
     }
-    expected = {("client", "ingress", "grpc")}
+    expected = {("client", "ingress", "grpc"), ("client", "gateway", "http"), ("gateway", "ingress", "grpc")}
     expected |= {("migrate", s, "grpc") for s in STAGES}  # tool pods (hook and replay Jobs)
     expected |= {("prometheus", s, "metrics") for s in SERVICES}
     expected |= {(s, "vllm", "http") for s in ("state", "dispatch", "judge")}
@@ -619,7 +620,7 @@ def test_every_service_and_job_opens_sealed_events_with_one_master_key() -> None
     assert secret["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
     assert len(base64.b64decode(base64.b64decode(secret["data"]["master.key"]))) == 32
     for name, pod in pod_specs(objects):
-        if name.endswith("-vllm"):
+        if name.endswith(("-vllm", "-gateway")):  # the gateway sees no event: it holds no key
             continue
         volumes = {v["name"]: v for v in pod["volumes"]}
         assert volumes["master-key"]["secret"]["secretName"] == "mars-master-key", name
@@ -649,3 +650,35 @@ def test_learned_controller_needs_no_llm_endpoint() -> None:
     env = {v["name"]: v.get("value") for v in container["env"]}
     assert env["MARS_QTM_BACKEND"] == "learned"
     assert "MARS_QTM_URL" not in env and "MARS_QTM_MODEL" not in env
+
+
+def test_gateway_is_a_keyless_caller_of_the_ingress() -> None:
+    """The HTTP gateway: its settings are GatewaySettings', it reaches the ingress's Service (over TLS with
+    the release's CA when TLS is on), probes over HTTP, and holds no secret (no Postgres, Kafka or master
+    key); gateway.enabled=false renders none of it."""
+    from mars_gateway.settings import GatewaySettings
+
+    fields = {f"MARS_{name.upper()}" for name in GatewaySettings.model_fields}
+    for profile in ("default", "tls-mutual"):
+        objects = render(PROFILES[profile])
+        deployment = by_component(objects, "Deployment")["gateway"]
+        pod = deployment["spec"]["template"]["spec"]
+        (container,) = pod["containers"]
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert set(env) <= fields, sorted(set(env) - fields)
+        assert env["MARS_INGRESS_ADDR"] == "mars-ingress:50051" and env["MARS_HTTP_HOST"] == "0.0.0.0"
+        assert "envFrom" not in container and all("valueFrom" not in e for e in container["env"])
+        assert {v["name"] for v in pod["volumes"]} <= {"tmp", "pool", "tls"}
+        assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
+        assert container["args"] == ["gateway"] and container["securityContext"]["readOnlyRootFilesystem"]
+        service = by_component(objects, "Service")["gateway"]
+        assert service["spec"]["ports"][0]["targetPort"] == "http"
+        if profile == "tls-mutual":
+            assert env["MARS_TLS_CA_FILE"] == "/etc/mars/tls/ca.crt"
+            assert env["MARS_TLS_CLIENT_CERT_FILE"] == "/etc/mars/tls/tls.crt"
+        else:
+            assert "MARS_TLS_CA_FILE" not in env
+    off = render(merged(BASE, {"gateway": {"enabled": False}}))
+    assert not [o for o in off if o["metadata"]["labels"].get("app.kubernetes.io/component") == "gateway"]
+    ingress_policy = helm.find(off, "NetworkPolicy", "mars-ingress")[0]
+    assert len(ingress_policy["spec"]["ingress"]) == 2  # callers and metrics; no gateway rule
