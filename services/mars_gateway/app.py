@@ -158,7 +158,7 @@ class _TooLarge(Exception):
 bearer_scheme = HTTPBearer(auto_error=False, description="a MARS tenant API key (`mars tenant create`)")
 
 
-def api_key(credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer_scheme)]) -> str:
+async def api_key(credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer_scheme)]) -> str:
     if credentials is None or not credentials.credentials:
         raise GatewayError(
             401,
