@@ -666,16 +666,21 @@ def test_gateway_is_a_keyless_caller_of_the_ingress() -> None:
         (container,) = pod["containers"]
         env = {e["name"]: e.get("value") for e in container["env"]}
         assert set(env) <= fields, sorted(set(env) - fields)
+        # The values parse as the gateway parses them (Helm renders big numbers in e-notation unless cast).
+        settings = GatewaySettings.model_validate({k.removeprefix("MARS_").lower(): v for k, v in env.items()})
+        assert settings.max_body_bytes == 4 * 1024 * 1024 and settings.http_port == 8080
         assert env["MARS_INGRESS_ADDR"] == "mars-ingress:50051" and env["MARS_HTTP_HOST"] == "0.0.0.0"
         assert "envFrom" not in container and all("valueFrom" not in e for e in container["env"])
-        assert {v["name"] for v in pod["volumes"]} <= {"tmp", "pool", "tls"}
+        assert {v["name"] for v in pod["volumes"]} <= {"tmp", "pool", "tls", "tls-client"}
         assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
         assert container["args"] == ["gateway"] and container["securityContext"]["readOnlyRootFilesystem"]
         service = by_component(objects, "Service")["gateway"]
         assert service["spec"]["ports"][0]["targetPort"] == "http"
         if profile == "tls-mutual":
             assert env["MARS_TLS_CA_FILE"] == "/etc/mars/tls/ca.crt"
-            assert env["MARS_TLS_CLIENT_CERT_FILE"] == "/etc/mars/tls/tls.crt"
+            assert env["MARS_TLS_CLIENT_CERT_FILE"] == "/etc/mars/tls-client/tls.crt"
+            client_secret = {v["name"]: v for v in pod["volumes"]}["tls-client"]["secret"]["secretName"]
+            assert client_secret == "mars-tls"  # no clientSecretName: the release's own certificate
         else:
             assert "MARS_TLS_CA_FILE" not in env
     off = render(merged(BASE, {"gateway": {"enabled": False}}))

@@ -233,7 +233,7 @@ def test_image_is_hardened(image: str) -> None:
     assert "Read-only file system" in out, out
 
 
-def test_six_services_serve_and_answer_a_turn(
+def test_six_services_and_the_gateway_serve_and_answer_turns(
     image: str, infra: LocalStack, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The containers get exactly the environment, model pool and TLS files the Helm chart gives its pods:
@@ -338,6 +338,51 @@ def test_six_services_serve_and_answer_a_turn(
             "--tenant", "image", "--api-key", api_key, "--timeout", "120", "And a second turn from the CLI",
         )  # fmt: skip
         assert "standin-" in cli.stdout, cli.stdout + cli.stderr
+
+        # The OpenAI-compatible gateway, as the chart runs it: a caller of the containerised ingress over
+        # mutual TLS (its client certificate mounted as tls.clientSecretName's Secret would be), one completion.
+        gateway_port = free_port()
+        gateway_env = helm.service_env(objects, "gateway")
+        gateway_env.update(
+            MARS_HTTP_HOST="127.0.0.1",
+            MARS_HTTP_PORT=str(gateway_port),
+            MARS_INGRESS_ADDR=f"127.0.0.1:{ports['ingress']}",
+        )
+        client_dir = tmp_path / "gateway-tls"
+        client_dir.mkdir()
+        (client_dir / "tls.crt").write_bytes(certs.client_cert.read_bytes())
+        (client_dir / "tls.key").write_bytes(certs.client_key.read_bytes())
+        for path in (client_dir, *client_dir.iterdir()):
+            path.chmod(0o755 if path.is_dir() else 0o644)
+        gateway_name = f"mars-test-gateway-{run_id}"
+        podman(
+            "run", "--detach", f"--name={gateway_name}", "--network=host", *HARDENED,
+            f"--volume={pool_dir}:{POOL_DIR_IN_CONTAINER}:ro",
+            f"--volume={certs.ca.parent}:{TLS_DIR_IN_CONTAINER}:ro",
+            f"--volume={client_dir}:/etc/mars/tls-client:ro",
+            *[f"--env={k}={v}" for k, v in sorted(gateway_env.items())], image, "gateway",
+        )  # fmt: skip
+        started.append(gateway_name)
+        base = f"http://127.0.0.1:{gateway_port}"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{base}/readyz", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        else:
+            logs = podman("logs", gateway_name, check=False)
+            pytest.fail(f"gateway not ready after 60s:\n{(logs.stdout + logs.stderr)[-3000:]}")
+        completion = httpx.post(
+            f"{base}/v1/chat/completions",
+            headers={"Authorization": f"Bearer {api_key}"},
+            json={"model": "mars", "user": "u1", "messages": [{"role": "user", "content": "Hi via HTTP"}]},
+            timeout=120,
+        )
+        assert completion.status_code == 200, completion.text
+        assert completion.json()["model"] in {"standin-short", "standin-long"}
         # The turns' text went over Kafka sealed with the user's data key (the chart's master key wraps it).
         received = read_records(infra.env["MARS_KAFKA_BOOTSTRAP"], TOPIC_RECEIVED)
         assert len(received) >= 2 and not [r for r in received if b"from the image test" in r.value]
@@ -347,6 +392,7 @@ def test_six_services_serve_and_answer_a_turn(
         for service in SERVICES:
             state = podman("inspect", "--format", "{{.State.Status}}", names[service]).stdout.strip()
             assert state == "running", f"{service} is {state}"
+        assert podman("inspect", "--format", "{{.State.Status}}", gateway_name).stdout.strip() == "running"
     finally:
         for name in started:
             with contextlib.suppress(Exception):
