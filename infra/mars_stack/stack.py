@@ -258,9 +258,12 @@ class LocalStack:
         self._stopping.set()
         if self._supervisor is not None:
             self._supervisor.join(timeout=5)
-        # Services first (they flush and commit), then the LLM and broker, Postgres last.
+        # Services (and the gateway) first, all at once: each drains and commits on its own while the broker
+        # and Postgres are still up; then the LLM and broker, Postgres last.
         with self._lock:
-            for proc in reversed(self.procs):
+            infra = {"postgres", "broker", "llm"}
+            self._terminate_all([p for p in self.procs if p.name not in infra])
+            for proc in reversed([p for p in self.procs if p.name in infra]):
                 self._terminate(proc)
             self.procs.clear()
         if self._own_workdir and not os.environ.get("MARS_KEEP_STACK"):
@@ -333,6 +336,21 @@ class LocalStack:
             fh.close()
         proc.started_at = time.monotonic()
         proc.restart_at = None
+
+    def _terminate_all(self, procs: list[Proc], timeout_s: float = 15.0) -> None:
+        """`_terminate` for many processes at once: every stop signal sent, then every exit awaited."""
+        running = [p for p in procs if p.popen.poll() is None]
+        for proc in running:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.popen.pid, signal.SIGCONT)
+                proc.popen.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for proc in running:
+            try:
+                proc.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.popen.kill()
+                proc.popen.wait()
 
     def _terminate(self, proc: Proc, timeout_s: float = 15.0) -> None:
         if proc.popen.poll() is not None:

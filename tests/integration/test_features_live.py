@@ -54,7 +54,11 @@ def turns(stack: LocalStack) -> dict[str, tuple[ev.ViewBuilt, ev.Routed]]:
     failed: list[str] = []
     for session, text in SCRIPT:
         req = svc.TurnRequest(
-            tenant=TENANT, user_id=USER, session_id=session, text=text, options={"max_tokens": "8"}
+            tenant=TENANT,
+            user_id=USER,
+            session_id=session,
+            text=text,
+            options={"max_tokens": "8", "view_tokens": "128"},  # features come before packing
         )
         try:
             stub.SendTurn(req, timeout=180)

@@ -197,7 +197,10 @@ def test_streaming_sends_openai_chunks_and_done(gw_stack: LocalStack) -> None:
 def test_feedback_reaches_the_router(gw_stack: LocalStack) -> None:
     c = client(gw_stack)
     reply = c.chat.completions.create(
-        model="mars", user="gw-fb", messages=[{"role": "user", "content": "Suggest a name for my cat."}]
+        model="mars",
+        user="gw-fb",
+        messages=[{"role": "user", "content": "Suggest a name for my cat."}],
+        max_tokens=8,
     )
     turn_id = mars(reply)["turn_id"]
     wait_for(

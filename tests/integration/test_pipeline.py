@@ -78,7 +78,8 @@ def conversation(stack: LocalStack) -> dict[str, list[svc.TurnReply]]:
                         user_id=user,
                         session_id=session,
                         text=text,
-                        options={"max_tokens": "32"},
+                        # A capped view keeps SmolLM2's prefill short; views and routing come before packing.
+                        options={"max_tokens": "32", "view_tokens": "192"},
                     )
                     replies[user].append(stub.SendTurn(req, timeout=180))
         except BaseException as exc:
