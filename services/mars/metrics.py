@@ -219,6 +219,15 @@ class Instruments:
         self.dispatch_attempts = meter.create_counter(
             "mars.dispatch.attempts", unit="{attempt}", description="arm attempts by arm and outcome"
         )
+        self.gateway_requests = meter.create_counter(
+            "mars.gateway.requests", unit="{request}", description="HTTP gateway requests by route and status"
+        )
+        self.gateway_duration = meter.create_histogram(
+            "mars.gateway.duration",
+            unit="ms",
+            description="the HTTP gateway's own time per request (everything but the ingress call), by route",
+            explicit_bucket_boundaries_advisory=DURATION_BUCKETS_MS,
+        )
 
 
 METER_NAME = "mars"
@@ -300,6 +309,12 @@ def record_qtm_outcome(outcome: str, backend: str) -> None:
 
 def record_judge_outcome(outcome: str) -> None:
     _current.judge_outcomes.add(1, {"outcome": outcome})
+
+
+def record_gateway_request(route: str, status: int, own_ms: float) -> None:
+    """`route` must be one of the gateway's own paths (or "other"): never a caller-chosen string."""
+    _current.gateway_requests.add(1, {"route": route, "status": str(status)})
+    _current.gateway_duration.record(own_ms, {"route": route})
 
 
 def record_dispatch_attempt(arm: str, outcome: str) -> None:

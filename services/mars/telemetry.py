@@ -139,16 +139,22 @@ def setup_telemetry(service: str, settings: ServiceSettings) -> Telemetry:
         )
     metrics_server = None
     if settings.metrics_port:
-        # Pull, not push: Prometheus (the chart's ServiceMonitor) scrapes GET /metrics on this port.
-        from opentelemetry.exporter.prometheus import PrometheusMetricReader
-        from prometheus_client import start_http_server
-
-        metrics_server, _ = start_http_server(settings.metrics_port, addr=settings.grpc_host)
-        readers.append(PrometheusMetricReader())
+        metrics_server, reader = prometheus_endpoint(settings.metrics_port, settings.grpc_host)
+        readers.append(reader)
     meter_provider = MeterProvider(resource=resource, metric_readers=readers)
     metrics.set_meter_provider(meter_provider)
     mars_metrics.bind(meter_provider)
     return Telemetry(tracer_provider, meter_provider, files, metrics_server)
+
+
+def prometheus_endpoint(port: int, host: str) -> tuple[Any, MetricReader]:
+    """GET /metrics on `host:port` (its HTTP server, to shut down) and the reader that feeds it. Pull, not
+    push: Prometheus (the chart's ServiceMonitor) scrapes it."""
+    from opentelemetry.exporter.prometheus import PrometheusMetricReader
+    from prometheus_client import start_http_server
+
+    server, _ = start_http_server(port, addr=host)
+    return server, PrometheusMetricReader()
 
 
 def setup_tracing(

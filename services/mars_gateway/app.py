@@ -18,6 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from mars import metrics
 from mars.v1 import services_pb2 as svc
 from mars.v1 import services_pb2_grpc as svc_grpc
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -43,6 +44,10 @@ from mars_gateway.settings import GatewaySettings
 log = logging.getLogger("mars_gateway")
 
 INGRESS_HEALTH_SERVICE = "mars.v1.Ingress"
+#: The gateway's paths: the metrics' route label (any other path counts as "other").
+ROUTES = frozenset(
+    {"/v1/chat/completions", "/v1/models", "/v1/feedback", "/healthz", "/readyz", "/openapi.json", "/docs"}
+)
 _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorBody, "description": what}
     for code, what in (
@@ -143,6 +148,10 @@ class Edge:
                 if "ingress_ms" in timing:
                     value += f", ingress;dur={ingress:.2f}"
                 message["headers"] = [*message.get("headers", []), (b"server-timing", value.encode())]
+                path = scope.get("path", "")
+                metrics.record_gateway_request(
+                    path if path in ROUTES else "other", int(message["status"]), total - ingress
+                )
             await send(message)
 
         try:
@@ -153,6 +162,16 @@ class Edge:
 
 class _TooLarge(Exception):
     pass
+
+
+#: W3C trace context headers passed on to the ingress, so the turn's trace continues the caller's.
+TRACE_HEADERS = ("traceparent", "tracestate")
+
+
+def call_metadata(key: str, http: Request) -> tuple[tuple[str, str], ...]:
+    """The ingress call's metadata: the caller's API key and its trace context."""
+    trace = tuple((h, http.headers[h]) for h in TRACE_HEADERS if h in http.headers)
+    return (("authorization", f"Bearer {key}"), *trace)
 
 
 bearer_scheme = HTTPBearer(auto_error=False, description="a MARS tenant API key (`mars tenant create`)")
@@ -305,7 +324,7 @@ def create_app(settings: GatewaySettings, arms: list[str]) -> FastAPI:
             options=mapping.turn_options(plan, body.stream),
             history=plan.history,
         )
-        metadata = (("authorization", f"Bearer {key}"),)
+        metadata = call_metadata(key, http)
         timeout = settings.turn_timeout_s
         if not body.stream:
             reply = await gateway.call(
@@ -350,7 +369,7 @@ def create_app(settings: GatewaySettings, arms: list[str]) -> FastAPI:
             thumbs=body.thumbs or 0,
             comment=body.comment,
         )
-        metadata = (("authorization", f"Bearer {key}"),)
+        metadata = call_metadata(key, http)
         reply = await gateway.call(
             http, lambda: gateway.ingress().SubmitFeedback(request, metadata=metadata, timeout=30)
         )

@@ -23,6 +23,15 @@ def main() -> None:
     except PoolFileError as exc:
         log.error("%s", exc)
         sys.exit(2)
+    if settings.metrics_port:
+        from mars import metrics
+        from mars.telemetry import prometheus_endpoint
+        from opentelemetry.sdk.metrics import MeterProvider
+        from opentelemetry.sdk.resources import Resource
+
+        _, reader = prometheus_endpoint(settings.metrics_port, settings.http_host)
+        resource = Resource.create({"service.name": "mars-gateway"})
+        metrics.bind(MeterProvider(resource=resource, metric_readers=[reader]))
     app = create_app(settings, arms)
     log.info(
         "gateway on http://%s:%d -> ingress %s", settings.http_host, settings.http_port, settings.ingress_addr

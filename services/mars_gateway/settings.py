@@ -30,6 +30,9 @@ class GatewaySettings(BaseSettings):
     turn_timeout_s: float = Field(default=180.0, gt=0)
     #: Largest request body (413 above it). The ingress's text limits apply to what is inside.
     max_body_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
+    #: Port of the Prometheus endpoint (GET /metrics on http_host): mars.gateway.requests and
+    #: mars.gateway.duration; 0 serves none.
+    metrics_port: int = Field(default=0, ge=0, le=65535)
     log_level: str = "INFO"
     #: Serve on uvloop (libuv) rather than asyncio's own loop.
     uvloop: bool = True

@@ -506,7 +506,7 @@ def test_network_policies_let_each_service_be_reached_by_its_callers_only() -> N
     }
     expected = {("client", "ingress", "grpc"), ("client", "gateway", "http"), ("gateway", "ingress", "grpc")}
     expected |= {("migrate", s, "grpc") for s in STAGES}  # tool pods (hook and replay Jobs)
-    expected |= {("prometheus", s, "metrics") for s in SERVICES}
+    expected |= {("prometheus", s, "metrics") for s in (*SERVICES, "gateway")}
     expected |= {(s, "vllm", "http") for s in ("state", "dispatch", "judge")}
     assert allowed == expected
     # Default values: the ingress takes calls from its own namespace, not from others.
@@ -536,8 +536,9 @@ def test_service_monitor_scrapes_every_service_metrics_port() -> None:
     assert monitor["spec"]["endpoints"][0]["port"] == "metrics"
     for service in helm.find(objects, "Service"):
         component = service["metadata"]["labels"]["app.kubernetes.io/component"]
-        if component in SERVICES:
+        if component in (*SERVICES, "gateway"):
             assert "metrics" in {p["name"] for p in service["spec"]["ports"]}
+            assert component in monitor["spec"]["selector"]["matchExpressions"][0]["values"]
     assert not helm.find(render(BASE), "ServiceMonitor")
 
 

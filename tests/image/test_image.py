@@ -341,11 +341,12 @@ def test_six_services_and_the_gateway_serve_and_answer_turns(
 
         # The OpenAI-compatible gateway, as the chart runs it: a caller of the containerised ingress over
         # mutual TLS (its client certificate mounted as tls.clientSecretName's Secret would be), one completion.
-        gateway_port = free_port()
+        gateway_port, gateway_metrics = free_port(), free_port()
         gateway_env = helm.service_env(objects, "gateway")
         gateway_env.update(
             MARS_HTTP_HOST="127.0.0.1",
             MARS_HTTP_PORT=str(gateway_port),
+            MARS_METRICS_PORT=str(gateway_metrics),
             MARS_INGRESS_ADDR=f"127.0.0.1:{ports['ingress']}",
         )
         client_dir = tmp_path / "gateway-tls"
@@ -383,6 +384,8 @@ def test_six_services_and_the_gateway_serve_and_answer_turns(
         )
         assert completion.status_code == 200, completion.text
         assert completion.json()["model"] in {"standin-short", "standin-long"}
+        scrape = httpx.get(f"http://127.0.0.1:{gateway_metrics}/metrics", timeout=10)
+        assert 'route="/v1/chat/completions"' in scrape.text, scrape.text[-2000:]
         # The turns' text went over Kafka sealed with the user's data key (the chart's master key wraps it).
         received = read_records(infra.env["MARS_KAFKA_BOOTSTRAP"], TOPIC_RECEIVED)
         assert len(received) >= 2 and not [r for r in received if b"from the image test" in r.value]

@@ -19,12 +19,16 @@ from conftest import api_key, query, read_events, start_stack, wait_for
 from mars.config import TOPIC_VIEW
 from mars.v1 import events_pb2 as ev
 from mars_stack import LocalStack
+from mars_stack.stack import free_port
 
 pytestmark = pytest.mark.integration
 
 TENANT = "gw"
 QUOTA_TENANT = "gw-quota"
 ARMS = {"broken-endpoint", "smollm2-135m-short", "smollm2-135m-long"}
+
+
+METRICS_PORT = free_port()
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +42,7 @@ def gw_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
             "ingress": {
                 "MARS_QUOTA_TENANTS": json.dumps({QUOTA_TENANT: {"turns_per_s": 0.001, "turn_burst": 1}})
             },
+            "gateway": {"MARS_METRICS_PORT": str(METRICS_PORT)},
         },
         gateway=True,
     )
@@ -307,6 +312,41 @@ def test_quota_is_429_with_retry_after(gw_stack: LocalStack) -> None:
     with pytest.raises(openai.RateLimitError) as info:
         c.chat.completions.create(**body)  # type: ignore[call-overload]
     assert int(info.value.response.headers["Retry-After"]) >= 1
+
+
+def test_the_callers_trace_continues_through_the_pipeline(gw_stack: LocalStack) -> None:
+    trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+    resp = httpx.post(
+        url(gw_stack) + "/v1/chat/completions",
+        headers={
+            "Authorization": f"Bearer {api_key(gw_stack, TENANT)}",
+            "traceparent": f"00-{trace_id}-00f067aa0ba902b7-01",
+        },
+        json={
+            "model": "mars",
+            "user": "gw-trace",
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 4,
+        },
+        timeout=120,
+    )
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["mars"]["trace_id"] == trace_id
+    timing = resp.headers["server-timing"]
+    assert timing.startswith("gateway;dur=") and ", ingress;dur=" in timing
+
+
+def test_requests_are_counted_on_the_prometheus_endpoint(gw_stack: LocalStack) -> None:
+    """mars.gateway.requests by route and status and the gateway's own time; a path nobody serves is
+    "other", never a label of the caller's choosing."""
+    httpx.get(url(gw_stack) + "/v1/models", headers={"Authorization": f"Bearer {api_key(gw_stack, TENANT)}"})
+    httpx.get(url(gw_stack) + "/v1/nothing-here-" + "x" * 20)
+    scraped = httpx.get(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=10).text
+    lines = [line for line in scraped.splitlines() if line.startswith("mars_gateway_requests")]
+    assert any('route="/v1/models"' in line and 'status="200"' in line for line in lines), lines
+    assert any('route="other"' in line and 'status="404"' in line for line in lines), lines
+    assert "nothing-here" not in scraped
+    assert "mars_gateway_duration_milliseconds_bucket" in scraped
 
 
 def test_health_and_the_openapi_document(gw_stack: LocalStack) -> None:
