@@ -85,6 +85,21 @@ def _text_problem(text: str, limit: int) -> str | None:
     return None
 
 
+def _pair_problem(turn: svc.RecordedTurn, max_text_chars: int) -> str | None:
+    """What is wrong with a recorded pair's texts ("user_text is empty"), or None. Recorded text is memory,
+    not a prompt: either side may run to RECORDED_TEXT_FACTOR times a live turn's limit (a pasted
+    document); a user turn may have gone unanswered (empty assistant_text)."""
+    limit = max_text_chars * RECORDED_TEXT_FACTOR
+    problem = _text_problem(turn.user_text, limit)
+    if problem is not None:
+        return f"user_text {problem}"
+    if turn.assistant_text:
+        problem = _text_problem(turn.assistant_text, limit)
+        if problem is not None:
+            return f"assistant_text {problem}"
+    return None
+
+
 def check_history(
     tenant: str, user_id: str, turns: Sequence[svc.RecordedTurn], max_text_chars: int
 ) -> list[ImportedPair]:
@@ -104,15 +119,7 @@ def check_history(
         session = turn.session_id or "default"
         if not ID_PATTERN.match(session):
             raise InvalidHistory(f"{where}.session_id must match {ID_PATTERN.pattern}")
-        # Recorded text is memory, not a prompt: either side may run to RECORDED_TEXT_FACTOR times a live
-        # turn's limit (a pasted document); a user turn may have gone unanswered (empty assistant_text).
-        limit = max_text_chars * RECORDED_TEXT_FACTOR
-        problem = _text_problem(turn.user_text, limit)
-        if problem is None and turn.assistant_text:
-            problem = _text_problem(turn.assistant_text, limit)
-            problem = problem and f"assistant_text {problem}"
-        elif problem is not None:
-            problem = f"user_text {problem}"
+        problem = _pair_problem(turn, max_text_chars)
         if problem is not None:
             raise InvalidHistory(f"{where}.{problem}")
         if turn.key and (len(turn.key) > 200 or _text_problem(turn.key, 200) is not None):
@@ -166,20 +173,22 @@ def text_digest(tenant: str, user_id: str, session_id: str, user_text: str) -> s
 
 
 def unheld_turns(
-    tenant: str, user_id: str, session_id: str, turns: Sequence[svc.RecordedTurn], held: Counter[str]
+    session_id: str, turns: Sequence[svc.RecordedTurn], digests: Sequence[str], held: Counter[str]
 ) -> list[svc.RecordedTurn]:
     """The earlier pairs of a turn's conversation that MARS does not hold, in order, each in the turn's
-    session. `held` counts the session's turns by `text_digest`: a user text sent n times and held m times
-    has its first m occurrences taken as held (a repeated "yes" is each its own turn)."""
+    session. `digests` are the turns' `text_digest`s, `held` counts the session's turns by digest: a user
+    text sent n times and held m times has its first m occurrences taken as held (a repeated "yes" is each
+    its own turn)."""
     left = Counter(held)
     out: list[svc.RecordedTurn] = []
-    for turn in turns:
-        digest = text_digest(tenant, user_id, session_id, turn.user_text)
+    for turn, digest in zip(turns, digests, strict=True):
         if left[digest] > 0:
             left[digest] -= 1
             continue
         out.append(
-            svc.RecordedTurn(session_id=session_id, user_text=turn.user_text, assistant_text=turn.assistant_text)
+            svc.RecordedTurn(
+                session_id=session_id, user_text=turn.user_text, assistant_text=turn.assistant_text
+            )
         )
     return out
 
@@ -188,16 +197,11 @@ def check_turn_history(turns: Sequence[svc.RecordedTurn], session_id: str, max_t
     """InvalidHistory naming the first bad pair of a turn's `history` (nothing is written then)."""
     if len(turns) > MAX_TURNS_PER_CALL:
         raise InvalidHistory(f"history has {len(turns)} pairs; the limit is {MAX_TURNS_PER_CALL}")
-    limit = max_text_chars * RECORDED_TEXT_FACTOR
     for i, turn in enumerate(turns):
         if turn.session_id and turn.session_id != session_id:
             raise InvalidHistory(f"history[{i}].session_id differs from the turn's; leave it empty")
         if turn.key:
             raise InvalidHistory(f"history[{i}].key is not used here; leave it empty")
-        problem = _text_problem(turn.user_text, limit)
+        problem = _pair_problem(turn, max_text_chars)
         if problem is not None:
-            raise InvalidHistory(f"history[{i}].user_text {problem}")
-        if turn.assistant_text:
-            problem = _text_problem(turn.assistant_text, limit)
-            if problem is not None:
-                raise InvalidHistory(f"history[{i}].assistant_text {problem}")
+            raise InvalidHistory(f"history[{i}].{problem}")

@@ -110,18 +110,19 @@ class Edge:
     def __init__(self, app: ASGIApp, limit: int) -> None:
         self.app = app
         self.limit = limit
+        self.too_large = GatewayError(
+            413,
+            f"request body is over the gateway's limit of {limit} bytes",
+            "invalid_request_error",
+            "request_too_large",
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         started = time.perf_counter()
-        too_large = GatewayError(
-            413,
-            f"request body is over the gateway's limit of {self.limit} bytes",
-            "invalid_request_error",
-            "request_too_large",
-        )
+        too_large = self.too_large
         for name, value in scope.get("headers", ()):
             if name == b"content-length" and value.isdigit() and int(value) > self.limit:
                 await too_large.response()(scope, receive, send)

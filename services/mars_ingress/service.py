@@ -170,9 +170,7 @@ def validate_turn(req: svc.TurnRequest, max_chars: int) -> dict[str, str]:
         raise InvalidTurn("tenant is required")
     if not req.user_id.strip():
         raise InvalidTurn("user_id is required")
-    for field_name, value in (("tenant", req.tenant), ("user_id", req.user_id)):
-        if not _ID.match(value):
-            raise InvalidTurn(f"{field_name} must match {_ID.pattern}")
+    check_user_ids(req.tenant, req.user_id)
     if req.session_id and not _ID.match(req.session_id):
         raise InvalidTurn(f"session_id must match {_ID.pattern}")
     if not req.text.strip():
@@ -818,7 +816,7 @@ class IngressServicer(svc_grpc.IngressServicer):
                 (req.tenant, req.user_id, digests),
             )
             held = Counter({str(d): int(n) for d, n in await cur.fetchall()})
-        turns = history.unheld_turns(req.tenant, req.user_id, session, req.history, held)
+        turns = history.unheld_turns(session, req.history, digests, held)
         if not turns:
             return 0
         pairs = history.check_history(req.tenant, req.user_id, turns, self._settings.max_text_chars)

@@ -149,13 +149,15 @@ def test_a_turns_history_skips_what_mars_holds_by_user_text_in_the_session() -> 
     digest = history.text_digest("t", "u", "s1", "yes")
     assert digest != history.text_digest("t", "u", "s2", "yes") != history.text_digest("t", "v", "s1", "yes")
     held = Counter({history.text_digest("t", "u", "s1", "plan a trip"): 1, digest: 1})
-    left = history.unheld_turns("t", "u", "s1", sent, held)
+    digests = [history.text_digest("t", "u", "s1", t.user_text) for t in sent]
+    left = history.unheld_turns("s1", sent, digests, held)
     assert [(t.session_id, t.user_text, t.assistant_text) for t in left] == [
         ("s1", "yes", "done"),
         ("s1", "new", "ok"),
     ]
-    assert history.unheld_turns("t", "u", "s1", sent, Counter()) == [
-        svc.RecordedTurn(session_id="s1", user_text=t.user_text, assistant_text=t.assistant_text) for t in sent
+    assert history.unheld_turns("s1", sent, digests, Counter()) == [
+        svc.RecordedTurn(session_id="s1", user_text=t.user_text, assistant_text=t.assistant_text)
+        for t in sent
     ]
 
 
