@@ -9,7 +9,14 @@ from pathlib import Path
 import pytest
 from mars.cli import build_parser
 from mars.probe.qtm_labels import score
-from mars.qtm.labelled import FIELDS, LabelError, load_labelled, state_labels
+from mars.qtm.labelled import (
+    DEFAULT_LABELS,
+    FIELDS,
+    LabelError,
+    consistency_problems,
+    load_labelled,
+    state_labels,
+)
 from mars.v1 import events_pb2 as ev
 
 BASE = {
@@ -107,3 +114,52 @@ def test_probe_runs_the_rules_on_a_labelled_set(tmp_path: Path, capsys: pytest.C
     assert "5 labelled turns of 1 personas" in capsys.readouterr().out
     missing = build_parser().parse_args(["probe", "qtm-labels", "--labels", str(tmp_path / "nope.jsonl")])
     assert missing.func(missing) == 2
+
+
+def test_the_shipped_set_keeps_the_guides_consistency_rules() -> None:
+    turns = load_labelled(DEFAULT_LABELS.read_text().splitlines())
+    assert consistency_problems(turns) == []
+    assert len(turns) >= 1000 and len({t.persona for t in turns}) >= 30
+    # Every Table 5 value of every field occurs at least 20 times.
+    for field, values in FIELDS.items():
+        for value in values:
+            assert sum(t.labels[field] == value for t in turns) >= 20, (field, value)
+
+
+def test_consistency_rules_name_the_turn_that_breaks_them() -> None:
+    assert consistency_problems(load_labelled(SET)) == []
+    broken = [
+        line("p2-s1", 0, "Hi", action="MATCH", need_memory=0, memory_span="NONE"),  # rules 4 and 5
+        line("p2-s1", 1, "Swap it", memory_span="NONE"),  # rule 1
+        line("p2-s1", 2, "New thing", action="NEW_TOPIC", phase="VERIFY"),  # rule 3
+        line("p2-s1", 3, "Old thing", memory_span="CROSS_SESSION"),  # rule 2
+    ]
+    problems = consistency_problems(load_labelled(broken))
+    assert any(p.startswith("p2-s1#0: rule 4") for p in problems)
+    assert any(p.startswith("p2-s1#0: rule 5") for p in problems)
+    assert any(p.startswith("p2-s1#1: rule 1") for p in problems)
+    assert any(p.startswith("p2-s1#2: rule 3") for p in problems)
+    assert any(p.startswith("p2-s1#3: rule 2") for p in problems)
+
+
+def test_agreement_of_a_second_annotator(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    labels = tmp_path / "turns.jsonl"
+    labels.write_text("\n".join(SET) + "\n")
+    other = tmp_path / "other.jsonl"
+    # The second annotator reads the revision as CONSTRAIN and agrees on everything else.
+    other.write_text("\n".join([SET[0], line("p1-s1", 1, "Make day 2 less busy and add a tea ceremony",
+                                              phase="CONSTRAIN")]) + "\n")  # fmt: skip
+    out = tmp_path / "agreement.json"
+    args = build_parser().parse_args(
+        ["probe", "qtm-labels", "--labels", str(labels), "--agreement", str(other), "--out", str(out)]
+    )
+    assert args.func(args) == 0
+    result = json.loads(out.read_text())
+    assert result["turns"] == 2 and result["accuracy"]["phase"] == 0.5 and result["accuracy"]["action"] == 1.0
+    assert "second annotator" in capsys.readouterr().out
+    stranger = tmp_path / "stranger.jsonl"
+    stranger.write_text(line("p9-s1", 0, "not in the set") + "\n")
+    args = build_parser().parse_args(
+        ["probe", "qtm-labels", "--labels", str(labels), "--agreement", str(stranger)]
+    )
+    assert args.func(args) == 2

@@ -81,11 +81,38 @@ async def _run_config(
     return result
 
 
+def agreement(gold: Sequence[LabelledTurn], other: Sequence[LabelledTurn]) -> dict[str, Any]:
+    """Per field, how often a second annotator's labels of some of the set's turns agree with the set's
+    (matched by persona, session, index and text); ValueError when a turn of `other` is not in the set."""
+    by_key = {(t.persona, t.session, t.index, t.text): t for t in gold}
+    matched = []
+    for t in other:
+        found = by_key.get((t.persona, t.session, t.index, t.text))
+        if found is None:
+            raise ValueError(f"{t.session}#{t.index} of the second annotation is not a turn of the set")
+        matched.append((found.labels, t.labels))
+    return {"turns": len(matched), **score([g for g, _ in matched], [o for _, o in matched])}
+
+
 def cmd_probe_labels(args: argparse.Namespace) -> int:
     from mars.probe.qtm import ControllerConfig, _LocalLlm
 
     console = Console(soft_wrap=True)
     path = Path(args.labels)
+    if args.agreement:
+        try:
+            _, gold = read_labelled(path)
+            _, other = read_labelled(Path(args.agreement))
+            result = agreement(gold, other)
+        except ValueError as exc:  # LabelError too
+            console.print(f"[red]{exc}[/]")
+            return 2
+        console.print(f"{result['turns']} turns labelled again by a second annotator ({args.agreement})")
+        console.print(accuracy_header("agreement with the set"))
+        console.print(accuracy_row("second annotator", result["accuracy"]))
+        if args.out:
+            Path(args.out).write_text(json.dumps(result, indent=2))
+        return 0
     try:
         configs = [ControllerConfig.parse(spec) for spec in args.configs]
         _, turns = read_labelled(path)
@@ -127,4 +154,11 @@ def add_labels_parser(probe_sub: argparse._SubParsersAction, config_help: str) -
     p.add_argument("--configs", nargs="+", default=["rules"], help=config_help)
     p.add_argument("--personas", nargs="*", help="only these personas of the set")
     p.add_argument("--out", help="write accuracies, confusions and latencies as JSON here")
+    p.add_argument(
+        "--agreement",
+        metavar="FILE",
+        help="instead of running controllers, compare a second annotator's labels of the set's turns (e.g. "
+        f"{DEFAULT_LABELS.parent / 'second-annotator.jsonl'}) with the set's: the agreement per field, a "
+        "ceiling for any controller",
+    )
     p.set_defaults(func=cmd_probe_labels)

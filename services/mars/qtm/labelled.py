@@ -5,7 +5,7 @@ and values, and its loader, which gives each turn the gold active thread as cont
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -101,6 +101,33 @@ def load_labelled(lines: Iterable[str]) -> list[LabelledTurn]:
             active.clear()
         active.append(item["text"])
     return out
+
+
+def consistency_problems(turns: Sequence[LabelledTurn]) -> list[str]:
+    """The labelling guide's consistency rules that `turns` (as `load_labelled` gives them) break, one line
+    each naming the turn; empty when the set is consistent."""
+    problems: list[str] = []
+    seen_personas: set[str] = set()
+    for t in turns:
+        lab, where = t.labels, f"{t.session}#{t.index}"
+        need, span, scope = lab["need_memory"], lab["memory_span"], lab["retrieval_scope"]
+        if (span == "NONE") != (need == "0"):
+            problems.append(f"{where}: rule 1: memory_span NONE iff need_memory 0 ({span}, {need})")
+        if scope == "GLOBAL" and need != "1":
+            problems.append(f"{where}: rule 1: GLOBAL scope needs memory")
+        if (span == "CROSS_SESSION") != (scope == "GLOBAL"):
+            problems.append(f"{where}: rule 2: CROSS_SESSION iff GLOBAL ({span}, {scope})")
+        if lab["action"] == "NEW_TOPIC" and (lab["phase"] in ("REVISE", "VERIFY") or span == "ACTIVE_THREAD"):
+            problems.append(f"{where}: rule 3: NEW_TOPIC with {lab['phase']} / {span}")
+        if t.index == 0 and (
+            span == "ACTIVE_THREAD" or (lab["action"] == "MATCH" and span != "CROSS_SESSION")
+        ):
+            problems.append(f"{where}: rule 4: a session's first turn is {lab['action']} / {span}")
+        if t.persona not in seen_personas:
+            seen_personas.add(t.persona)
+            if lab["action"] != "NEW_TOPIC" or need != "0":
+                problems.append(f"{where}: rule 5: a persona's first turn is NEW_TOPIC without memory")
+    return problems
 
 
 def _session_order(session: str) -> tuple[str, int]:
