@@ -18,7 +18,7 @@ DEMO: list[tuple[str, str, str]] = [
     ("bob", "s1", "Help me write a cover letter for a junior data analyst job."),
     ("alice", "s1", "Make day 2 less busy and add a tea ceremony."),
     ("bob", "s1", "Make it shorter and mention my SQL experience."),
-    ("alice", "s1", "What is the capital of Australia?"),
+    ("alice", "s1", "How do I get red wine out of a carpet?"),
     ("alice", "s2", "Back to my Kyoto trip: what did we plan for day 2 last time?"),
     ("bob", "s2", "Can you summarize the final version of my cover letter?"),
     ("alice", "s2", "Finalize the itinerary with a budget under 1500 dollars."),

@@ -14,13 +14,17 @@ import pytest
 from mars.qtm.guard import GuardedEstimator
 from mars.qtm.labelled import DEFAULT_LABELS, load_labelled
 from mars.qtm.learned import (
+    CONTEXT_NGRAM_BUCKETS,
     DEFAULT_MODEL,
     FEATURES_VERSION,
     HEADS,
+    TURN_NGRAM_BUCKETS,
     LearnedController,
     LearnedModel,
     ModelFileError,
     featurize,
+    hashed_ngrams,
+    standardised_columns,
 )
 from mars.qtm.train_cli import train
 from mars.v1 import events_pb2 as ev
@@ -52,6 +56,9 @@ def test_features_have_one_shape_with_and_without_context() -> None:
     assert a.shape == b.shape and a.shape[0] > DIM
     assert np.isfinite(a).all() and np.isfinite(b).all()
     assert a[DIM + 3] == 1.0 and b[DIM + 3] == 0.0  # has-context flag
+    # The standardised block starts right after the embedding and ends where the n-grams begin.
+    dense = standardised_columns(a.shape[0])
+    assert dense.start == DIM and dense.stop == a.shape[0] - TURN_NGRAM_BUCKETS - CONTEXT_NGRAM_BUCKETS
 
 
 def test_training_is_deterministic_and_learns(small_set) -> None:  # type: ignore[no-untyped-def]
@@ -134,8 +141,35 @@ def test_state_service_falls_back_to_rules_without_a_model(tmp_path: Path) -> No
 
 def test_the_packaged_model_is_for_these_features() -> None:
     model = LearnedModel.load(DEFAULT_MODEL)
-    assert model.meta["features"] == FEATURES_VERSION and model.meta["version"] == "qtm-learned-v1"
-    assert model.meta["turns"] >= 300
+    assert model.meta["features"] == FEATURES_VERSION and model.meta["version"] == "qtm-learned-v2"
+    assert (
+        model.meta["turns"] >= 1000 and model.features == featurize("x", [], fake_embed).shape[0] - DIM + 384
+    )
+
+
+def test_ngram_buckets_are_the_same_in_every_process_and_carry_the_wording() -> None:
+    a = hashed_ngrams("is that still under budget?", 256)
+    assert a.sum() > 5 and set(np.unique(a)) <= {0.0, 1.0}
+    # blake2b, not hash(): fixed buckets (PYTHONHASHSEED does not move them).
+    assert int(hashed_ngrams("fix", 256).argmax()) == int(hashed_ngrams("fix", 256).argmax())
+    assert not np.array_equal(a, hashed_ngrams("that is still under budget?", 256))  # first words differ
+    assert hashed_ngrams("", 64).sum() == 0
+    # The turn's n-grams and the previous turn's are both in the features.
+    f1 = featurize("swap day 2 and 3", ["plan kyoto"], fake_embed)
+    f2 = featurize("swap day 2 and 3", ["check the budget"], fake_embed)
+    tail = TURN_NGRAM_BUCKETS + CONTEXT_NGRAM_BUCKETS
+    assert np.array_equal(f1[-tail:-CONTEXT_NGRAM_BUCKETS], f2[-tail:-CONTEXT_NGRAM_BUCKETS])
+    assert not np.array_equal(f1[-CONTEXT_NGRAM_BUCKETS:], f2[-CONTEXT_NGRAM_BUCKETS:])
+
+
+def test_leave_one_persona_out_can_score_some_personas_only(small_set) -> None:  # type: ignore[no-untyped-def]
+    from mars.qtm.train_cli import features_of, leave_one_persona_out
+
+    x = features_of(small_set, fake_embed)
+    held = leave_one_persona_out(x, small_set, scored=["p02"], steps=30)
+    assert [p is not None for p in held] == [t.persona == "p02" for t in small_set]
+    _, report = train(small_set, fake_embed, lopo=True, scored=["p02"], steps=30)
+    assert report["lopo"]["turns"] == sum(t.persona == "p02" for t in small_set)
 
 
 def test_session_starts_train_the_action_head_and_are_scored_per_held_out_persona(small_set) -> None:  # type: ignore[no-untyped-def]

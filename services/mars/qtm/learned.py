@@ -7,7 +7,9 @@ Features of a turn (`featurize`):
   - the thread's length, and lexical overlap with it,
   - the rules' lexical cues (revision, finalization, verification, constraint, temporal, quantity,
     proactive, anaphora, recency), the turn's length and a question mark,
-  - the rules backend's own state, one-hot (so the model learns where the rules are right).
+  - the rules backend's own state, one-hot (so the model learns where the rules are right),
+  - hashed word n-grams of the turn (words, word pairs, its first three and its last word: the move a turn
+    makes is in its wording, which a sentence embedding mostly averages away) and of the thread's last turn.
 
 Heads: action, query_type, phase, need_memory, retrieval_scope, ambiguity. memory_span follows from need
 and scope as in the rules (NONE without memory, CROSS_SESSION for GLOBAL, else ACTIVE_THREAD); top-k,
@@ -18,15 +20,20 @@ controller's (`mars.qtm.guard`). The model is a small .npz file (`mars train qtm
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import math
+import re
 import zipfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from scipy.optimize import minimize
+from scipy.sparse import csr_matrix
 
 from mars.domain.state_rules import cue_flags, estimate_state
 from mars.domain.text import overlap, tokenize
@@ -34,9 +41,18 @@ from mars.llm_json import JsonReply
 from mars.qtm.labelled import CONTEXT_TURNS, FIELDS, state_labels
 
 #: Bumped whenever `featurize` changes: a model trained on other features is refused at load.
-FEATURES_VERSION = "qtm-learned-features-v1"
+FEATURES_VERSION = "qtm-learned-features-v2"
 #: The model shipped in the package.
-DEFAULT_MODEL = Path(__file__).resolve().parent / "models" / "qtm-learned-v1.npz"
+DEFAULT_MODEL = Path(__file__).resolve().parent / "models" / "qtm-learned-v2.npz"
+#: Hashed n-gram buckets of the turn and of the active thread's last turn.
+TURN_NGRAM_BUCKETS = 2048
+CONTEXT_NGRAM_BUCKETS = 512
+#: Feature weights: the embedding's unit-norm coordinates are small beside the 0/1 features (standardising
+#: them instead amplified their noise: leave-one-persona-out phase 0.64 vs 0.72), and the previous turn's
+#: wording counts half. Only the dense block between the embedding and the n-grams (similarities, shape,
+#: cues, the rules' state) is standardised (`LearnedModel.fit`): the thread similarities need their spread.
+EMBEDDING_WEIGHT = 3.0
+CONTEXT_NGRAM_WEIGHT = 0.5
 #: Decision heads and their classes, in the labelled set's terms: every Table 5 field of the set but the
 #: memory span, which follows from need and scope.
 HEADS: dict[str, tuple[str, ...]] = {
@@ -59,6 +75,35 @@ def _one_hot(value: str, classes: Sequence[str]) -> list[float]:
     return [1.0 if value == c else 0.0 for c in classes]
 
 
+_NGRAM_TOKEN = re.compile(r"[a-z0-9']+|[?!]")
+
+
+def hashed_ngrams(text: str, buckets: int, leading: int = 3) -> np.ndarray:
+    """0/1 vector of the text's hashed word n-grams: words (stopwords kept: "did", "is", "what" carry the
+    move), word pairs, the first `leading` words by position and the last word. blake2b, not hash(), so
+    every process and replica computes the same buckets."""
+    words = _NGRAM_TOKEN.findall(text.lower())
+    grams = [*words, *(f"{a} {b}" for a, b in pairwise(words))]
+    grams += [f"^{i}:{w}" for i, w in enumerate(words[:leading])]
+    if words:
+        grams.append(f"${words[-1]}")
+    v = np.zeros(buckets)
+    for g in grams:
+        v[int.from_bytes(hashlib.blake2b(g.encode(), digest_size=4).digest(), "little") % buckets] = 1.0
+    return v
+
+
+def _dense_features() -> int:
+    """Length of the standardised block: similarity (4), shape (4), cues, the rules' one-hot state."""
+    return 8 + len(cue_flags("")) + sum(len(classes) for classes in HEADS.values())
+
+
+def standardised_columns(features: int) -> slice:
+    """The dense block of a feature vector of length `features` (the embedding's size varies by embedder)."""
+    end = features - TURN_NGRAM_BUCKETS - CONTEXT_NGRAM_BUCKETS
+    return slice(end - _dense_features(), end)
+
+
 def featurize(text: str, context: Sequence[str], embed: Embed) -> np.ndarray:
     """The feature vector of a turn given its active thread (earlier user turns, newest last)."""
     context = [c for c in context if c.strip()][-CONTEXT_TURNS:]
@@ -77,7 +122,14 @@ def featurize(text: str, context: Sequence[str], embed: Embed) -> np.ndarray:
     shape = [math.log1p(words) / 4.0, 1.0 if "?" in text else 0.0, len(context) / CONTEXT_TURNS, lexical]
     rules = state_labels(estimate_state(text, context))
     rule_hot = [x for head, classes in HEADS.items() for x in _one_hot(rules[head], classes)]
-    return np.concatenate([turn, np.asarray(similarity + shape + cues + rule_hot, dtype=np.float64)])
+    return np.concatenate(
+        [
+            EMBEDDING_WEIGHT * turn,
+            np.asarray(similarity + shape + cues + rule_hot, dtype=np.float64),
+            hashed_ngrams(text, TURN_NGRAM_BUCKETS),
+            CONTEXT_NGRAM_WEIGHT * hashed_ngrams(context[-1] if context else "", CONTEXT_NGRAM_BUCKETS, 0),
+        ]
+    )
 
 
 @dataclass
@@ -100,54 +152,76 @@ class SoftmaxHead:
         x: np.ndarray,
         labels: Sequence[str],
         classes: tuple[str, ...],
-        l2: float = 1e-2,
-        steps: int = 400,
-        lr: float = 0.5,
+        l2: float = 10.0,
+        steps: int = 150,
     ) -> SoftmaxHead:
-        """Full-batch gradient descent from zero weights (deterministic: no sampling), classes weighted by
-        inverse frequency so a rare value (NEW_TOPIC, HIGH ambiguity) is not drowned out."""
+        """Minimises the class-weighted cross-entropy summed over the rows plus l2/2 * |weights|^2 (the bias
+        free) by L-BFGS from zero weights, at most `steps` iterations: deterministic, no sampling. Classes are
+        weighted by inverse frequency so a rare value (NEW_TOPIC, HIGH ambiguity) is not drowned out."""
         n, d = x.shape
-        y = np.zeros((n, len(classes)))
+        k = len(classes)
+        y = np.zeros((n, k))
         index = {c: i for i, c in enumerate(classes)}
         for row, label in enumerate(labels):
             y[row, index[label]] = 1.0
         counts = y.sum(axis=0)
-        class_weight = np.where(counts > 0, n / (len(classes) * np.maximum(counts, 1.0)), 0.0)
+        class_weight = np.where(counts > 0, n / (k * np.maximum(counts, 1.0)), 0.0)
         sample_weight = (y * class_weight).sum(axis=1, keepdims=True)
-        sample_weight /= sample_weight.mean()
-        w = np.zeros((d, len(classes)))
-        b = np.zeros(len(classes))
-        head = cls(classes, w, b)
-        for _ in range(steps):
-            grad = (head.probabilities(x) - y) * sample_weight / n
-            w -= lr * (x.T @ grad + l2 * w)
-            b -= lr * grad.sum(axis=0)
-        return head
+        rows = csr_matrix(x)  # the n-gram buckets are mostly zero: ~7x fewer multiplications
+        rows_t = rows.T.tocsr()
+
+        def objective(flat: np.ndarray) -> tuple[float, np.ndarray]:
+            w, b = flat[: d * k].reshape(d, k), flat[d * k :]
+            z = rows @ w + b
+            z = z - z.max(axis=1, keepdims=True)
+            log_p = z - np.log(np.exp(z).sum(axis=1, keepdims=True))
+            loss = -float((sample_weight * y * log_p).sum()) + 0.5 * l2 * float((w * w).sum())
+            grad = (np.exp(log_p) - y) * sample_weight
+            return loss, np.concatenate([(rows_t @ grad + l2 * w).ravel(), grad.sum(axis=0)])
+
+        result = minimize(
+            objective, np.zeros(d * k + k), jac=True, method="L-BFGS-B", options={"maxiter": steps}
+        )
+        flat = result.x
+        return cls(classes, flat[: d * k].reshape(d, k).copy(), flat[d * k :].copy())
 
 
 @dataclass
 class LearnedModel:
-    """Standardisation plus one head per decision; saved as one .npz file."""
+    """Standardisation of the dense block plus one head per decision; saved as one .npz file."""
 
     mean: np.ndarray
     scale: np.ndarray
     heads: dict[str, SoftmaxHead]
     meta: dict[str, Any]
 
+    @property
+    def features(self) -> int:
+        return int(self.mean.shape[0])
+
     @classmethod
     def fit(
-        cls, x: np.ndarray, labels: Sequence[dict[str, str]], meta: dict[str, Any] | None = None, **kw: Any
+        cls,
+        x: np.ndarray,
+        labels: Sequence[dict[str, str]],
+        meta: dict[str, Any] | None = None,
+        heads: Sequence[str] = tuple(HEADS),
+        **kw: Any,
     ) -> LearnedModel:
-        mean = x.mean(axis=0)
-        scale = x.std(axis=0)
-        scale[scale < 1e-6] = 1.0
+        """Standardises the dense block and fits the named `heads` (all by default; a model of fewer heads
+        is for scoring only: `predict` answers those)."""
+        mean, scale = np.zeros(x.shape[1]), np.ones(x.shape[1])
+        dense = standardised_columns(x.shape[1])
+        mean[dense] = x[:, dense].mean(axis=0)
+        spread = x[:, dense].std(axis=0)
+        scale[dense] = np.where(spread < 1e-6, 1.0, spread)
         z = (x - mean) / scale
-        heads = {}
-        for head, classes in HEADS.items():
+        fitted = {}
+        for head in heads:
             # A row may label some heads only (a RealMem session start labels the action alone).
             rows = [i for i, lab in enumerate(labels) if head in lab]
-            heads[head] = SoftmaxHead.fit(z[rows], [labels[i][head] for i in rows], classes, **kw)
-        return cls(mean, scale, heads, {"features": FEATURES_VERSION, **(meta or {})})
+            fitted[head] = SoftmaxHead.fit(z[rows], [labels[i][head] for i in rows], HEADS[head], **kw)
+        return cls(mean, scale, fitted, {"features": FEATURES_VERSION, **(meta or {})})
 
     def predict(self, features: np.ndarray) -> dict[str, tuple[str, float]]:
         """Per head: the most probable class and its probability."""
@@ -165,7 +239,8 @@ class LearnedModel:
             "scale": self.scale.astype(np.float32),
         }
         for name, head in self.heads.items():
-            arrays[f"{name}.weights"] = head.weights.astype(np.float32)
+            # float16 keeps the file small (~60 KB); the decisions are the same as at float32.
+            arrays[f"{name}.weights"] = head.weights.astype(np.float16)
             arrays[f"{name}.bias"] = head.bias.astype(np.float32)
         meta = {**self.meta, "classes": {n: list(h.classes) for n, h in self.heads.items()}}
         arrays["meta"] = np.frombuffer(json.dumps(meta, sort_keys=True).encode(), dtype=np.uint8)
@@ -199,6 +274,8 @@ class LearnedModel:
         for name, head in heads.items():
             if head.weights.shape != (mean.shape[0], len(head.classes)) or tuple(head.classes) != HEADS[name]:
                 raise ModelFileError(f"{path}: head {name} does not fit the features or Table 5")
+        if scale.shape != mean.shape or not np.all(scale > 0):
+            raise ModelFileError(f"{path}: its standardisation does not fit the features")
         return cls(mean, scale, heads, meta)
 
 
