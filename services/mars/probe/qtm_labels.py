@@ -2,8 +2,9 @@
 of user turns (services/mars/qtm/labels/turns.jsonl, labelled by its GUIDE.md).
 
 Each turn is estimated with the active context the state service would hold if the earlier turns had been
-labelled right: the user turns of the same session since the last gold NEW_TOPIC, newest last (at most
-CONTEXT_TURNS). So a field's accuracy measures that field, not the consequences of an earlier mistake.
+labelled right: the persona's user turns since the last gold NEW_TOPIC, across sessions, newest last (at
+most CONTEXT_TURNS). So a field's accuracy measures that field, not the consequences of an earlier mistake.
+`--agreement FILE` instead compares a second annotator's labels of the set's turns with the set's.
 """
 
 from __future__ import annotations
