@@ -21,6 +21,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -215,22 +216,7 @@ class LocalStack:
         except ValueError as exc:
             raise StackError(str(exc)) from exc
         try:
-            if self.settings.start_postgres:
-                progress("starting Postgres")
-                self._start_postgres()
-            if self.settings.start_broker:
-                if self.broker == "kafka":
-                    progress(f"starting Apache Kafka {kafka.kafka_version()} (KRaft, one broker)")
-                    self._start_kafka()
-                else:
-                    progress("starting the Kafka-protocol broker (Tansu; no Java >= 17 found)")
-                    self._start_tansu()
-            if self.settings.start_llm and self.settings.llm == "standin":
-                progress(f"starting the stand-in LLM ({self.settings.standin_latency_ms:g} ms per answer)")
-                self._start_standin_llm()
-            elif self.settings.start_llm:
-                progress("starting the llama.cpp server (SmolLM2-135M-Instruct)")
-                self._start_llm()
+            self._start_infra(progress)
             if self.settings.start_postgres and self.settings.tenant and "ingress" in self.settings.services:
                 progress(f"creating tenant {self.settings.tenant} and its API key")
                 self._create_tenant(self.settings.tenant)
@@ -254,16 +240,46 @@ class LocalStack:
             self._supervisor.start()
         return self
 
+    def _start_infra(self, progress: Callable[[str], None]) -> None:
+        """Postgres, the broker and the LLM server, at the same time: none needs another, and each spends most
+        of its start waiting (the broker's JVM most), so a stack is up seconds sooner than one after another.
+        The first failure is raised once every start has ended (`start` then stops what did come up)."""
+        starts: list[tuple[str, Callable[[], None]]] = []
+        if self.settings.start_postgres:
+            starts.append(("starting Postgres", self._start_postgres))
+        if self.settings.start_broker:
+            if self.broker == "kafka":
+                starts.append(
+                    (f"starting Apache Kafka {kafka.kafka_version()} (KRaft, one broker)", self._start_kafka)
+                )
+            else:
+                starts.append(
+                    ("starting the Kafka-protocol broker (Tansu; no Java >= 17 found)", self._start_tansu)
+                )
+        if self.settings.start_llm and self.settings.llm == "standin":
+            latency = self.settings.standin_latency_ms
+            starts.append((f"starting the stand-in LLM ({latency:g} ms per answer)", self._start_standin_llm))
+        elif self.settings.start_llm:
+            starts.append(("starting the llama.cpp server (SmolLM2-135M-Instruct)", self._start_llm))
+        for message, _ in starts:
+            progress(message)
+        with ThreadPoolExecutor(
+            max_workers=max(1, len(starts)), thread_name_prefix="mars-stack-start"
+        ) as pool:
+            futures = [pool.submit(start) for _, start in starts]
+        for future in futures:
+            future.result()
+
     def stop(self) -> None:
         self._stopping.set()
         if self._supervisor is not None:
             self._supervisor.join(timeout=5)
         # Services (and the gateway) first, all at once: each drains and commits on its own while the broker
-        # and Postgres are still up; then the LLM and broker, Postgres last.
+        # and Postgres are still up; then the LLM and broker, Postgres last (they start together, in no order).
         with self._lock:
-            infra = {"postgres", "broker", "llm"}
+            infra = ("llm", "broker", "postgres")
             self._terminate_all([p for p in self.procs if p.name not in infra])
-            for proc in reversed([p for p in self.procs if p.name in infra]):
+            for proc in sorted((p for p in self.procs if p.name in infra), key=lambda p: infra.index(p.name)):
                 self._terminate(proc)
             self.procs.clear()
         if self._own_workdir and not os.environ.get("MARS_KEEP_STACK"):

@@ -16,6 +16,7 @@ from mars.client import ingress_channel
 from mars.v1 import services_pb2 as svc
 from mars.v1 import services_pb2_grpc as svc_grpc
 from mars_stack import LocalStack, StackSettings
+from mars_stack.stack import StackError, tcp_open
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
@@ -23,6 +24,20 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _restarted(stack: LocalStack, name: str) -> bool:
     return any(e.name == name and e.kind == "restarted" for e in stack.events)
+
+
+def test_a_part_that_cannot_start_fails_the_stack_and_stops_the_others(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Postgres, the broker and the LLM server start together: the broker's failure is the stack's, and
+    # the two that did come up are stopped, not left running.
+    monkeypatch.setenv("MARS_JAVA", "/bin/false")
+    stack = LocalStack(StackSettings(workdir=tmp_path / "stack", broker="kafka", services=()))
+    with pytest.raises(StackError, match="formatting the Kafka log dir failed"):
+        stack.start()
+    assert {"postgres", "llm"} <= set(stack.ports)  # both were up when the start failed
+    assert not stack.procs
+    assert not tcp_open(stack.ports["postgres"]) and not tcp_open(stack.ports["llm"])
 
 
 def test_postgres_killed_comes_back_with_its_data(tmp_path: Path) -> None:
