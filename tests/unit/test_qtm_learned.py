@@ -141,7 +141,7 @@ def test_state_service_falls_back_to_rules_without_a_model(tmp_path: Path) -> No
 
 def test_the_packaged_model_is_for_these_features() -> None:
     model = LearnedModel.load(DEFAULT_MODEL)
-    assert model.meta["features"] == FEATURES_VERSION and model.meta["version"] == "qtm-learned-v2"
+    assert model.meta["features"] == FEATURES_VERSION and model.meta["version"] == "qtm-learned-v2.1"
     assert (
         model.meta["turns"] >= 1000 and model.features == featurize("x", [], fake_embed).shape[0] - DIM + 384
     )

@@ -33,7 +33,7 @@ from mars.qtm.learned import DEFAULT_MODEL, HEADS, Embed, LearnedModel, featuriz
 console = Console(width=None if sys.stdout.isatty() else 160)
 
 #: The version written into the model file (shown as the state's prompt_version).
-MODEL_VERSION = "qtm-learned-v2"
+MODEL_VERSION = "qtm-learned-v2.1"
 
 
 def features_of(
@@ -196,7 +196,14 @@ def cmd_train_qtm(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     embed = LruEmbedder(load_embedder(cache_dir=args.embedding_cache_dir)).encode
     model, report = train(
-        turns, embed, args.lopo, starts, scored=args.lopo_personas, steps=args.steps, l2=args.l2
+        turns,
+        embed,
+        args.lopo,
+        starts,
+        scored=args.lopo_personas,
+        steps=args.steps,
+        l2=args.l2,
+        balance=args.balance,
     )
     model.meta.update(
         version=MODEL_VERSION,
@@ -205,6 +212,7 @@ def cmd_train_qtm(args: argparse.Namespace) -> int:
         realmem_starts=len(starts),
         steps=args.steps,
         l2=args.l2,
+        balance=args.balance,
     )
     out = Path(args.out)
     model.save(out)
@@ -270,6 +278,13 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
         default=10.0,
         help="L2 penalty on the summed loss (default 10: of 3, 10 and 30 the best leave-one-persona-out on "
         "p01-p12 over the heads together)",
+    )
+    p.add_argument(
+        "--balance",
+        type=float,
+        default=0.5,
+        help="weigh each class by its inverse frequency to this power (default 0.5: of 0, 0.5 and 1 the best "
+        "leave-one-persona-out on p01-p12; 1 weighs the classes equally, 0 by their counts)",
     )
     p.add_argument(
         "--embedding-cache-dir", help="folder of the embedder's ONNX exports (MARS_EMBEDDING_CACHE_DIR)"
