@@ -275,12 +275,11 @@ class LocalStack:
         if self._supervisor is not None:
             self._supervisor.join(timeout=5)
         # Services (and the gateway) first, all at once: each drains and commits on its own while the broker
-        # and Postgres are still up; then the LLM and broker, Postgres last (they start together, in no order).
+        # and Postgres are still up; then the LLM, the broker and Postgres, together (nothing uses them now).
         with self._lock:
-            infra = ("llm", "broker", "postgres")
+            infra = {"llm", "broker", "postgres"}
             self._terminate_all([p for p in self.procs if p.name not in infra])
-            for proc in sorted((p for p in self.procs if p.name in infra), key=lambda p: infra.index(p.name)):
-                self._terminate(proc)
+            self._terminate_all([p for p in self.procs if p.name in infra])
             self.procs.clear()
         if self._own_workdir and not os.environ.get("MARS_KEEP_STACK"):
             shutil.rmtree(self.workdir, ignore_errors=True)
@@ -354,12 +353,13 @@ class LocalStack:
         proc.restart_at = None
 
     def _terminate_all(self, procs: list[Proc], timeout_s: float = 15.0) -> None:
-        """`_terminate` for many processes at once: every stop signal sent, then every exit awaited."""
+        """Stop processes at once: every stop signal sent (Postgres gets SIGINT, its fast shutdown: SIGTERM
+        would wait for its clients), then every exit awaited; what outlives `timeout_s` is killed."""
         running = [p for p in procs if p.popen.poll() is None]
         for proc in running:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(proc.popen.pid, signal.SIGCONT)
-                proc.popen.send_signal(signal.SIGTERM)
+                os.kill(proc.popen.pid, signal.SIGCONT)  # a paused process cannot handle its stop signal
+                proc.popen.send_signal(signal.SIGINT if proc.name == "postgres" else signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
         for proc in running:
             try:
@@ -369,16 +369,7 @@ class LocalStack:
                 proc.popen.wait()
 
     def _terminate(self, proc: Proc, timeout_s: float = 15.0) -> None:
-        if proc.popen.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(proc.popen.pid, signal.SIGCONT)  # a paused process cannot handle its stop signal
-            proc.popen.send_signal(signal.SIGTERM if proc.name != "postgres" else signal.SIGINT)
-        try:
-            proc.popen.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.popen.kill()
-            proc.popen.wait()
+        self._terminate_all([proc], timeout_s)
 
     def proc(self, name: str) -> Proc:
         for p in self.procs:
