@@ -53,6 +53,11 @@ CONTEXT_NGRAM_BUCKETS = 512
 #: cues, the rules' state) is standardised (`LearnedModel.fit`): the thread similarities need their spread.
 EMBEDDING_WEIGHT = 3.0
 CONTEXT_NGRAM_WEIGHT = 0.5
+#: Training defaults of every head (`SoftmaxHead.fit`, `mars train qtm`): L2 penalty on the summed loss,
+#: L-BFGS iterations at most, and the power of the inverse class frequency that weighs each class.
+FIT_L2 = 10.0
+FIT_STEPS = 150
+FIT_BALANCE = 0.5
 #: Decision heads and their classes, in the labelled set's terms: every Table 5 field of the set but the
 #: memory span, which follows from need and scope.
 HEADS: dict[str, tuple[str, ...]] = {
@@ -152,9 +157,9 @@ class SoftmaxHead:
         x: np.ndarray,
         labels: Sequence[str],
         classes: tuple[str, ...],
-        l2: float = 10.0,
-        steps: int = 150,
-        balance: float = 0.5,
+        l2: float = FIT_L2,
+        steps: int = FIT_STEPS,
+        balance: float = FIT_BALANCE,
     ) -> SoftmaxHead:
         """Minimises the class-weighted cross-entropy summed over the rows plus l2/2 * |weights|^2 (the bias
         free) by L-BFGS from zero weights, at most `steps` iterations: deterministic, no sampling. A class is

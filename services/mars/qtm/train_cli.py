@@ -28,7 +28,17 @@ from mars.qtm.labelled import (
     read_labelled,
     state_labels,
 )
-from mars.qtm.learned import DEFAULT_MODEL, HEADS, Embed, LearnedModel, featurize, state_json
+from mars.qtm.learned import (
+    DEFAULT_MODEL,
+    FIT_BALANCE,
+    FIT_L2,
+    FIT_STEPS,
+    HEADS,
+    Embed,
+    LearnedModel,
+    featurize,
+    state_json,
+)
 
 console = Console(width=None if sys.stdout.isatty() else 160)
 
@@ -271,19 +281,24 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
         help="score leave-one-persona-out on these personas only (each still held out of its own fold; "
         "the others train every fold), e.g. the first-written p01 ... p12",
     )
-    p.add_argument("--steps", type=int, default=150, help="L-BFGS iterations per head at most (default 150)")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=FIT_STEPS,
+        help="L-BFGS iterations per head at most (default %(default)s)",
+    )
     p.add_argument(
         "--l2",
         type=float,
-        default=10.0,
-        help="L2 penalty on the summed loss (default 10: of 3, 10 and 30 the best leave-one-persona-out on "
+        default=FIT_L2,
+        help="L2 penalty on the summed loss (default %(default)s: of 3, 10 and 30 the best leave-one-persona-out on "
         "p01-p12 over the heads together)",
     )
     p.add_argument(
         "--balance",
         type=float,
-        default=0.5,
-        help="weigh each class by its inverse frequency to this power (default 0.5: of 0, 0.5 and 1 the best "
+        default=FIT_BALANCE,
+        help="weigh each class by its inverse frequency to this power (default %(default)s: of 0, 0.5 and 1 the best "
         "leave-one-persona-out on p01-p12; 1 weighs the classes equally, 0 by their counts)",
     )
     p.add_argument(
