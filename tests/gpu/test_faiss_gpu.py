@@ -24,6 +24,15 @@ def _unit(rng: np.random.Generator, n: int, dim: int) -> np.ndarray:
     return v / np.linalg.norm(v, axis=1, keepdims=True)
 
 
+def assert_same_hits(gpu: list[tuple[int, float]], cpu: list[tuple[int, float]], atol: float = 1e-4) -> None:
+    """The same scores within float32 rounding, and the same ids wherever a score has no neighbour that
+    close: two hits nearly tied may come out in either order on the two devices."""
+    assert np.allclose([s for _, s in gpu], [s for _, s in cpu], atol=atol)
+    for k, ((g_id, _), (c_id, c_score)) in enumerate(zip(gpu, cpu, strict=True)):
+        tied = any(abs(c_score - cpu[j][1]) <= atol for j in (k - 1, k + 1) if 0 <= j < len(cpu))
+        assert tied or g_id == c_id, (k, gpu, cpu)
+
+
 def test_gpu_index_matches_cpu_index() -> None:
     rng = np.random.default_rng(0)
     dim = 384
@@ -35,9 +44,7 @@ def test_gpu_index_matches_cpu_index() -> None:
         gpu.add(ids, vecs)
         cpu.add(ids, vecs)
         for q in _unit(rng, 5, dim):
-            g, c = gpu.search(q, 10), cpu.search(q, 10)
-            assert [i for i, _ in g] == [i for i, _ in c]
-            assert np.allclose([s for _, s in g], [s for _, s in c], atol=1e-4)
+            assert_same_hits(gpu.search(q, 10), cpu.search(q, 10))
 
 
 def test_default_stays_on_cpu_even_with_a_gpu() -> None:
@@ -87,4 +94,4 @@ def test_threads_build_and_search_gpu_indexes_concurrently() -> None:
     for o, index in cpu.items():
         index.add(np.arange(400, dtype=np.int64) + o * 1000, data[o])
     for (o, q), hits in zip(jobs, got, strict=True):
-        assert [i for i, _ in hits] == [i for i, _ in cpu[o].search(queries[q], 8)]
+        assert_same_hits(hits, cpu[o].search(queries[q], 8))

@@ -134,8 +134,37 @@ def test_a_group_grown_chunk_by_chunk_ranks_as_the_whole_group(embedder: Sentenc
         a = whole.rank_groups(query, ["I keep bees"], 10)
         b = grown.rank_groups(query, ["I keep bees"], 10)
         assert [k for k, _ in a] == [k for k, _ in b]
-        assert np.allclose([s for _, s in a], [s for _, s in b], atol=1e-6)
+        # The whole group embeds its chunks in one padded batch, the grown one a chunk at a time: the
+        # vectors (and centroids) differ in the last float32 bits, by how much depends on the CPU's BLAS
+        # kernels. The fused scores are reciprocal-rank sums, so they match whenever every ranking does;
+        # the tolerance stays far below one rank step of the smallest weight (0.5 * (1/62 - 1/63) ~ 1.3e-4).
+        assert np.allclose([s for _, s in a], [s for _, s in b], rtol=1e-4, atol=1e-5)
     assert grown.dense_vectors == whole.dense_vectors and len(grown) == len(whole) == 3
+
+
+def test_rounding_in_the_centroid_product_does_not_order_the_feedback_ranking(
+    embedder: SentenceTransformerEmbedder,
+) -> None:
+    """Each top group's feedback similarity is its own (exactly 1): centroids off by a rounding step, as
+    another CPU's BLAS kernel leaves them, give the same fused scores (they swapped two groups' ranks on an
+    AMD EPYC before)."""
+    config = HybridConfig(recency_weight=1.0, prf_weight=1.0, prf_top=2)
+    memory = HybridMemory(embedder, config, use_gpu=False)
+    for i, text in enumerate(
+        [
+            "User: I keep bees\nAssistant: Check the frames",
+            "User: bees swarm\nAssistant: ok",
+            "User: chess openings\nAssistant: Italian game",
+        ]
+    ):
+        memory.add_group(f"g{i}", i + 1, [text])
+    before = memory.rank_groups("bees", k=3)
+    assert memory._centroids is not None
+    for row in range(len(memory._centroids)):  # one float32 step up or down, row by row
+        memory._centroids[row] *= np.float32(1 + 1.2e-7) if row % 2 else np.float32(1 - 1.2e-7)
+    after = memory.rank_groups("bees", k=3)
+    assert [k for k, _ in after] == [k for k, _ in before]
+    assert np.allclose([s for _, s in after], [s for _, s in before], rtol=0, atol=1e-9)
 
 
 def test_an_excluded_group_is_ranked_as_absent(embedder: SentenceTransformerEmbedder) -> None:

@@ -257,8 +257,12 @@ class HybridMemory:
         if cfg.prf_weight and fused and self._centroids is not None:
             top = sorted(fused, key=lambda g: -fused[g])[: cfg.prf_top]
             sims = (self._centroids @ self._centroids[top].T).max(axis=1)
-            prf = {g: float(sims[g]) for g in kept}
-            extra = reciprocal_rank_fusion([_ranking(prf)], [cfg.prf_weight], cfg.rrf_k)
+            # The top groups lead, in their fused order: each one's similarity is its own, exactly 1, and the
+            # product's rounding (which differs between BLAS kernels and CPUs) must not order that tie, or
+            # the fused ranking would move with the CPU.
+            leading = set(top)
+            prf_ranking = [*top, *_ranking({g: float(sims[g]) for g in kept if g not in leading})]
+            extra = reciprocal_rank_fusion([prf_ranking], [cfg.prf_weight], cfg.rrf_k)
             for g, v in extra.items():
                 fused[g] = fused.get(g, 0.0) + v
         ordered = sorted(fused.items(), key=lambda kv: (-kv[1], -self._groups[kv[0]].position))
