@@ -244,6 +244,7 @@ def check(stack: Any, report: Report, calls: list[Call]) -> None:
     import grpc
     import psycopg
     from mars.config import TOPIC_GENERATED, TOPIC_JUDGED, TOPIC_VIEW
+    from mars.identity import with_identity
     from mars.v1 import events_pb2 as ev
     from mars.v1 import services_pb2 as svc
     from mars.v1 import services_pb2_grpc as svc_grpc
@@ -311,8 +312,8 @@ def check(stack: Any, report: Report, calls: list[Call]) -> None:
 
     stale = 0
     for addr in stack.addrs("memory"):
-        with grpc.insecure_channel(addr) as channel:
-            stub = svc_grpc.MemoryStub(channel)
+        with grpc.insecure_channel(addr) as plain:
+            stub = svc_grpc.MemoryStub(with_identity(plain, stack.caller("chaos")))
             for user in sorted({c.user for c in calls}):
                 want = by_user.get(user, [])
                 got = stub.DescribeIndex(svc.DescribeIndexRequest(tenant=TENANT, user_id=user), timeout=30)

@@ -1,12 +1,15 @@
-"""A local certificate authority for TLS tests and the local stack: a CA, a server certificate for
-127.0.0.1/localhost, and a client certificate, as PEM files (what a Kubernetes TLS Secret would mount)."""
+"""Local certificate authorities for the local stack and tests, as PEM files (what a Kubernetes TLS Secret
+would mount): one for TLS (a CA, a server certificate for 127.0.0.1/localhost, a client certificate), and
+one for service identities (mars.identity: a CA and one certificate per caller, named by its common name)."""
 
 from __future__ import annotations
 
 import datetime
 import ipaddress
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -18,23 +21,76 @@ class LocalCerts:
     client_key: Path
 
 
+@dataclass(frozen=True)
+class IdentityFiles:
+    """The identity CA and, per caller name, its certificate and key files."""
+
+    ca: Path
+    callers: dict[str, tuple[Path, Path]]
+
+    def env(self, name: str) -> dict[str, str]:
+        """A caller's MARS_IDENTITY_CERT_FILE and _KEY_FILE (mars.identity.CallerIdentity.from_env)."""
+        cert, key = self.callers[name]
+        return {"MARS_IDENTITY_CERT_FILE": str(cert), "MARS_IDENTITY_KEY_FILE": str(key)}
+
+
+def make_identities(folder: Path, names: tuple[str, ...]) -> IdentityFiles:
+    """Write a fresh identity CA and a certificate for each name into `folder` (valid one day)."""
+    from cryptography.x509.oid import ExtendedKeyUsageOID
+
+    ca, leaf = _authority(folder, "MARS identity CA")
+    callers = {}
+    for name in names:
+        cert, key = leaf(name, ExtendedKeyUsageOID.CLIENT_AUTH, [])
+        callers[name] = (_write(folder / f"{name}.crt", cert), _write(folder / f"{name}.key", key))
+    return IdentityFiles(ca=ca, callers=callers)
+
+
+def _write(path: Path, data: bytes) -> Path:
+    path.write_bytes(data)
+    path.chmod(0o600)
+    return path
+
+
 def make_local_ca(folder: Path, hosts: tuple[str, ...] = ("localhost", "127.0.0.1")) -> LocalCerts:
     """Write a fresh CA and a server and a client certificate signed by it into `folder` (valid one day)."""
     from cryptography import x509
+    from cryptography.x509.oid import ExtendedKeyUsageOID
+
+    ca, leaf = _authority(folder, "MARS local CA")
+    sans: list[x509.GeneralName] = []
+    for host in hosts:
+        try:
+            sans.append(x509.IPAddress(ipaddress.ip_address(host)))
+        except ValueError:
+            sans.append(x509.DNSName(host))
+    server_cert, server_key = leaf("mars-server", ExtendedKeyUsageOID.SERVER_AUTH, sans)
+    client_cert, client_key = leaf("mars-client", ExtendedKeyUsageOID.CLIENT_AUTH, [])
+    return LocalCerts(
+        ca=ca,
+        server_cert=_write(folder / "tls.crt", server_cert),
+        server_key=_write(folder / "tls.key", server_key),
+        client_cert=_write(folder / "client.crt", client_cert),
+        client_key=_write(folder / "client.key", client_key),
+    )
+
+
+Leaf = Callable[[str, Any, list[Any]], tuple[bytes, bytes]]
+
+
+def _authority(folder: Path, ca_name: str) -> tuple[Path, Leaf]:
+    """A fresh CA written to folder/ca.crt, and a function that signs a leaf (common name, extended key
+    usage, subject alternative names) with it, giving (certificate PEM, key PEM)."""
+    from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+    from cryptography.x509.oid import NameOID
 
     folder.mkdir(parents=True, exist_ok=True)
     now = datetime.datetime.now(datetime.UTC)
 
     def name(common: str) -> x509.Name:
         return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common)])
-
-    def write(path: Path, data: bytes) -> Path:
-        path.write_bytes(data)
-        path.chmod(0o600)
-        return path
 
     def key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
         return key.private_bytes(
@@ -44,8 +100,8 @@ def make_local_ca(folder: Path, hosts: tuple[str, ...] = ("localhost", "127.0.0.
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_cert = (
         x509.CertificateBuilder()
-        .subject_name(name("MARS local CA"))
-        .issuer_name(name("MARS local CA"))
+        .subject_name(name(ca_name))
+        .issuer_name(name(ca_name))
         .public_key(ca_key.public_key())
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - datetime.timedelta(minutes=5))
@@ -72,18 +128,5 @@ def make_local_ca(folder: Path, hosts: tuple[str, ...] = ("localhost", "127.0.0.
         cert = builder.sign(ca_key, hashes.SHA256())
         return cert.public_bytes(serialization.Encoding.PEM), key_pem(key)
 
-    sans: list[x509.GeneralName] = []
-    for host in hosts:
-        try:
-            sans.append(x509.IPAddress(ipaddress.ip_address(host)))
-        except ValueError:
-            sans.append(x509.DNSName(host))
-    server_cert, server_key = leaf("mars-server", ExtendedKeyUsageOID.SERVER_AUTH, sans)
-    client_cert, client_key = leaf("mars-client", ExtendedKeyUsageOID.CLIENT_AUTH, [])
-    return LocalCerts(
-        ca=write(folder / "ca.crt", ca_cert.public_bytes(serialization.Encoding.PEM)),
-        server_cert=write(folder / "tls.crt", server_cert),
-        server_key=write(folder / "tls.key", server_key),
-        client_cert=write(folder / "client.crt", client_cert),
-        client_key=write(folder / "client.key", client_key),
-    )
+    ca = _write(folder / "ca.crt", ca_cert.public_bytes(serialization.Encoding.PEM))
+    return ca, leaf

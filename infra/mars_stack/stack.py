@@ -29,7 +29,11 @@ from typing import TYPE_CHECKING, Any
 from mars_stack import kafka
 
 if TYPE_CHECKING:
+    import grpc
     from mars.data_keys import SyncKeyring
+    from mars.identity import CallerIdentity
+
+    from mars_stack.certs import IdentityFiles
 
 SERVICES = ("state", "memory", "router", "dispatch", "judge", "ingress")
 #: The gRPC service each process serves; readiness asks for it by name, so a port taken by some other
@@ -131,6 +135,10 @@ class StackSettings:
     #: alone in plaintext on a port of its own per process (the readiness checks use it), and the callers'
     #: settings (MARS_TLS_CA_FILE, MARS_TLS_CLIENT_CERT_FILE / _KEY_FILE) in stack.env and `env`.
     tls: bool = False
+    #: Service identities (mars.identity): a CA made in the work directory (identity/), the stage services
+    #: check every internal call against it, and each tool identity (operator, replay, chaos, deploy) gets a
+    #: certificate (`caller`, `identity_env`; the operator's in stack.env). False: the stages answer anyone.
+    identity: bool = True
     #: The OpenAI-compatible HTTP gateway (mars_gateway) in front of the ingress, at ports["gateway"]
     #: (MARS_GATEWAY_URL in stack.env); only with the ingress. `mars stack` and `mars run` start it.
     gateway: bool = False
@@ -197,6 +205,8 @@ class LocalStack:
         self._stopping = threading.Event()
         self._supervisor: threading.Thread | None = None
         self._keyring: SyncKeyring | None = None
+        #: The identity CA and the tools' certificates (None without settings.identity).
+        self.identities: IdentityFiles | None = None
 
     # --- lifecycle --------------------------------------------------------------------------------
 
@@ -224,6 +234,7 @@ class LocalStack:
             if self.settings.tls:
                 progress("making a local CA and mutual TLS certificates")
                 self._local_tls()
+            self._local_identities()
             self._write_env()
             progress(f"starting services: {', '.join(n for n, _ in self.service_procs())}")
             self._start_services()
@@ -538,6 +549,37 @@ class LocalStack:
             MARS_TLS_CLIENT_KEY_FILE=str(certs.client_key),
         )
 
+    def _local_identities(self) -> None:
+        """The identity CA the stage services trust (MARS_IDENTITY_CA_FILE) and a certificate per tool."""
+        from mars.identity import TOOL_IDENTITIES
+
+        from mars_stack.certs import make_identities
+
+        if not self.settings.identity:
+            self.env["MARS_IDENTITY_REQUIRED"] = "false"
+            return
+        self.identities = make_identities(self.workdir / "identity", TOOL_IDENTITIES)
+        self.env["MARS_IDENTITY_CA_FILE"] = str(self.identities.ca)
+
+    def identity_env(self, name: str = "operator") -> dict[str, str]:
+        """A tool's identity as environment (MARS_IDENTITY_CERT_FILE and _KEY_FILE), for a subprocess;
+        empty when the stack runs without identities."""
+        return self.identities.env(name) if self.identities is not None else {}
+
+    def caller(self, name: str = "operator") -> CallerIdentity | None:
+        """A tool's identity, to call the stage services (None when the stack runs without identities)."""
+        from mars.identity import CallerIdentity
+
+        return CallerIdentity.from_env(self.identity_env(name))
+
+    def channel(self, service: str, caller: str = "operator") -> grpc.Channel:
+        """A channel to a service (or a named replica) that calls as `caller` (and over TLS with TLS on)."""
+        from mars import tls
+        from mars.identity import with_identity
+
+        client_tls = tls.ClientTls.from_env(self.env)
+        return with_identity(tls.channel(self.addr(service), client_tls), self.caller(caller))
+
     def _master_key(self) -> None:
         """The master key that wraps every user's data key (MARS_MASTER_KEY_FILE), made once per work
         directory: a stack started again over the same Postgres data opens the keys it made before."""
@@ -724,7 +766,7 @@ class LocalStack:
             if self.settings.tls:
                 self.health_ports[name] = free_port()
         self.env["MARS_INGRESS_ADDR"] = self.addr("ingress") if "ingress" in self.settings.services else ""
-        lines = [f"{k}={v}" for k, v in sorted(self.env.items())]
+        lines = [f"{k}={v}" for k, v in sorted({**self.env, **self.identity_env()}.items())]
         lines += [
             f"MARS_{n.upper()}_ADDR={','.join(self.addrs(n))}"
             for n in self.settings.services

@@ -196,6 +196,15 @@ class ServiceSettings(BaseSettings):
     tls_key_file: str = ""
     #: Mutual TLS: callers must present a certificate signed by this CA (PEM); empty asks for none.
     tls_client_ca_file: str = ""
+    #: The CA (PEM) that signs service identities (mars.identity): a stage service checks each internal
+    #: call's token against it. Unset while identity_required: every internal call is refused (fails closed).
+    identity_ca_file: str = ""
+    #: Require a service identity on the stage services' RPCs; false lets any caller that reaches the port in
+    #: (a laptop setting, warned at start).
+    identity_required: bool = True
+    #: gRPC reflection on a stage service's port (off: it lists the internal API to whoever asks); the
+    #: ingress, the public API, always serves it.
+    grpc_reflection: bool = False
     #: A plaintext port serving grpc.health.v1 only, for probes that cannot speak TLS (Kubernetes' native
     #: gRPC probes); 0 serves none (health is on the main port too).
     health_port: int = Field(default=0, ge=0, le=65535)

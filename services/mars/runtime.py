@@ -18,7 +18,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from psycopg_pool import AsyncConnectionPool
 
-from mars import data_keys, db, tls
+from mars import data_keys, db, identity, tls
 from mars.bus import EventProducer, PoisonEvent, StageConsumer, ensure_topics, id_problem, is_transient
 from mars.config import ServiceSettings
 from mars.kafka_options import kafka_client_options
@@ -167,13 +167,8 @@ async def serve(name: str, settings: ServiceSettings, build: Builder, migrations
     ctx = ServiceContext(name=name, settings=settings, producer=producer, pool=pool)
     parts = await build(ctx)
 
-    server = grpc.aio.server()
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    for binding in parts.bindings:
-        binding.add_to_server(binding.servicer, server)
+    server, health_servicer = grpc_server(name, settings, parts.bindings)
     names = [b.full_name for b in parts.bindings]
-    reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     port = tls.add_port(server, f"{settings.grpc_host}:{settings.grpc_port}", settings)
     await server.start()
     # Health alone, in plaintext, on a port of its own: Kubernetes' gRPC probes cannot speak TLS.
@@ -238,6 +233,35 @@ async def serve(name: str, settings: ServiceSettings, build: Builder, migrations
 
 
 STOP_DEADLINE_S = 20.0
+
+
+def grpc_server(
+    name: str, settings: ServiceSettings, bindings: Sequence[GrpcBinding]
+) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
+    """The service's gRPC server with health, its bindings, the identity check on internal RPCs, and
+    reflection where the API is public (the ingress) or a setting asks for it."""
+    verifier = None
+    if settings.identity_ca_file:
+        try:
+            verifier = identity.IdentityVerifier.from_file(settings.identity_ca_file)
+        except identity.IdentityConfigError as exc:
+            raise SystemExit(f"{name}: {exc}") from exc
+    names = [b.full_name for b in bindings]
+    internal = [n for n in names if n in identity.INTERNAL_SERVICES]
+    if internal and not settings.identity_required:
+        log.warning("%s: MARS_IDENTITY_REQUIRED=false: any caller that reaches the port may call it", name)
+    elif internal and verifier is None:
+        log.warning("%s: no MARS_IDENTITY_CA_FILE: every call to %s is refused", name, ", ".join(internal))
+    server = grpc.aio.server(
+        interceptors=[identity.IdentityInterceptor(verifier, settings.identity_required)]
+    )
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for binding in bindings:
+        binding.add_to_server(binding.servicer, server)
+    if settings.grpc_reflection or len(internal) < len(names):
+        reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    return server, health_servicer
 
 
 def _exit_now(name: str) -> None:

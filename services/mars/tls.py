@@ -10,6 +10,7 @@ ca.crt), and are read once at start: rotating them means restarting the pods.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -66,11 +67,12 @@ class ClientTls:
     key_file: str = ""
 
     @classmethod
-    def from_env(cls) -> ClientTls:
+    def from_env(cls, env: Mapping[str, str] | None = None) -> ClientTls:
+        env = os.environ if env is None else env
         return cls(
-            os.environ.get("MARS_TLS_CA_FILE", ""),
-            os.environ.get("MARS_TLS_CLIENT_CERT_FILE", ""),
-            os.environ.get("MARS_TLS_CLIENT_KEY_FILE", ""),
+            env.get("MARS_TLS_CA_FILE", ""),
+            env.get("MARS_TLS_CLIENT_CERT_FILE", ""),
+            env.get("MARS_TLS_CLIENT_KEY_FILE", ""),
         )
 
     @property

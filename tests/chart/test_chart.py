@@ -21,6 +21,7 @@ import yaml
 from crd_schemas import CRD_SCHEMAS
 from mars import cli, consumer_groups
 from mars.config import ServiceSettings
+from mars.identity import TOOL_IDENTITIES
 from mars.pool import load_pool
 from mars_stack import helm
 
@@ -315,6 +316,8 @@ def test_passwords_come_from_secrets_never_from_config_maps() -> None:
         "mars-secrets",
         "mars-secrets-api-keys",
         "mars-master-key",
+        "mars-identity-ca",
+        *(f"mars-identity-{tool}" for tool in TOOL_IDENTITIES),
     }
 
 
@@ -581,6 +584,10 @@ def test_replay_job_fits_the_release_it_runs_beside() -> None:
         }
         chart_secrets = {o["metadata"]["name"] for o in helm.find(objects, "Secret")}
         assert secret_refs and secret_refs <= chart_secrets | {f"{release}-mars-secrets", "mars-secrets"}
+        identity = {v["name"]: v for v in pod["spec"]["volumes"]}["identity"]["secret"]["secretName"]
+        assert identity in chart_secrets and identity.endswith("-identity-replay")
+        env = {v["name"]: v.get("value") for v in container["env"]}
+        assert env["MARS_IDENTITY_CERT_FILE"] == "/etc/mars/identity/tls.crt"
         if release == "mars":
             policies = helm.find(objects, "NetworkPolicy")
             pods = _pods(objects)
@@ -642,6 +649,44 @@ def test_every_service_and_job_opens_sealed_events_with_one_master_key() -> None
     off = render(merged(BASE, {"eventSealing": {"enabled": False}}))
     assert "MARS_MASTER_KEY_FILE" not in helm.service_env(off, "ingress")
     assert not [s for s in helm.find(off, "Secret") if "master" in s["metadata"]["name"]]
+
+
+def test_the_chart_mints_identities_the_stage_services_verify(tmp_path: Any) -> None:
+    """Helm's genCA / genSignedCert output is what mars.identity verifies: every tool's Secret gives a token
+    the CA Secret's ca.crt accepts; the services mount ca.crt alone (no tool's key) and fail closed without
+    it; identity.enabled=false turns the check off in the settings, mint=false renders no Secret."""
+    import base64
+
+    from mars.identity import CallerIdentity, IdentityVerifier
+
+    objects = render(BASE)
+    secrets = {s["metadata"]["name"]: s for s in helm.find(objects, "Secret")}
+    ca_pem = base64.b64decode(secrets["mars-identity-ca"]["data"]["ca.crt"])
+    assert set(secrets["mars-identity-ca"]["data"]) == {"ca.crt"}, "the CA's key is never stored"
+    verifier = IdentityVerifier(ca_pem)
+    for tool in TOOL_IDENTITIES:
+        secret = secrets[f"mars-identity-{tool}"]
+        assert secret["type"] == "kubernetes.io/tls"
+        for key in ("tls.crt", "tls.key"):
+            (tmp_path / f"{tool}-{key}").write_bytes(base64.b64decode(secret["data"][key]))
+        caller = CallerIdentity.from_files(str(tmp_path / f"{tool}-tls.crt"), str(tmp_path / f"{tool}-tls.key"))
+        assert caller.name == tool
+        assert verifier.verify(caller.token("mars.v1.Router"), "mars.v1.Router") == tool
+    for service in SERVICES:
+        env = helm.service_env(objects, service)
+        assert env["MARS_IDENTITY_CA_FILE"] == "/etc/mars/identity-ca/ca.crt"
+        assert "MARS_IDENTITY_REQUIRED" not in env  # the default: required
+        pod = by_component(objects, "Deployment")[service]["spec"]["template"]["spec"]
+        volume = {v["name"]: v for v in pod["volumes"]}["identity-ca"]["secret"]
+        assert volume == {"secretName": "mars-identity-ca", "items": [{"key": "ca.crt", "path": "ca.crt"}]}
+        mounted = {v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v}
+        assert {m for m in mounted if "-identity-" in m} == {"mars-identity-ca"}, "no tool's key in a service"
+    off = render(merged(BASE, {"identity": {"enabled": False}}))
+    assert helm.service_env(off, "memory")["MARS_IDENTITY_REQUIRED"] == "false"
+    assert not [s for s in helm.find(off, "Secret") if "identity" in s["metadata"]["name"]]
+    theirs = render(merged(BASE, {"identity": {"mint": False}}))
+    assert not [s for s in helm.find(theirs, "Secret") if "identity" in s["metadata"]["name"]]
+    assert helm.service_env(theirs, "judge")["MARS_IDENTITY_CA_FILE"] == "/etc/mars/identity-ca/ca.crt"
 
 
 def test_learned_controller_needs_no_llm_endpoint() -> None:

@@ -73,7 +73,7 @@ def test_memory_without_embedder_reports_dense_down_and_keeps_serving(broken_sta
     assert health.Check(health_pb2.HealthCheckRequest(service="mars.v1.Memory"), timeout=5).status == serving
     dense = health.Check(health_pb2.HealthCheckRequest(service="mars.v1.Memory.dense"), timeout=5)
     assert dense.status == health_pb2.HealthCheckResponse.NOT_SERVING
-    view = svc_grpc.MemoryStub(grpc.insecure_channel(broken_stack.addr("memory"))).BuildView(
+    view = svc_grpc.MemoryStub(broken_stack.channel("memory")).BuildView(
         svc.BuildViewRequest(tenant="t", user_id="nobody", text="hello", state=ev.SessionState()), timeout=10
     )
     assert list(view.blocks) == []

@@ -50,12 +50,12 @@ def _arm_health(stack: LocalStack, arm: str) -> int:
 
 
 def _circuit(stack: LocalStack, arm: str) -> str:
-    stub = svc_grpc.DispatchStub(grpc.insecure_channel(stack.addr("dispatch")))
+    stub = svc_grpc.DispatchStub(stack.channel("dispatch"))
     return {m.name: m.circuit for m in stub.ListModels(svc.Empty(), timeout=5).models}[arm]
 
 
 def test_circuit_opens_on_a_dead_endpoint_and_closes_when_it_answers(dispatch_stack: LocalStack) -> None:
-    stub = svc_grpc.DispatchStub(grpc.insecure_channel(dispatch_stack.addr("dispatch")))
+    stub = svc_grpc.DispatchStub(dispatch_stack.channel("dispatch"))
 
     def call() -> object:
         return stub.Generate(svc.GenerateRequest(arm="flaky", text="Say hello.", max_tokens=8), timeout=60)

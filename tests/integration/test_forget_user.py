@@ -25,6 +25,7 @@ from mars.auth import mint_key
 from mars.bus import TOPIC_EVENTS
 from mars.client import ingress_channel
 from mars.config import ALL_TOPICS, TOPIC_VIEW
+from mars.identity import with_identity
 from mars.replay.cli import read_topics
 from mars.replay.traces import RawRecord, TraceBuilder, summarize
 from mars.v1 import events_pb2 as ev
@@ -127,9 +128,9 @@ def keyring(stack: LocalStack) -> data_keys.SyncKeyring:
 def describe_all(stack: LocalStack, tenant: str, user: str) -> list[svc.IndexDescription]:
     out = []
     for addr in stack.addrs("memory"):
-        with grpc.insecure_channel(addr) as channel:
+        with grpc.insecure_channel(addr) as plain:
             out.append(
-                svc_grpc.MemoryStub(channel).DescribeIndex(
+                svc_grpc.MemoryStub(with_identity(plain, stack.caller())).DescribeIndex(
                     svc.DescribeIndexRequest(tenant=tenant, user_id=user), timeout=30
                 )
             )
@@ -301,8 +302,8 @@ def test_forget_user(stack: LocalStack) -> None:
     )
     assert kept.seq == len(TURNS) + 1 and kept.text
     for addr in stack.addrs("memory"):
-        with grpc.insecure_channel(addr) as channel:
-            view = svc_grpc.MemoryStub(channel).BuildView(
+        with grpc.insecure_channel(addr) as plain:
+            view = svc_grpc.MemoryStub(with_identity(plain, stack.caller())).BuildView(
                 svc.BuildViewRequest(
                     tenant=TENANT, user_id=KEPT, text="ferry pier time", state=session_state()
                 ),
@@ -345,8 +346,8 @@ def test_forget_user(stack: LocalStack) -> None:
     )
     old = set(turn_ids[TENANT, GONE])
     for addr in stack.addrs("memory"):
-        with grpc.insecure_channel(addr) as channel:
-            memory = svc_grpc.MemoryStub(channel)
+        with grpc.insecure_channel(addr) as plain:
+            memory = svc_grpc.MemoryStub(with_identity(plain, stack.caller()))
             view = memory.BuildView(
                 svc.BuildViewRequest(
                     tenant=TENANT, user_id=GONE, text="ferry pier peanuts", state=session_state()

@@ -1,7 +1,8 @@
 """The ingress's front door over the real stack: API keys (UNAUTHENTICATED / PERMISSION_DENIED), tenants
 from the key, user-scoped keys, revocation within the cache TTL, `mars tenant` commands, control characters
 (INVALID_ARGUMENT instead of a database error), per-tenant quotas (RESOURCE_EXHAUSTED with a retry hint) and
-the isolation property: two tenants' interleaved turns never see each other's (or another user's) data."""
+the isolation property: two tenants' interleaved turns never see each other's (or another user's) data.
+Behind it, the stage services' own door: service identities only (mars.identity), whatever the key."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ import pytest
 from conftest import REPO, api_key, ingress_stub, query, start_stack, wait_for
 from mars.auth import mint_key
 from mars.client import ingress_channel
+from mars.identity import CallerIdentity
+from mars.v1 import events_pb2 as ev
 from mars.v1 import services_pb2 as svc
 from mars.v1 import services_pb2_grpc as svc_grpc
 from mars_stack import LocalStack
@@ -265,3 +268,93 @@ def test_keys_made_here_are_the_tenants(stack: LocalStack) -> None:
     key = mint_key(stack.env["MARS_POSTGRES_DSN"], "minted").key
     with ingress_channel(stack.addr("ingress"), key) as channel:
         assert svc_grpc.IngressStub(channel).SendTurn(turn(), timeout=60).text
+
+
+# --- inside: the stage services answer service identities only (mars.identity) ---------------------------
+
+STAGE_CALLS = [
+    ("state", svc_grpc.StateEstimatorStub, "Estimate", svc.EstimateRequest(text="hello")),
+    ("memory", svc_grpc.MemoryStub, "BuildView", svc.BuildViewRequest(tenant="demo", user_id="u1", text="x")),
+    ("memory", svc_grpc.MemoryStub, "DescribeIndex", svc.DescribeIndexRequest(tenant="demo", user_id="u1")),
+    ("router", svc_grpc.RouterStub, "Route", svc.RouteRequest(tenant="demo", user_id="u1")),
+    ("router", svc_grpc.RouterStub, "GetPolicy", svc.PolicyRequest(tenant="demo", user_id="u1")),
+    ("router", svc_grpc.RouterStub, "ResetPolicy", svc.PolicyRequest(tenant="demo")),
+    ("dispatch", svc_grpc.DispatchStub, "Generate", svc.GenerateRequest(arm="x", text="hi", max_tokens=4)),
+    ("dispatch", svc_grpc.DispatchStub, "ListModels", svc.Empty()),
+    ("judge", svc_grpc.JudgeStub, "Score", ev.Generated(text="hi")),
+]
+
+
+def stage_call(channel: grpc.Channel, stub: type, method: str, request: object) -> grpc.StatusCode:
+    try:
+        getattr(stub(channel), method)(request, timeout=30)
+    except grpc.RpcError as exc:
+        return exc.code()  # type: ignore[no-any-return, attr-defined]
+    return grpc.StatusCode.OK
+
+
+@pytest.mark.parametrize(("service", "stub", "method", "request_"), STAGE_CALLS, ids=[c[2] for c in STAGE_CALLS])
+def test_a_stage_refuses_callers_without_a_service_identity(
+    stack: LocalStack, service: str, stub: type, method: str, request_: object
+) -> None:
+    """No credentials, the tenant's API key, or a certificate of another CA: UNAUTHENTICATED; a real tool
+    identity on a method not its own: PERMISSION_DENIED. Nothing reaches the handler."""
+    from mars.identity import with_identity
+    from mars_stack.certs import make_identities
+
+    addr = stack.addr(service)
+    with grpc.insecure_channel(addr) as plain:
+        assert stage_call(plain, stub, method, request_) == grpc.StatusCode.UNAUTHENTICATED
+    with ingress_channel(addr, stack.env["MARS_API_KEY"]) as keyed:
+        assert stage_call(keyed, stub, method, request_) == grpc.StatusCode.UNAUTHENTICATED
+    forged = make_identities(stack.workdir / "forged", ("operator",))
+    with grpc.insecure_channel(addr) as plain:
+        as_forged = with_identity(plain, CallerIdentity.from_env(forged.env("operator")))
+        assert stage_call(as_forged, stub, method, request_) == grpc.StatusCode.UNAUTHENTICATED
+    with grpc.insecure_channel(addr) as plain:  # the chaos harness may only describe memory's index
+        as_chaos = with_identity(plain, stack.caller("chaos"))
+        want = grpc.StatusCode.PERMISSION_DENIED if method != "DescribeIndex" else grpc.StatusCode.OK
+        assert stage_call(as_chaos, stub, method, request_) == want
+
+
+def test_a_stage_answers_the_operator_and_keeps_health_open(stack: LocalStack) -> None:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with stack.channel("router") as channel:
+        policy = svc_grpc.RouterStub(channel).GetPolicy(svc.PolicyRequest(tenant="demo", user_id="u1"), timeout=30)
+    assert policy.arms
+    with stack.channel("dispatch") as channel:
+        assert svc_grpc.DispatchStub(channel).ListModels(svc.Empty(), timeout=30).models
+    # A token for memory opens nothing at the router: tokens are minted per service.
+    operator = stack.caller("operator")
+    assert operator is not None
+    token = operator.token("mars.v1.Memory")
+    with grpc.insecure_channel(stack.addr("router")) as plain:
+        with pytest.raises(grpc.RpcError) as info:
+            svc_grpc.RouterStub(plain).GetPolicy(
+                svc.PolicyRequest(tenant="demo", user_id="u1"), metadata=[("x-mars-identity", token)], timeout=30
+            )
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED and "not mars.v1.Router" in info.value.details()
+    for service in ("state", "memory", "router", "dispatch", "judge", "ingress"):
+        with grpc.insecure_channel(stack.addr(service)) as plain:
+            reply = health_pb2_grpc.HealthStub(plain).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING, service
+
+
+def test_reflection_is_off_on_stage_ports_and_on_at_the_ingress(stack: LocalStack) -> None:
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    def listed(service: str) -> set[str] | grpc.StatusCode:
+        with grpc.insecure_channel(stack.addr(service)) as plain:
+            stub = reflection_pb2_grpc.ServerReflectionStub(plain)
+            try:
+                replies = list(
+                    stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+                )
+            except grpc.RpcError as exc:
+                return exc.code()  # type: ignore[no-any-return]
+        return {s.name for r in replies for s in r.list_services_response.service}
+
+    assert "mars.v1.Ingress" in listed("ingress")  # type: ignore[operator]
+    for service in ("state", "memory", "router", "dispatch", "judge"):
+        assert listed(service) == grpc.StatusCode.UNIMPLEMENTED, service

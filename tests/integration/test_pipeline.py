@@ -441,19 +441,19 @@ def test_services_answer_health_and_direct_calls(stack: LocalStack) -> None:
             health.Check(health_pb2.HealthCheckRequest(), timeout=5).status
             == health_pb2.HealthCheckResponse.SERVING
         )
-    state = svc_grpc.StateEstimatorStub(grpc.insecure_channel(stack.addr("state"))).Estimate(
+    state = svc_grpc.StateEstimatorStub(stack.channel("state")).Estimate(
         svc.EstimateRequest(
             tenant=TENANT, user_id="u", text="Revise it to be shorter", active_context=["Write a poem"]
         )
     )
     assert state.action == ev.MATCH and state.phase == ev.REVISE
-    models = svc_grpc.DispatchStub(grpc.insecure_channel(stack.addr("dispatch"))).ListModels(svc.Empty())
+    models = svc_grpc.DispatchStub(stack.channel("dispatch")).ListModels(svc.Empty())
     assert [m.name for m in models.models] == ["broken-endpoint", "smollm2-135m-short", "smollm2-135m-long"]
-    policy = svc_grpc.RouterStub(grpc.insecure_channel(stack.addr("router"))).GetPolicy(
+    policy = svc_grpc.RouterStub(stack.channel("router")).GetPolicy(
         svc.PolicyRequest(tenant=TENANT, user_id="user-zebra")
     )
     assert policy.dimension > 20 and sum(a.pulls for a in policy.arms) >= 10
-    router = svc_grpc.RouterStub(grpc.insecure_channel(stack.addr("router")))
+    router = svc_grpc.RouterStub(stack.channel("router"))
     reset = router.ResetPolicy(svc.PolicyRequest(tenant=TENANT, user_id="user-quokka"))
     assert sum(a.pulls for a in reset.arms) == 0 and reset.version > 0
     with pytest.raises(grpc.RpcError) as info:

@@ -56,7 +56,7 @@ def llm_state(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
 
 
 def test_llamacpp_controller_states_are_schema_valid(llm_state: LocalStack) -> None:
-    stub = svc_grpc.StateEstimatorStub(grpc.insecure_channel(llm_state.addr("state")))
+    stub = svc_grpc.StateEstimatorStub(llm_state.channel("state"))
     for text, context in TURNS:
         st = stub.Estimate(svc.EstimateRequest(text=text, active_context=context), timeout=90)
         _valid(st)
@@ -120,7 +120,7 @@ def down_state(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]
 
 
 def test_controller_down_falls_back_to_rules_and_reports_degraded(down_state: LocalStack) -> None:
-    stub = svc_grpc.StateEstimatorStub(grpc.insecure_channel(down_state.addr("state")))
+    stub = svc_grpc.StateEstimatorStub(down_state.channel("state"))
     assert _health(down_state, CONTROLLER) == health_pb2.HealthCheckResponse.SERVING
     for text, context in TURNS:
         st = stub.Estimate(svc.EstimateRequest(text=text, active_context=context), timeout=10)

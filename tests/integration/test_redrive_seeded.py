@@ -10,7 +10,6 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import grpc
 import pytest
 from conftest import ingress_stub, keys_env, start_stack
 from mars.v1 import services_pb2 as svc
@@ -36,7 +35,7 @@ def seeded_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStac
     )
     try:
         ingress = ingress_stub(s, TENANT)
-        router = svc_grpc.RouterStub(grpc.insecure_channel(s.addr("router")))
+        router = svc_grpc.RouterStub(s.channel("router"))
         for i in range(TURNS):
             before = _version(router, TENANT)
             ingress.SendTurn(
@@ -54,9 +53,10 @@ def seeded_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStac
 
 
 def mars(*args: str, stack: LocalStack | None = None) -> subprocess.CompletedProcess[str]:
-    """The CLI; with `stack`, able to open that stack's sealed event text (keys_env)."""
+    """The CLI; with `stack`, able to open that stack's sealed event text (keys_env) and to read the router's
+    policy as the replay tool (its service identity)."""
     exe = str(Path(sys.executable).parent / "mars")
-    env = keys_env(stack) if stack is not None else None
+    env = {**keys_env(stack), **stack.identity_env("replay")} if stack is not None else None
     return subprocess.run([exe, *args], capture_output=True, text=True, timeout=600, check=False, env=env)
 
 

@@ -58,9 +58,10 @@ def replay_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStac
 
 
 def mars(*args: str, stack: LocalStack | None = None) -> subprocess.CompletedProcess[str]:
-    """The CLI; with `stack`, able to open that stack's sealed event text (keys_env)."""
+    """The CLI; with `stack`, able to open that stack's sealed event text (keys_env) and to read the router's
+    policy as the replay tool (its service identity)."""
     exe = str(Path(sys.executable).parent / "mars")
-    env = keys_env(stack) if stack is not None else None
+    env = {**keys_env(stack), **stack.identity_env("replay")} if stack is not None else None
     return subprocess.run([exe, *args], capture_output=True, text=True, timeout=300, check=False, env=env)
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-import grpc
 import pytest
 from conftest import STACK_ENV, ingress_stub, query, read_topic, require_kafka, session_state
 from mars.config import TOPIC_VIEW, topic_name
@@ -70,7 +69,7 @@ def test_views_from_a_replica_that_applied_none_of_the_writes(replicated: LocalS
     assert not [v.turn.turn_id for v in ours if v.view.possibly_stale]
 
     # memory-2 wrote nothing; its index of every user equals the records memory-1 stored.
-    with grpc.insecure_channel(replicated.addr("memory-2")) as channel:
+    with replicated.channel("memory-2") as channel:
         memory = svc_grpc.MemoryStub(channel)
         for user in USERS:
             rows = query(

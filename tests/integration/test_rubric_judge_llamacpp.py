@@ -36,7 +36,7 @@ def judge_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack
 
 
 def test_rubric_judgements_parse_and_compose(judge_stack: LocalStack) -> None:
-    stub = svc_grpc.JudgeStub(grpc.insecure_channel(judge_stack.addr("judge")))
+    stub = svc_grpc.JudgeStub(judge_stack.channel("judge"))
     for query, answer, phase in CASES:
         g = ev.Generated(status=ev.OK, query=query, text=answer, cost_usd=0.002, model="m")
         g.state.phase = phase

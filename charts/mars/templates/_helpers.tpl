@@ -86,6 +86,19 @@ judge:
 {{- default (include "mars.secretName" .) .Values.kafka.sasl.existingSecret -}}
 {{- end -}}
 
+{{/* The Secret holding the identity CA's certificate (ca.crt), which the stage services trust. */}}
+{{- define "mars.identityCaSecret" -}}
+{{- printf "%s-identity-ca" (include "mars.fullname" .) -}}
+{{- end -}}
+
+{{/* The tools that hold a service identity (mars.identity.TOOL_IDENTITIES). */}}
+{{- define "mars.identityTools" -}}
+- operator
+- replay
+- chaos
+- deploy
+{{- end -}}
+
 {{/* The Secret holding the master key that wraps users' data keys (eventSealing). */}}
 {{- define "mars.masterKeySecret" -}}
 {{- default (printf "%s-master-key" (include "mars.fullname" .)) .Values.eventSealing.existingSecret -}}
@@ -134,6 +147,11 @@ MARS_HEALTH_PORT: {{ .Values.tls.healthPort | quote }}
 {{- if .Values.tls.mutual }}
 MARS_TLS_CLIENT_CA_FILE: /etc/mars/tls/ca.crt
 {{- end }}
+{{- end }}
+{{- if .Values.identity.enabled }}
+MARS_IDENTITY_CA_FILE: /etc/mars/identity-ca/ca.crt
+{{- else }}
+MARS_IDENTITY_REQUIRED: "false"
 {{- end }}
 {{- range $k, $v := .Values.env }}
 {{ $k }}: {{ $v | quote }}
@@ -198,6 +216,14 @@ MARS_TLS_CLIENT_CA_FILE: /etc/mars/tls/ca.crt
   secret:
     secretName: {{ required "tls.secretName is required with tls.enabled: a kubernetes.io/tls Secret" .Values.tls.secretName }}
 {{- end }}
+{{- if .Values.identity.enabled }}
+- name: identity-ca
+  secret:
+    secretName: {{ include "mars.identityCaSecret" . }}
+    items:
+      - key: ca.crt
+        path: ca.crt
+{{- end }}
 {{- end -}}
 
 {{- define "mars.volumeMounts" -}}
@@ -219,6 +245,11 @@ MARS_TLS_CLIENT_CA_FILE: /etc/mars/tls/ca.crt
 {{- if .Values.tls.enabled }}
 - name: tls
   mountPath: /etc/mars/tls
+  readOnly: true
+{{- end }}
+{{- if .Values.identity.enabled }}
+- name: identity-ca
+  mountPath: /etc/mars/identity-ca
   readOnly: true
 {{- end }}
 {{- end -}}

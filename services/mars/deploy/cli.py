@@ -141,6 +141,7 @@ def cmd_replay_job(args: argparse.Namespace) -> int:
         service_account=args.service_account,
         kafka_password_secret=args.kafka_password_secret,
         kafka_ca_secret=args.kafka_ca_secret,
+        identity_secret=args.identity_secret,
         pvc=args.pvc,
         backoff_limit=args.backoff_limit,
         ttl_seconds_after_finished=args.ttl_s,
@@ -237,6 +238,12 @@ def add_deploy_parser(sub: argparse._SubParsersAction) -> argparse._SubParsersAc
     )
     p.add_argument(
         "--kafka-ca-secret", default="", help="Secret with the brokers' CA (the chart's kafka.tls.caSecret)"
+    )
+    p.add_argument(
+        "--identity-secret",
+        default=None,
+        help="Secret with the replay tool's service identity (default: the chart's <fullname>-identity-replay; "
+        "'' for a release without identities)",
     )
     p.add_argument("--pvc", default="", help="PersistentVolumeClaim to mount at /data for output files")
     p.add_argument("--backoff-limit", type=int, default=0, help="retries of a failed pod (default 0)")

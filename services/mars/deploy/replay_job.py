@@ -3,7 +3,8 @@ release's settings, beside its services (the event log is usually reachable only
 
 The manifest follows the chart's names and conventions (charts/mars/templates/_helpers.tpl): settings
 from the `<fullname>-env` ConfigMap, the Kafka and Postgres passwords from the `<fullname>-secrets`
-Secret (optional), the Kafka CA Secret mounted where MARS_KAFKA_SSL_CAFILE points, the hardened pod and
+Secret (optional), the Kafka CA Secret mounted where MARS_KAFKA_SSL_CAFILE points, the replay tool's service
+identity (<fullname>-identity-replay, for the router's policy), the hardened pod and
 container security contexts of every MARS pod. `replay_job_manifest` is pure; `create_job` calls the API.
 """
 
@@ -15,6 +16,8 @@ from typing import Any, Protocol
 
 #: Where the chart mounts the Kafka CA Secret (its ConfigMap sets MARS_KAFKA_SSL_CAFILE under it).
 KAFKA_TLS_DIR = "/etc/mars/kafka-tls"
+#: Where the replay identity's Secret is mounted (MARS_IDENTITY_CERT_FILE / _KEY_FILE point into it).
+IDENTITY_DIR = "/etc/mars/identity"
 #: Where --pvc mounts a claim, for replay outputs that must outlive the pod (--out /data/...).
 DATA_DIR = "/data"
 #: The chart's pod user (values.yaml podSecurityContext); the image's files are readable by it.
@@ -56,6 +59,9 @@ class ReplayJob:
     postgres_password_key: str = "postgres-password"
     #: The Secret with the brokers' CA (the chart's kafka.tls.caSecret); "" mounts none.
     kafka_ca_secret: str = ""
+    #: The replay tool's service identity (a kubernetes.io/tls Secret, mars.identity), which `replay run
+    #: --router` needs to read the router's policy: None = the chart's <fullname>-identity-replay, "" = none.
+    identity_secret: str | None = None
     #: A PersistentVolumeClaim mounted at /data for outputs; "" mounts none (files in /tmp die with the pod).
     pvc: str = ""
     backoff_limit: int = 0
@@ -67,6 +73,10 @@ class ReplayJob:
     @property
     def fullname(self) -> str:
         return chart_fullname(self.release, self.fullname_override)
+
+    @property
+    def identity(self) -> str:
+        return f"{self.fullname}-identity-replay" if self.identity_secret is None else self.identity_secret
 
     def job_name(self, now: datetime) -> str:
         if self.name:
@@ -114,6 +124,14 @@ def replay_job_manifest(job: ReplayJob, now: datetime) -> dict[str, Any]:
     if job.pvc:
         volumes.append({"name": "data", "persistentVolumeClaim": {"claimName": job.pvc}})
         mounts.append({"name": "data", "mountPath": DATA_DIR})
+    identity_env: list[dict[str, Any]] = []
+    if job.identity:
+        volumes.append({"name": "identity", "secret": {"secretName": job.identity}})
+        mounts.append({"name": "identity", "mountPath": IDENTITY_DIR, "readOnly": True})
+        identity_env = [
+            {"name": "MARS_IDENTITY_CERT_FILE", "value": f"{IDENTITY_DIR}/tls.crt"},
+            {"name": "MARS_IDENTITY_KEY_FILE", "value": f"{IDENTITY_DIR}/tls.key"},
+        ]
     container: dict[str, Any] = {
         "name": "replay",
         "image": job.image,
@@ -127,6 +145,7 @@ def replay_job_manifest(job: ReplayJob, now: datetime) -> dict[str, Any]:
             # A read-only root: caches (matplotlib for `replay report`) go to the writable /tmp.
             {"name": "HOME", "value": "/tmp"},
             {"name": "MPLCONFIGDIR", "value": "/tmp/matplotlib"},
+            *identity_env,
         ],
         "resources": {
             "requests": {"cpu": "250m", "memory": "512Mi"},

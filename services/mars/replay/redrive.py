@@ -34,9 +34,10 @@ import grpc
 from rich.console import Console
 from rich.progress import Progress
 
-from mars import data_keys
+from mars import data_keys, tls
 from mars.client import TenantChannels, TenantKeys
 from mars.data_keys import SyncKeyring
+from mars.identity import CallerIdentity, with_identity
 from mars.replay import presets
 from mars.replay.cli import topic_prefix_arg
 from mars.replay.compare import comparison_table, only, read_back
@@ -119,7 +120,12 @@ def redrive(
 ) -> list[dict[str, Any]]:
     """Send each turn as its tenant (+ suffix), with that tenant's key from `keys`."""
     channels = TenantChannels(ingress_addr, keys or TenantKeys())
-    router = svc_grpc.RouterStub(grpc.insecure_channel(router_addr)) if router_addr else None
+    # The router is internal: GetPolicy needs the replay identity (MARS_IDENTITY_CERT_FILE / _KEY_FILE).
+    router = (
+        svc_grpc.RouterStub(with_identity(tls.channel(router_addr), CallerIdentity.from_env()))
+        if router_addr
+        else None
+    )
     try:
         return _redrive(turns, channels, suffix, router, reward_timeout_s, on_turn)
     finally:
