@@ -34,9 +34,10 @@ KEY_PREFIX = "mars_"
 KEY_BYTES = 32
 #: Characters of the key (after the prefix) that form its public id.
 KEY_ID_CHARS = 8
-#: What tenant and user ids may look like (the ingress validates turns with the same pattern).
-ID_PATTERN = re.compile(r"^[A-Za-z0-9_.@:\-]{1,128}$")
-_KEY_SHAPE = re.compile(r"^mars_[A-Za-z0-9_\-]{43}$")
+#: What tenant and user ids may look like (the ingress validates turns with the same pattern). \Z, not $:
+#: "$" also matches before a final newline, and "alice\n" would pass here and be dead-lettered by every stage.
+ID_PATTERN = re.compile(r"^[A-Za-z0-9_.@:\-]{1,128}\Z")
+_KEY_SHAPE = re.compile(r"^mars_[A-Za-z0-9_\-]{43}\Z")
 
 MIGRATIONS = [
     # One row per key ever issued; revoked keys stay (revoked_at, replaced_by) for the audit trail.

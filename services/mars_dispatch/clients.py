@@ -26,11 +26,14 @@ _RETRYABLE_STATUS = frozenset({408, 429})
 
 
 class GenerationError(Exception):
-    """The endpoint failed the call. `retryable`: another attempt on the same endpoint may succeed."""
+    """The endpoint failed the call. `retryable`: another attempt on the same endpoint may succeed.
+    `body`: what the endpoint sent back (a piece of it), for the dispatch log only: it can hold model output
+    or the upstream's internals, so it stays out of the message, which travels on events and to callers."""
 
-    def __init__(self, message: str, retryable: bool = False) -> None:
+    def __init__(self, message: str, retryable: bool = False, body: str = "") -> None:
         super().__init__(message)
         self.retryable = retryable
+        self.body = body
 
 
 class DeadlineExceeded(Exception):
@@ -103,7 +106,7 @@ class ModelClients:
                 raise GenerationError(f"{type(exc).__name__}: {exc}", retryable=True) from exc
             if resp.status_code != 200:
                 raise GenerationError(
-                    f"HTTP {resp.status_code}: {resp.text[:200]}", _status_retryable(resp.status_code)
+                    f"HTTP {resp.status_code}", _status_retryable(resp.status_code), body=resp.text[:200]
                 )
             return _parse_completion(resp, packed)
 
@@ -186,7 +189,7 @@ class ModelClients:
             if resp.status_code != 200:
                 text = (await resp.aread()).decode(errors="replace")
                 raise GenerationError(
-                    f"HTTP {resp.status_code}: {text[:200]}", _status_retryable(resp.status_code)
+                    f"HTTP {resp.status_code}", _status_retryable(resp.status_code), body=text[:200]
                 )
             async for line in resp.aiter_lines():
                 if not line.startswith("data:"):
@@ -197,9 +200,9 @@ class ModelClients:
                 try:
                     chunk = json.loads(data)
                 except ValueError as exc:
-                    raise GenerationError(f"malformed stream chunk: {data[:80]!r}", retryable=True) from exc
+                    raise GenerationError("malformed stream chunk", retryable=True, body=data[:80]) from exc
                 if not isinstance(chunk, dict):
-                    raise GenerationError(f"malformed stream chunk: {data[:80]!r}", retryable=True)
+                    raise GenerationError("malformed stream chunk", retryable=True, body=data[:80])
                 if isinstance(chunk.get("usage"), dict):
                     usage = chunk["usage"]
                 for piece in _delta_pieces(chunk):
@@ -251,12 +254,12 @@ def _parse_completion(resp: httpx.Response, packed: PackedPrompt) -> Completion:
     try:
         payload = resp.json()
     except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are both ValueErrors
-        raise GenerationError(f"HTTP 200 with a body that is not JSON: {resp.text[:80]!r}") from exc
+        raise GenerationError("HTTP 200 with a body that is not JSON", body=resp.text[:80]) from exc
     try:
         choice = payload["choices"][0]
         content = choice["message"]["content"]
     except (KeyError, IndexError, TypeError) as exc:
-        raise GenerationError(f"malformed completion: {exc!r}") from exc
+        raise GenerationError(f"malformed completion ({type(exc).__name__})", body=resp.text[:80]) from exc
     if not isinstance(choice, dict) or not isinstance(content, str | None):
         raise GenerationError(f"malformed completion: content is {type(content).__name__}")
     text = content or ""

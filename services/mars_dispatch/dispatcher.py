@@ -112,7 +112,8 @@ class Dispatcher:
                 self._record_answer(out, attempt, spec, packed, completion)
                 attempt.escalated = arm != arms[-1] and _below_cascade(completion, cascade_min_logprob)
             attempt.latency_ms = (time.perf_counter() - t0) * 1000
-            metrics.record_dispatch_attempt(arm, "escalated" if attempt.escalated else outcome)
+            attempt.outcome = "escalated" if attempt.escalated else outcome
+            metrics.record_dispatch_attempt(arm, attempt.outcome)
             out.attempts.append(attempt)
             if attempt.ok and not attempt.escalated:
                 break
@@ -184,6 +185,8 @@ class Dispatcher:
             verdict = False
             outcome = "endpoint_error"
             attempt.error = str(exc)
+            if exc.body:
+                log.info("arm %s answered %s: %r", arm, exc, exc.body)
         except DeadlineExceeded as exc:
             # Cut by the turn's own deadline: one caller's short deadline must not open the arm's circuit
             # for every tenant. It counts only if the endpoint had already failed an attempt of this call.

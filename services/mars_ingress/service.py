@@ -163,6 +163,18 @@ def check_user_ids(tenant: str, user_id: str) -> None:
             raise InvalidTurn(f"{field_name} must match {_ID.pattern}")
 
 
+def check_feedback(request: svc.FeedbackRequest, max_chars: int) -> None:
+    """InvalidTurn unless the feedback names a turn with usable ids and a comment within the turn limit (a
+    longer one would be dead-lettered by the stages)."""
+    check_fields(
+        tenant=request.tenant, user_id=request.user_id, turn_id=request.turn_id, comment=request.comment
+    )
+    if not request.turn_id:
+        raise InvalidTurn("turn_id is required")
+    if len(request.comment) > max_chars:
+        raise InvalidTurn(f"comment has {len(request.comment)} characters; the limit is {max_chars}")
+
+
 def validate_turn(req: svc.TurnRequest, max_chars: int) -> dict[str, str]:
     """Bad input gets INVALID_ARGUMENT before anything is written."""
     check_fields(tenant=req.tenant, user_id=req.user_id, session_id=req.session_id, text=req.text)
@@ -218,6 +230,15 @@ def quota_failure(refusal: Refusal) -> TurnFailed:
         refusal.message,
         trailing=(("retry-after-ms", str(refusal.retry_after_ms)),),
     )
+
+
+def caller_attempt(attempt: ev.GenerationAttempt) -> ev.GenerationAttempt:
+    """An arm attempt as the caller sees it: the arm, its outcome kind and its counts, without the error
+    text (an upstream's status line, address or message stays in the logs and the event log)."""
+    shown = ev.GenerationAttempt()
+    shown.CopyFrom(attempt)
+    shown.ClearField("error")
+    return shown
 
 
 def unexpected_status(exc: Exception) -> tuple[grpc.StatusCode, str]:
@@ -566,7 +587,7 @@ class IngressServicer(svc_grpc.IngressServicer):
                 cost_usd=generated.cost_usd,
                 controller_cost_usd=generated.controller_cost_usd,
                 latency_ms=(time.perf_counter() - started) * 1000,
-                attempts=list(generated.attempts),
+                attempts=[caller_attempt(a) for a in generated.attempts],
                 trace_id=current_trace_id(),
                 usage=generated.usage,
             )
@@ -638,38 +659,35 @@ class IngressServicer(svc_grpc.IngressServicer):
             principal = await self._authenticate(context.invocation_metadata())
             if principal is not None:
                 request.tenant, request.user_id = auth.authorize(principal, request.tenant, request.user_id)
-            check_fields(
-                tenant=request.tenant,
-                user_id=request.user_id,
-                turn_id=request.turn_id,
-                comment=request.comment,
-            )
+            check_feedback(request, self._settings.max_text_chars)
+            rating = rating_from(request.rating, request.thumbs)
         except AuthError as exc:
             await _abort(context, auth_failure(exc))
+        except InvalidTurn as exc:
+            await _abort(context, exc)
+        except ValueError as exc:  # rating_from's
+            await _abort(context, InvalidTurn(str(exc)))
         except Exception as exc:
             await _abort(context, exc)
-        if not request.turn_id:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "turn_id is required")
         try:
-            rating = rating_from(request.rating, request.thumbs)
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await self._publish_feedback(request, rating)
+        except Exception as exc:  # TurnFailed's status, or Postgres or the broker's: a plain one, never their text
+            await _abort(context, exc)
+        return svc.FeedbackReply(accepted=True)
+
+    async def _publish_feedback(self, request: svc.FeedbackRequest, rating: float) -> None:
         async with self._pool.connection() as conn:
             cur = await conn.execute(
                 "SELECT session_id, seq, tenant, user_id, status FROM ingress_turns WHERE turn_id = %s",
                 (request.turn_id,),
             )
             row = await cur.fetchone()
-        if row is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"no turn {request.turn_id}")
-        assert row is not None
-        if (row[2], row[3]) != (request.tenant, request.user_id):
-            # Someone else's turn: say so without revealing whose.
-            await context.abort(
-                grpc.StatusCode.PERMISSION_DENIED, f"turn {request.turn_id} belongs to another tenant or user"
-            )
+        if row is None or (row[2], row[3]) != (request.tenant, request.user_id):
+            # Someone else's turn reads as no turn at all: a different answer would tell a caller which
+            # (content-hash) turn ids exist in other tenants.
+            raise TurnFailed(grpc.StatusCode.NOT_FOUND, f"no turn {request.turn_id} of this tenant and user")
         if row[4] == "IMPORTED":
-            await context.abort(
+            raise TurnFailed(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"turn {request.turn_id} is imported history: no model answered it, so there is nothing to rate",
             )
@@ -688,7 +706,6 @@ class IngressServicer(svc_grpc.IngressServicer):
             ev.Feedback(turn=envelope, rating=rating, comment=request.comment),
             envelope,
         )
-        return svc.FeedbackReply(accepted=True)
 
     async def ForgetUser(
         self, request: svc.ForgetUserRequest, context: grpc.aio.ServicerContext
@@ -744,22 +761,19 @@ class IngressServicer(svc_grpc.IngressServicer):
         try:
             seqs, fresh = await self._record_imported(request.tenant, request.user_id, pairs)
             await self._publish_imported(request.tenant, request.user_id, pairs, seqs)
-        except Exception as exc:
-            await _abort(context, exc)
-        last_seq = max(seqs)
-        if request.wait:
-            remaining = context.time_remaining()
-            wait_s = self._settings.import_wait_s if remaining is None else max(0.0, remaining - 0.5)
-            stored = await self._wait_stored([p.turn_id for p in pairs], wait_s)
-            if stored < len(pairs):
-                await _abort(
-                    context,
-                    TurnFailed(
+            if request.wait:  # the wait reads Postgres too: its failures get the same plain status
+                remaining = context.time_remaining()
+                wait_s = self._settings.import_wait_s if remaining is None else max(0.0, remaining - 0.5)
+                stored = await self._wait_stored([p.turn_id for p in pairs], wait_s)
+                if stored < len(pairs):
+                    raise TurnFailed(
                         grpc.StatusCode.DEADLINE_EXCEEDED,
                         f"{len(pairs)} pairs recorded and published; memory has stored {stored} of them so far "
                         "and goes on (make the same call again to wait more: nothing is imported twice)",
-                    ),
-                )
+                    )
+        except Exception as exc:
+            await _abort(context, exc)
+        last_seq = max(seqs)
         log.info(
             "import: %d pairs for user %s of tenant %s (%d new)",
             len(pairs),

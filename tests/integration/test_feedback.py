@@ -121,9 +121,9 @@ def test_feedback_for_someone_elses_turn_is_refused(fb_stack: LocalStack) -> Non
             svc.FeedbackRequest(tenant="other", user_id="owner", turn_id=turn_id, rating=0.5),
             grpc.StatusCode.PERMISSION_DENIED,
         ),
-        (
+        (  # another user's turn reads as no turn: no oracle on which turn ids exist
             svc.FeedbackRequest(tenant="fb-replace", user_id="intruder", turn_id=turn_id, rating=0.5),
-            grpc.StatusCode.PERMISSION_DENIED,
+            grpc.StatusCode.NOT_FOUND,
         ),
         (
             svc.FeedbackRequest(tenant="fb-replace", user_id="owner", turn_id="no-such-turn", rating=0.5),

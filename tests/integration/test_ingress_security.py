@@ -145,7 +145,14 @@ def test_feedback_needs_the_turns_tenant_key(stack: LocalStack) -> None:
     assert err.code() == grpc.StatusCode.PERMISSION_DENIED
     other = svc.FeedbackRequest(user_id="carol", turn_id=reply.turn_id, rating=0.9)
     err = refused(ingress_stub(stack, "globex").SubmitFeedback, other, timeout=10)
-    assert err.code() == grpc.StatusCode.PERMISSION_DENIED  # globex's key on acme's turn
+    # globex's key on acme's turn reads exactly as a turn id that exists nowhere: no oracle on turn ids.
+    made_up = svc.FeedbackRequest(user_id="carol", turn_id="t" + reply.turn_id[1:][::-1], rating=0.9)
+    unknown = refused(ingress_stub(stack, "globex").SubmitFeedback, made_up, timeout=10)
+    assert err.code() == unknown.code() == grpc.StatusCode.NOT_FOUND
+    assert err.details().replace(reply.turn_id, "ID") == unknown.details().replace(made_up.turn_id, "ID")
+    long_comment = svc.FeedbackRequest(user_id="carol", turn_id=reply.turn_id, rating=0.9, comment="x" * 9000)
+    err = refused(ingress_stub(stack, "acme").SubmitFeedback, long_comment, timeout=10)
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "the limit is 8000" in err.details()
     assert ingress_stub(stack, "acme").SubmitFeedback(fb, timeout=10).accepted
 
 

@@ -180,6 +180,8 @@ def test_a_200_whose_body_is_not_json_falls_back_to_the_next_arm() -> None:
         assert out.status == ev.OK and out.model == "good" and out.text == "Lisbon."
         assert [a.arm for a in out.attempts] == ["bad", "good"] and not out.attempts[0].ok
         assert "not JSON" in out.attempts[0].error
+        assert out.attempts[0].outcome == "endpoint_error" and out.attempts[1].outcome == "ok"
+        assert "upstream busy" not in out.attempts[0].error  # the body is the log's, never the event's
         assert server.calls["bad"] == 1  # a well-formed HTTP answer with a bad body is not retried
         assert d.breakers["bad"].state == "open"  # it is the endpoint's failure
 
@@ -302,6 +304,7 @@ def test_an_endpoint_error_before_the_deadline_cut_still_counts() -> None:
         assert server.calls["m"] == 2
         error = out.attempts[0].error
         assert "before the turn's deadline" in error and "HTTP 503" in error
+        assert "overloaded" not in error  # the 503's body stays out of the event
         assert d.breakers["m"].state == "open"
 
     _run(scenario)

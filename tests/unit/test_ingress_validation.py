@@ -21,6 +21,10 @@ def test_valid_turn_returns_options() -> None:
         ({"user_id": "  "}, "user_id is required"),
         ({"user_id": "a/b"}, "user_id must match"),
         ({"session_id": "bad id"}, "session_id must match"),
+        # "$" matched before a final newline: these passed and every stage dead-lettered the turn.
+        ({"user_id": "alice\n"}, "user_id must match"),
+        ({"tenant": "acme\n"}, "tenant must match"),
+        ({"session_id": "s1\n"}, "session_id must match"),
         ({"text": ""}, "text is empty"),
         ({"text": " \n"}, "text is empty"),
         ({"text": "x" * 101}, "limit is 100"),
