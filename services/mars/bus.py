@@ -773,7 +773,9 @@ class StageConsumer:
                         self._timed(record.topic, "dead_lettered", started)
                         await self._dead_letter(
                             record,
-                            f"handler failed after {attempts} attempts: {exc!r}",
+                            # The exception's type only: its text can quote the event's (user) content,
+                            # and the letter travels unsealed; the log above has the whole of it.
+                            f"handler failed after {attempts} attempts: {type(exc).__name__}",
                             turn_id,
                             "handler_failed",
                         )

@@ -183,16 +183,16 @@ class MemoryStore:
         return index
 
     async def forget(self, tenant: str, user_id: str) -> int:
-        """Drop the user's index and the query vectors of their texts (the user's rows are deleted from
-        Postgres already: a later use rebuilds the index from what is left, nothing). Returns the records
-        the index held."""
+        """Drop the user's index and every cached query vector (the user's rows are deleted from Postgres
+        already: a later use rebuilds the index from what is left, nothing). Returns the records the index
+        held. The whole query cache goes: which of its texts were this user's is not known where their
+        index is not loaded here, and a turn asked with remember=false left a query and no record."""
+        if self._query_embedder is not None:
+            self._query_embedder.clear()
         index = self._indexes.pop((tenant, user_id), None)
         if index is None:
             return 0
         async with index.lock:  # a search in progress on it finishes first
-            texts = [r.user_text for r in index.records.values()]
-            if self._query_embedder is not None:
-                self._query_embedder.forget(texts)
             return len(index.records)
 
     async def catch_up(self, tenant: str, user_id: str, index: UserIndex) -> None:

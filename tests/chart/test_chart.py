@@ -229,6 +229,7 @@ def test_vllm_pods_are_scheduled_on_gpu_nodes() -> None:
             "--revision=main",
             "--max-model-len=8192",
             "--guided-decoding-backend=xgrammar",
+            "--disable-log-requests",  # prompts (users' turns, memory) stay out of vLLM's log
         ):
             assert flag in args
 
@@ -727,6 +728,9 @@ def test_gateway_is_a_keyless_caller_of_the_ingress() -> None:
             assert env["MARS_TLS_CLIENT_CERT_FILE"] == "/etc/mars/tls-client/tls.crt"
             client_secret = {v["name"]: v for v in pod["volumes"]}["tls-client"]["secret"]["secretName"]
             assert client_secret == "mars-tls"  # no clientSecretName: the release's own certificate
+            # Only what a caller needs: the CA from the services' Secret, never the services' server key.
+            ca_volume = {v["name"]: v for v in pod["volumes"]}["tls"]["secret"]
+            assert ca_volume["items"] == [{"key": "ca.crt", "path": "ca.crt"}]
         else:
             assert "MARS_TLS_CA_FILE" not in env
     off = render(merged(BASE, {"gateway": {"enabled": False}}))

@@ -85,6 +85,27 @@ def test_views_isolate_users_and_survive_a_rebuild(
     asyncio.run(scenario())
 
 
+def test_forgetting_a_user_drops_their_query_vectors_on_every_replica(
+    postgres: str, embedder: SentenceTransformerEmbedder
+) -> None:
+    """Also where the user's index is not loaded (another replica, or an index evicted) and for a query
+    that left no record: the cached vectors of a forgotten user's texts are gone either way."""
+
+    async def scenario() -> None:
+        store, pool = await make_store(postgres, embedder)
+        await store.commit(generated("dora", 1, "My knee hurts after running", "Rest it for a few days."))
+        probe = session_state(action=ev.NEW_TOPIC, top_k_hint=4)
+        await store.view("t", "dora", "a private question about my rash", probe)  # asked, never stored
+        cache = store._query_embedder
+        assert cache is not None and "a private question about my rash" in cache._cache
+        store._indexes.pop(("t", "dora"), None)  # as on a replica that never loaded dora's index
+        await store.forget("t", "dora")
+        assert "a private question about my rash" not in cache._cache
+        await pool.close()  # type: ignore[attr-defined]
+
+    asyncio.run(scenario())
+
+
 def test_table6_rows_produce_their_blocks(postgres: str, embedder: SentenceTransformerEmbedder) -> None:
     async def scenario() -> None:
         store, pool = await make_store(postgres, embedder)

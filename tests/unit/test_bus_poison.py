@@ -133,3 +133,48 @@ def test_unknown_enum_values_and_nan_scores_are_harmless() -> None:
     assert enum_name(ev.Phase, ev.REVISE) == "REVISE"
     assert enum_name(ev.Phase, 0) == enum_name(ev.Phase, 99) == "UNSPECIFIED"
     assert _unit(math.nan) == 0.0 and _unit(math.inf) == 1.0 and _unit(-math.inf) == 0.0
+
+
+def test_a_handler_failure_letter_names_the_exception_type_not_its_text() -> None:
+    """An exception's text can quote the event's content (a user's turn); the letter travels unsealed, so
+    it says which exception, and the service log keeps the rest."""
+    from mars.bus import StageConsumer, Subscription, event_key
+
+    letters: list[tuple[str, str]] = []
+
+    class Producer:
+        keyring = None
+
+        async def dead_letter(self, record: Any, reason: str, consumer: str, turn_id: str) -> None:
+            letters.append((reason, turn_id))
+
+    async def handler(event: ev.TurnReceived) -> None:
+        raise ValueError(f"could not parse {event.text!r}")
+
+    async def run() -> None:
+        settings = ServiceSettings(handler_attempts=2)
+        consumer = StageConsumer(
+            settings,
+            Producer(),  # type: ignore[arg-type]
+            "state",
+            "state-test",
+            [Subscription("mars.turn.received", ev.TurnReceived, handler)],
+        )
+        event = ev.TurnReceived(turn=turn(), text="my bank PIN is 4321")
+        record = SimpleNamespace(
+            topic="mars.turn.received",
+            partition=0,
+            offset=1,
+            key=event_key(event.turn),
+            value=event.SerializeToString(),
+            headers=[],
+            timestamp=0,
+        )
+        try:
+            await consumer._handle(record)  # type: ignore[arg-type]
+        finally:
+            await consumer._consumer.stop()  # never started: closes its client
+
+    asyncio.run(run())
+    ((reason, turn_id),) = letters
+    assert reason == "handler failed after 2 attempts: ValueError" and turn_id == "t1"
