@@ -606,11 +606,14 @@ class IngressServicer(svc_grpc.IngressServicer):
     ) -> AsyncIterator[svc.TurnReply]:
         metadata = context.invocation_metadata()
         try:
-            principal = await self._authenticated(metadata)  # once per stream; each turn's scope below
+            await self._authenticated(metadata)  # a bad key ends the stream before its first turn
         except Exception as exc:
             await _abort(context, exc)
         async for request in request_iterator:
             try:
+                # Each turn checks the key again (cached for MARS_AUTH_CACHE_TTL_S): a key revoked while
+                # the stream is open stops opening turns within that time, as on unary calls.
+                principal = await self._authenticated(metadata)
                 if request.options.get("stream") == "true":
                     async for reply in self._streamed_turn(request, metadata, principal):
                         yield reply

@@ -365,3 +365,29 @@ def test_reflection_is_off_on_stage_ports_and_on_at_the_ingress(stack: LocalStac
     assert "mars.v1.Ingress" in listed("ingress")  # type: ignore[operator]
     for service in ("state", "memory", "router", "dispatch", "judge"):
         assert listed(service) == grpc.StatusCode.UNIMPLEMENTED, service
+
+
+def test_an_open_stream_stops_opening_turns_once_its_key_is_revoked(stack: LocalStack) -> None:
+    import queue
+
+    key = api_key(stack, "streamer")
+    requests: queue.Queue[svc.TurnRequest | None] = queue.Queue()
+
+    def feed() -> Iterator[svc.TurnRequest]:
+        while (request := requests.get()) is not None:
+            yield request
+
+    with ingress_channel(stack.addr("ingress"), key) as channel:
+        replies = svc_grpc.IngressStub(channel).Converse(feed(), timeout=180)
+        try:
+            requests.put(turn(user="s1"))
+            assert next(replies).text
+            revoked = mars("tenant", "revoke", key[5:13], "--postgres-dsn", stack.env["MARS_POSTGRES_DSN"])
+            assert revoked.returncode == 0, revoked.stdout + revoked.stderr
+            time.sleep(TTL_S + 0.2)  # the key cache's TTL
+            requests.put(turn(user="s1", text="And a second question?"))
+            with pytest.raises(grpc.RpcError) as info:
+                next(replies)
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        finally:
+            requests.put(None)
