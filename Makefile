@@ -10,10 +10,25 @@ PROTO_OUT := services/mars/v1/.generated
 
 install: $(STAMP)
 
-# llama-cpp-python compiles from source once (~5 min) and pip caches the wheel.
-$(STAMP): pyproject.toml
+# llama-cpp-python (the local LLM server) compiles from source once (~6 min) into a wheel kept in
+# .cache/wheels, built for any x86-64-v3 CPU (AVX2, FMA, F16C) rather than for the building CPU: the native
+# build picked AVX-512/AMX kernels on a Xeon that has them and segfaulted on every prompt there, and pip's
+# own cache would hand a wheel built for one CPU to a machine with another.
+LLAMA_VERSION := $(shell sed -n 's/.*"llama-cpp-python\[server\]==\([0-9.]*\)".*/\1/p' pyproject.toml)
+LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
+WHEELS := .cache/wheels
+LLAMA_WHEEL := $(WHEELS)/.llama-cpp-python-$(LLAMA_VERSION)-x86-64-v3
+
+$(LLAMA_WHEEL):
+	mkdir -p $(WHEELS)
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PYTHON) -m pip wheel --quiet --no-deps --no-cache-dir --wheel-dir $(WHEELS) \
+		'llama-cpp-python==$(LLAMA_VERSION)'
+	touch $@
+
+$(STAMP): pyproject.toml $(LLAMA_WHEEL)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet --force-reinstall --no-deps $(WHEELS)/llama_cpp_python-$(LLAMA_VERSION)-*.whl
 	$(PY) -m pip install --quiet -e '.[dev,local,deploy]'
 	touch $@
 
