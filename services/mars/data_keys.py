@@ -135,12 +135,15 @@ class Keyring(_KeyCache):
         self._pool = pool
 
     async def key(self, key_id: str) -> AESGCM | None:
+        return (await self._entry(key_id)).key
+
+    async def _entry(self, key_id: str) -> _Entry:
         entry = self._cached(key_id)
         if entry is None:
             async with self._pool.connection() as conn:
                 cur = await conn.execute(_BY_ID, (key_id,))
                 entry = self._store(key_id, await cur.fetchone())
-        return entry.key
+        return entry
 
     async def for_user(self, tenant: str, user_id: str) -> str:
         """The id of the user's data key, made now if the user has none (the ingress, before publishing)."""
@@ -161,15 +164,15 @@ class Keyring(_KeyCache):
         or holds no user text). Forgotten when that key is gone."""
         if not turn.data_key_id or not sealing.has_user_text(type(event)):
             return event
-        key = await self.key(turn.data_key_id)
-        if key is None:
-            raise Forgotten(turn.data_key_id)
+        key = _owned(turn, await self._entry(turn.data_key_id))
         return sealing.seal(event, turn, turn.data_key_id, key)
 
     async def unseal(self, event: Message) -> None:
-        """Open a consumed event in place. Forgotten when its key is gone, SealError when it does not open."""
+        """Open a consumed event in place. Forgotten when its key is gone, SealError when it does not open
+        or the key is not the envelope's user's."""
         if is_sealed(event):
-            _open(event, await self.key(event.turn.data_key_id))  # type: ignore[attr-defined]
+            turn: ev.TurnEnvelope = event.turn  # type: ignore[attr-defined]
+            sealing.unseal(event, _owned(turn, await self._entry(turn.data_key_id)))
 
 
 class SyncKeyring(_KeyCache):
@@ -180,10 +183,13 @@ class SyncKeyring(_KeyCache):
         self._conn = conn
 
     def key(self, key_id: str) -> AESGCM | None:
+        return self._entry(key_id).key
+
+    def _entry(self, key_id: str) -> _Entry:
         entry = self._cached(key_id)
         if entry is None:
             entry = self._store(key_id, self._conn.execute(_BY_ID, (key_id,)).fetchone())
-        return entry.key
+        return entry
 
     def for_user(self, tenant: str, user_id: str) -> str:
         """The id of the user's data key, made now if the user has none (harnesses writing events)."""
@@ -197,14 +203,21 @@ class SyncKeyring(_KeyCache):
 
     def unseal(self, event: Message) -> None:
         if is_sealed(event):
-            _open(event, self.key(event.turn.data_key_id))  # type: ignore[attr-defined]
+            turn: ev.TurnEnvelope = event.turn  # type: ignore[attr-defined]
+            sealing.unseal(event, _owned(turn, self._entry(turn.data_key_id)))
 
 
-def _open(event: Message, key: AESGCM | None) -> None:
-    """Open a sealed event with its key as looked up (None: the key is gone, the user forgotten)."""
-    if key is None:
-        raise Forgotten(event.turn.data_key_id)  # type: ignore[attr-defined]
-    sealing.unseal(event, key)
+def _owned(turn: ev.TurnEnvelope, entry: _Entry) -> AESGCM:
+    """The key of a looked-up entry, if it is the envelope's user's: Forgotten when the key is gone,
+    SealError when it is another user's (an event that names someone else's key id: whoever can write to
+    the topics could otherwise have a stage open user B's text as user A's)."""
+    if entry.key is None:
+        raise Forgotten(turn.data_key_id)
+    if (entry.tenant, entry.user_id) != (turn.tenant, turn.user_id):
+        raise sealing.SealError(
+            f"data key {turn.data_key_id} is not the key of the turn's tenant and user ({turn.turn_id})"
+        )
+    return entry.key
 
 
 def is_sealed(event: Message) -> bool:

@@ -4,9 +4,12 @@ key, and forgetting the user deletes the key, so that the text already on the to
 delete record by record) can no longer be read by anyone.
 
 Pure functions here; the keys themselves (wrapped by the master key, stored in Postgres) are
-mars.data_keys. A sealed field is the base64 of a 12-byte nonce and the AES-GCM ciphertext of its UTF-8
-text; the associated data binds it to the key and the turn, so a sealed value moved to another turn's
-event does not open. An event's TurnEnvelope.data_key_id says which key sealed it ("" = plaintext).
+mars.data_keys. A sealed field is "v2:" and the base64 of a 12-byte nonce and the AES-GCM ciphertext of its
+UTF-8 text; the associated data binds it to the key, the turn, its tenant and user, and the field, so a
+sealed value moved to another turn's event, another user's or another field does not open. (Values sealed
+before v2, bare base64 bound to key and turn only, still open: they are on topics already.) An event's
+TurnEnvelope.data_key_id says which key sealed it ("" = plaintext); mars.data_keys also checks that the key
+belongs to the envelope's tenant and user before opening anything with it.
 """
 
 from __future__ import annotations
@@ -58,15 +61,16 @@ def has_user_text(message_type: type[Message]) -> bool:
     return bool(text_paths(message_type.DESCRIPTOR))
 
 
-def _map_text(msg: Message, fn: Callable[[str], str]) -> None:
+def _map_text(msg: Message, fn: Callable[[str, str], str]) -> None:
+    """Replace each non-empty user_text value v of `msg` (nested messages too) by fn(field's full name, v)."""
     for field, sub in text_paths(msg.DESCRIPTOR):
         repeated = field.is_repeated
         if sub is None:
             if repeated:
                 values = getattr(msg, field.name)
-                values[:] = [fn(v) if v else v for v in values]
+                values[:] = [fn(field.full_name, v) if v else v for v in values]
             elif value := getattr(msg, field.name):
-                setattr(msg, field.name, fn(value))
+                setattr(msg, field.name, fn(field.full_name, value))
         elif repeated:
             for item in getattr(msg, field.name):
                 _map_text(item, fn)
@@ -74,7 +78,15 @@ def _map_text(msg: Message, fn: Callable[[str], str]) -> None:
             _map_text(getattr(msg, field.name), fn)
 
 
-def _aad(key_id: str, turn_id: str) -> bytes:
+#: Marks a value sealed with the v2 associated data (base64 never holds ':').
+V2 = "v2:"
+
+
+def _aad(key_id: str, turn: ev.TurnEnvelope, field: str) -> bytes:
+    return "\x1f".join(("v2", key_id, turn.turn_id, turn.tenant, turn.user_id, field)).encode()
+
+
+def _aad_v1(key_id: str, turn_id: str) -> bytes:
     return f"{key_id}\x1f{turn_id}".encode()
 
 
@@ -83,11 +95,11 @@ def seal(event: Message, turn: ev.TurnEnvelope, key_id: str, key: AESGCM) -> Mes
     `data_key_id` set; `event` itself is left as it was."""
     sealed = type(event)()
     sealed.CopyFrom(event)
-    aad = _aad(key_id, turn.turn_id)
 
-    def encrypt(text: str) -> str:
+    def encrypt(field: str, text: str) -> str:
         nonce = os.urandom(NONCE_BYTES)
-        return base64.b64encode(nonce + key.encrypt(nonce, text.encode(), aad)).decode("ascii")
+        ciphertext = key.encrypt(nonce, text.encode(), _aad(key_id, turn, field))
+        return V2 + base64.b64encode(nonce + ciphertext).decode("ascii")
 
     _map_text(sealed, encrypt)
     sealed.turn.data_key_id = key_id  # type: ignore[attr-defined]
@@ -98,11 +110,12 @@ def unseal(event: Message, key: AESGCM) -> None:
     """Open every user_text field of a sealed `event` in place (its envelope keeps data_key_id, so that what
     a stage publishes from it is sealed with the same key). SealError when a field does not open."""
     turn: ev.TurnEnvelope = event.turn  # type: ignore[attr-defined]
-    aad = _aad(turn.data_key_id, turn.turn_id)
 
-    def decrypt(value: str) -> str:
+    def decrypt(field: str, value: str) -> str:
+        v2 = value.startswith(V2)
+        aad = _aad(turn.data_key_id, turn, field) if v2 else _aad_v1(turn.data_key_id, turn.turn_id)
         try:
-            raw = base64.b64decode(value.encode("ascii"), validate=True)
+            raw = base64.b64decode(value.removeprefix(V2).encode("ascii"), validate=True)
             return key.decrypt(raw[:NONCE_BYTES], raw[NONCE_BYTES:], aad).decode()
         except (InvalidTag, ValueError, binascii.Error, UnicodeError) as exc:
             raise SealError(

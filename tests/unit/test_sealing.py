@@ -45,7 +45,7 @@ def test_every_string_field_of_every_turn_event_is_classified() -> None:
         "prompt_version", "clamped_fields", "risk_flags", "block_id", "source_turn_id", "source_session_id",
         "policy", "arm", "chosen_arm", "policy_id", "fallback_order", "previous_arm", "model", "error",
         "packed_block_ids", "judge", "failed_arms", "judge_fallback_reason", "correction_id",
-        "reward_source", "record_id", "thread_id", "source_topic", "reason", "consumer", "forget_id",
+        "reward_source", "record_id", "thread_id", "source_topic", "reason", "consumer", "forget_id", "outcome",
     }  # fmt: skip
     seen: set[str] = set()
 
@@ -102,9 +102,10 @@ def test_a_wrong_key_a_moved_value_or_tampering_does_not_open() -> None:
         sealing.unseal(moved, key)
     tampered = ev.Generated()
     tampered.CopyFrom(sealed)
-    raw = bytearray(base64.b64decode(tampered.text))
+    assert tampered.text.startswith(sealing.V2)
+    raw = bytearray(base64.b64decode(tampered.text.removeprefix(sealing.V2)))
     raw[-1] ^= 1
-    tampered.text = base64.b64encode(bytes(raw)).decode()
+    tampered.text = sealing.V2 + base64.b64encode(bytes(raw)).decode()
     with pytest.raises(sealing.SealError):
         sealing.unseal(tampered, key)
     garbage = ev.Generated()
@@ -112,6 +113,72 @@ def test_a_wrong_key_a_moved_value_or_tampering_does_not_open() -> None:
     garbage.query = "not base64 at all!"
     with pytest.raises(sealing.SealError):
         sealing.unseal(garbage, key)
+
+
+def test_a_sealed_value_is_bound_to_the_tenant_the_user_and_the_field() -> None:
+    key = AESGCM(sealing.new_key())
+    sealed = sealing.seal(_generated(), _generated().turn, "k1", key)
+    for change in ({"tenant": "globex"}, {"user_id": "u2"}):
+        replayed = ev.Generated()
+        replayed.CopyFrom(sealed)
+        for name, value in change.items():
+            setattr(replayed.turn, name, value)  # user B's sealed text in an event claiming to be A's
+        with pytest.raises(sealing.SealError, match="does not open"):
+            sealing.unseal(replayed, key)
+    swapped = ev.Generated()
+    swapped.CopyFrom(sealed)
+    swapped.query, swapped.text = sealed.text, sealed.query  # the answer presented as the question
+    with pytest.raises(sealing.SealError):
+        sealing.unseal(swapped, key)
+
+
+def test_values_sealed_before_v2_still_open() -> None:
+    """Events already on the topics were sealed with the key and turn as associated data only."""
+    import os
+
+    key = AESGCM(sealing.new_key())
+    nonce = os.urandom(sealing.NONCE_BYTES)
+    old = base64.b64encode(nonce + key.encrypt(nonce, SECRET.encode(), b"k1\x1ft1")).decode()
+    event = ev.Feedback(turn=ev.TurnEnvelope(turn_id="t1", tenant="acme", user_id="u1", data_key_id="k1"))
+    event.comment = old
+    sealing.unseal(event, key)
+    assert event.comment == SECRET
+
+
+def test_a_keyring_opens_only_with_the_key_of_the_events_user() -> None:
+    """An event naming another user's key id is refused before anything is opened with that key."""
+    from mars.data_keys import Forgotten, SyncKeyring
+
+    master = sealing.new_key()
+    wrapped = sealing.wrap(AESGCM(master), "kb", "acme", "bob", bytes(32))
+
+    class Conn:
+        def execute(self, sql: str, params: tuple[str, ...]) -> Conn:
+            self.row = ("acme", "bob", wrapped) if params == ("kb",) else None
+            return self
+
+        def fetchone(self) -> tuple[str, str, bytes] | None:
+            return self.row
+
+    keyring = SyncKeyring(Conn(), master)
+    bobs = sealing.seal(
+        ev.Feedback(turn=ev.TurnEnvelope(turn_id="t9", tenant="acme", user_id="bob"), comment=SECRET),
+        ev.TurnEnvelope(turn_id="t9", tenant="acme", user_id="bob"),
+        "kb",
+        keyring.key("kb"),  # type: ignore[arg-type]
+    )
+    as_alice = ev.Feedback()
+    as_alice.CopyFrom(bobs)
+    as_alice.turn.user_id = "alice"
+    with pytest.raises(sealing.SealError, match="not the key of the turn's tenant and user"):
+        keyring.unseal(as_alice)
+    keyring.unseal(bobs)
+    assert bobs.comment == SECRET
+    gone = ev.Feedback()
+    gone.CopyFrom(as_alice)
+    gone.turn.data_key_id = "k-deleted"
+    with pytest.raises(Forgotten):
+        keyring.unseal(gone)
 
 
 def test_events_without_user_text_are_not_sealed() -> None:
