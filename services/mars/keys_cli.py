@@ -5,7 +5,6 @@ master key that differs from the one that wrapped them would leave every sealed 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -14,6 +13,7 @@ from rich.markup import escape
 
 from mars import data_keys, sealing
 from mars.admin_cli import SettingsError, load_settings
+from mars.private_files import open_private
 
 console = Console(width=None if sys.stdout.isatty() else 160)
 
@@ -28,8 +28,7 @@ def cmd_master(args: argparse.Namespace) -> int:
         # Replacing the key would leave every stored data key, and every sealed event, unreadable.
         console.print(f"[red]{escape(str(path))} exists; a master key is never overwritten[/]")
         return 1
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as fh:
+    with open_private(path, exclusive=True) as fh:
         fh.write(text)
     console.print(f"master key written to {escape(str(path))} (mode 0600); set MARS_MASTER_KEY_FILE to it")
     return 0

@@ -118,6 +118,15 @@ class Quotas:
             bucket.take(n, now)
         return None
 
+    def charge_tokens(self, tenant: str, text_tokens: int, now: float) -> None:
+        """Take `text_tokens` from the tenant's token bucket without refusing (it may go into debt, paid
+        back before the next turn): text found to be new only after the turn was admitted, such as the
+        earlier messages of a turn that MARS did not hold and imports with it."""
+        limits = self.limits(tenant)
+        bucket = self._tokens.get(tenant)
+        if limits.tokens_per_min > 0 and bucket is not None and text_tokens > 0:
+            bucket.take(float(text_tokens), now)
+
 
 def seconds_to_utc_midnight(now: datetime) -> float:
     """Seconds from `now` (aware) to the next 00:00 UTC, when the daily spend starts over."""

@@ -370,8 +370,10 @@ class IngressServicer(svc_grpc.IngressServicer):
             except Forgotten:  # its user was forgotten since: nothing to send (their rows are going too)
                 log.info("turn %s not published again: its user was forgotten", turn_id)
             async with self._pool.connection() as conn:
+                # Sent once, and its text is on the topic now: the plaintext copy goes.
                 await conn.execute(
-                    "UPDATE ingress_turns SET republished_at = now() WHERE turn_id = %s", (turn_id,)
+                    "UPDATE ingress_turns SET republished_at = now(), received = NULL WHERE turn_id = %s",
+                    (turn_id,),
                 )
             log.warning("turn %s never left ingress; published it again from the outbox", turn_id)
 
@@ -465,8 +467,8 @@ class IngressServicer(svc_grpc.IngressServicer):
                 await self._republish_unsent()
                 async with self._pool.connection() as conn:
                     await conn.execute(
-                        "UPDATE ingress_turns SET status = 'TIMEOUT', finished_at = now(), error = "
-                        "'no answer before the deadline; the ingress replica holding the call stopped' "
+                        "UPDATE ingress_turns SET status = 'TIMEOUT', finished_at = now(), received = NULL, "
+                        "error = 'no answer before the deadline; the ingress replica holding the call stopped' "
                         "WHERE status = 'PENDING' AND deadline_at < now() - make_interval(secs => %s)",
                         (self._settings.orphan_grace_s,),
                     )
@@ -837,6 +839,9 @@ class IngressServicer(svc_grpc.IngressServicer):
         if not turns:
             return 0
         pairs = history.check_history(req.tenant, req.user_id, turns, self._settings.max_text_chars)
+        if self._quotas.limits(req.tenant).tokens_per_min > 0:  # imported text is the tenant's text too
+            tokens = sum(self._count_tokens(p.user_text) + self._count_tokens(p.assistant_text) for p in pairs)
+            self._quotas.charge_tokens(req.tenant, tokens, time.monotonic())
         seqs, _ = await self._record_imported(req.tenant, req.user_id, pairs)
         await self._publish_imported(req.tenant, req.user_id, pairs, seqs)
         return len(pairs)

@@ -633,6 +633,7 @@ def test_every_service_and_job_opens_sealed_events_with_one_master_key() -> None
             continue
         volumes = {v["name"]: v for v in pod["volumes"]}
         assert volumes["master-key"]["secret"]["secretName"] == "mars-master-key", name
+        assert volumes["master-key"]["secret"]["defaultMode"] == 0o440, name  # hook Jobs too: not 0644
         for container in pod["containers"]:
             mounts = {m["name"]: m for m in container["volumeMounts"]}
             assert mounts["master-key"] == {

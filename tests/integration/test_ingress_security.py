@@ -31,6 +31,7 @@ QUOTAS = {
     "limited": {"turns_per_s": 0.05, "turn_burst": 2},
     "wordy": {"tokens_per_min": 60},
     "spender": {"usd_per_day": 1e-12},
+    "historian": {"tokens_per_min": 60},
 }
 
 
@@ -232,6 +233,20 @@ def test_token_quota_counts_the_text(stack: LocalStack) -> None:
     err = refused(stub.SendTurn, turn(text="short"), timeout=30)
     assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "60 text tokens/min" in (err.details() or "")
     assert _retry_after_ms(err) > 1000
+
+
+def test_token_quota_counts_imported_history_too(stack: LocalStack) -> None:
+    """A turn's earlier messages that MARS did not hold are stored with it: their text is charged (after the
+    turn is let in, as debt), so history is no way around the token quota."""
+    stub = ingress_stub(stack, "historian")
+    earlier = [
+        svc.RecordedTurn(session_id="s", user_text="tell me about ferries " * 10, assistant_text="ferries " * 40)
+    ]
+    request = turn(text="short")
+    request.history.extend(earlier)
+    assert stub.SendTurn(request, timeout=60).text
+    err = refused(stub.SendTurn, turn(text="short"), timeout=30)
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "60 text tokens/min" in (err.details() or "")
 
 
 def test_daily_spend_limit(stack: LocalStack) -> None:

@@ -152,3 +152,27 @@ def test_a_turn_whose_replica_died_before_publishing_is_sent_from_the_outbox(rep
         (turn_id,),
     )
     assert row == [(True, True)]
+
+
+def test_an_orphan_past_its_deadline_times_out_without_its_plaintext_copy(replicated: LocalStack) -> None:
+    """The outbox copy holds the turn's text in the clear: a turn that times out keeps none of it."""
+    import uuid
+
+    from conftest import wait_for
+
+    turn_id = uuid.uuid4().hex
+    received = ev.TurnReceived(turn=ev.TurnEnvelope(turn_id=turn_id, tenant="rep", user_id="late"), text="secret")
+    query(
+        replicated,
+        "INSERT INTO ingress_turns (turn_id, tenant, user_id, session_id, seq, status, created_at, deadline_at, "
+        "received) VALUES (%s, 'rep', 'late', 'default', 1, 'PENDING', now() - interval '10 minutes', "
+        "now() - interval '5 minutes', %s) RETURNING turn_id",
+        (turn_id, received.SerializeToString()),
+    )
+
+    def row() -> tuple[str, bool]:
+        found = query(replicated, "SELECT status, received IS NULL FROM ingress_turns WHERE turn_id = %s", (turn_id,))
+        return str(found[0][0]), bool(found[0][1])
+
+    wait_for(lambda: row()[0] == "TIMEOUT", 30, "the orphan's timeout")
+    assert row() == ("TIMEOUT", True)

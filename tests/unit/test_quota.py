@@ -46,6 +46,19 @@ def test_token_rate_counts_text_tokens_and_refusal_takes_nothing() -> None:
     assert q.admit("a", 1, now=0.0) is None
 
 
+def test_imported_history_is_charged_after_admission_into_debt() -> None:
+    q = Quotas(TenantLimits(tokens_per_min=600))  # 10 tokens/s
+    assert q.admit("a", 10, now=0.0) is None
+    q.charge_tokens("a", 1000, now=0.0)  # the turn's earlier messages, imported with it
+    refusal = q.admit("a", 10, now=0.0)
+    assert refusal is not None and refusal.retry_after_s == pytest.approx(42.0)  # (1010 - 600 + 10) / 10
+    q.charge_tokens("b", 1000, now=0.0)  # a tenant without a bucket yet: nothing to charge
+    assert q.admit("b", 10, now=0.0) is None
+    unlimited = Quotas(TenantLimits())
+    unlimited.charge_tokens("a", 10**9, now=0.0)
+    assert unlimited.admit("a", 10, now=0.0) is None
+
+
 def test_overrides_and_unlimited_defaults() -> None:
     q = Quotas(TenantLimits(), {"small": TenantLimits(turns_per_s=1)})
     assert all(q.admit("big", 10_000, now=0.0) is None for _ in range(1000))

@@ -207,6 +207,8 @@ MARS_IDENTITY_REQUIRED: "false"
 - name: master-key
   secret:
     secretName: {{ include "mars.masterKeySecret" . }}
+    # Readable by the pod's group (fsGroup) alone, not by every user in the container (Kubernetes' 0644).
+    defaultMode: 0440
     items:
       - key: {{ .Values.eventSealing.key }}
         path: {{ .Values.eventSealing.key }}

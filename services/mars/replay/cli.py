@@ -19,6 +19,7 @@ from rich.progress import Progress
 from mars import data_keys
 from mars.config import Topics, validate_topic_prefix
 from mars.kafka_options import env_kafka_options
+from mars.private_files import open_private
 from mars.replay.traces import TOPICS, RawRecord, TraceBuilder, records_from_lines, summarize
 
 
@@ -134,9 +135,15 @@ def cmd_read(args: argparse.Namespace) -> int:
         return rc
     seconds = time.perf_counter() - started
     if args.out:
-        with Path(args.out).open("w") as fh:
+        # Opened with the data keys, the traces hold users' words in the clear: the owner's alone, and out
+        # of reach of a forget (it deletes keys, not this file).
+        with open_private(args.out) as fh:
             for trace in builder.traces.values():
                 fh.write(json.dumps(trace.to_dict()) + "\n")
+        console.print(
+            f"traces written to {args.out} (mode 0600): opened turn text is in the clear there, and "
+            "forgetting a user does not reach it; delete it when done"
+        )
     summary = summarize(builder)
     _print_summary(console, summary, seconds)
     if args.summary:
