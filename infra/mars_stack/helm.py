@@ -67,6 +67,24 @@ def render(
     The values pass `install_dry_run`'s checks first; then the templates render with the given
     capabilities (helm-python-sdk's `Chart.render` does not expose them, so this calls its C entry point).
     """
+    manifests = _render(values, release, namespace, kube_version, api_versions, chart)
+    return _objects(text for path, text in sorted(manifests.items()) if not path.endswith("NOTES.txt"))
+
+
+def notes(values: dict[str, Any], release: str = "mars", namespace: str = "mars") -> str:
+    """The NOTES.txt `helm install` prints for these values."""
+    manifests = _render(values, release, namespace, NEWEST_KUBE, (), CHART_DIR)
+    return next(text for path, text in manifests.items() if path.endswith("NOTES.txt"))
+
+
+def _render(
+    values: dict[str, Any],
+    release: str,
+    namespace: str,
+    kube_version: str,
+    api_versions: Iterable[str],
+    chart: Path,
+) -> dict[str, str]:
     import helm_python
     from helm_python import _native
 
@@ -86,7 +104,7 @@ def render(
     finally:
         loaded.close()
     manifests: dict[str, str] = json.loads(rendered)
-    return _objects(text for path, text in sorted(manifests.items()) if not path.endswith("NOTES.txt"))
+    return manifests
 
 
 def lint(values: dict[str, Any], kube_version: str = NEWEST_KUBE, chart: Path = CHART_DIR) -> list[str]:

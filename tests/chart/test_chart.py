@@ -552,6 +552,19 @@ def test_notes_tell_how_to_send_a_first_turn() -> None:
     assert "--api-key" in notes
 
 
+def test_notes_name_each_insecure_default_in_one_line() -> None:
+    (line,) = [x for x in helm.notes(BASE).splitlines() if x.startswith("Insecure defaults")]
+    assert "gRPC without TLS" in line and "Kafka in PLAINTEXT" in line and "sslmode=prefer" in line
+    assert "identity" not in line  # on by default
+    hardened = merged(
+        PROFILES["tls-mutual"],
+        {"kafka": {"securityProtocol": "SSL"}},
+    )
+    assert "Insecure defaults" not in helm.notes(hardened)
+    open_stages = helm.notes(merged(hardened, {"identity": {"enabled": False}}))
+    assert "stage services open to any caller (identity.enabled)" in open_stages
+
+
 def test_model_pool_schema_is_the_pools_own() -> None:
     """values.schema.json checks pool entries the way the services' loader does (mars.pool.ModelSpec)."""
     import json
@@ -689,6 +702,27 @@ def test_the_chart_mints_identities_the_stage_services_verify(tmp_path: Any) -> 
     theirs = render(merged(BASE, {"identity": {"mint": False}}))
     assert not [s for s in helm.find(theirs, "Secret") if "identity" in s["metadata"]["name"]]
     assert helm.service_env(theirs, "judge")["MARS_IDENTITY_CA_FILE"] == "/etc/mars/identity-ca/ca.crt"
+
+
+def test_postgres_certificates_are_verified_where_tls_is_on() -> None:
+    """Default sslmode: prefer on a laptop-style install (it checks no certificate), verify-full where TLS is
+    on, against postgres.caSecret's CA (mounted in every MARS pod) or the system CAs."""
+    plain = helm.service_env(render(BASE), "memory")["MARS_POSTGRES_DSN"]
+    assert plain.endswith("?sslmode=prefer")
+    tls = render(PROFILES["tls-mutual"])
+    assert helm.service_env(tls, "memory")["MARS_POSTGRES_DSN"].endswith("?sslmode=verify-full&sslrootcert=system")
+    own_ca = render(merged(PROFILES["tls-mutual"], {"postgres": {"caSecret": "pg-ca", "caKey": "root.crt"}}))
+    dsn = helm.service_env(own_ca, "judge")["MARS_POSTGRES_DSN"]
+    assert dsn.endswith("?sslmode=verify-full&sslrootcert=/etc/mars/postgres-tls/root.crt")
+    for name, pod in pod_specs(own_ca):
+        if name.endswith(("-vllm", "-gateway")):  # neither talks to Postgres
+            continue
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert volumes["postgres-tls"]["secret"]["secretName"] == "pg-ca", name
+        mounts = {m["name"]: m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}
+        assert mounts["postgres-tls"] == "/etc/mars/postgres-tls", name
+    chosen = render(merged(PROFILES["tls-mutual"], {"postgres": {"sslMode": "require"}}))
+    assert helm.service_env(chosen, "router")["MARS_POSTGRES_DSN"].endswith("?sslmode=require")
 
 
 def test_learned_controller_needs_no_llm_endpoint() -> None:

@@ -87,6 +87,7 @@ def test_tls_ca_output_claim_and_existing_secret() -> None:
         replay_args=("export", "--out", "/data/log.jsonl"),
         kafka_ca_secret="kafka-ca",
         kafka_password_secret="kafka-user",
+        postgres_ca_secret="pg-ca",
         pvc="replay-data",
         service_account="mars-tools",
         name="nightly-export",
@@ -101,6 +102,11 @@ def test_tls_ca_output_claim_and_existing_secret() -> None:
     assert volumes["data"]["persistentVolumeClaim"]["claimName"] == "replay-data"
     mounts = {v["name"]: v["mountPath"] for v in pod["containers"][0]["volumeMounts"]}
     assert mounts["kafka-tls"] == "/etc/mars/kafka-tls" and mounts["data"] == "/data"
+    # The release's DSN names sslrootcert=/etc/mars/postgres-tls/ca.crt when postgres.caSecret is set.
+    assert volumes["postgres-tls"]["secret"]["secretName"] == "pg-ca"
+    assert mounts["postgres-tls"] == "/etc/mars/postgres-tls"
+    # The replay identity (router policy reads) is the chart's Secret by default.
+    assert volumes["identity"]["secret"]["secretName"] == "prod-mars-identity-replay"
     env = {e["name"]: e for e in pod["containers"][0]["env"]}
     assert env["MARS_KAFKA_SASL_PASSWORD"]["valueFrom"]["secretKeyRef"]["name"] == "kafka-user"
 

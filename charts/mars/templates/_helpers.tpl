@@ -112,6 +112,16 @@ judge:
 {{- if hasPrefix "SASL_" .Values.kafka.securityProtocol -}}true{{- end -}}
 {{- end -}}
 
+{{/* The DSN's TLS parameters: postgres.sslMode, or verify-full where tls.enabled and prefer elsewhere; a
+     verifying mode checks against postgres.caSecret's CA (mounted) or the system CAs. */}}
+{{- define "mars.postgresSsl" -}}
+{{- $mode := .Values.postgres.sslMode | default (ternary "verify-full" "prefer" .Values.tls.enabled) -}}
+sslmode={{ $mode }}
+{{- if has $mode (list "verify-ca" "verify-full") -}}
+&sslrootcert={{ if .Values.postgres.caSecret }}/etc/mars/postgres-tls/{{ .Values.postgres.caKey }}{{ else }}system{{ end }}
+{{- end -}}
+{{- end -}}
+
 {{- define "mars.kafkaUsesTls" -}}
 {{- if and (has .Values.kafka.securityProtocol (list "SSL" "SASL_SSL")) .Values.kafka.tls.caSecret -}}true{{- end -}}
 {{- end -}}
@@ -134,7 +144,7 @@ MARS_KAFKA_SASL_USERNAME: {{ required "kafka.sasl.username is required with a SA
 {{- if include "mars.kafkaUsesTls" . }}
 MARS_KAFKA_SSL_CAFILE: /etc/mars/kafka-tls/{{ .Values.kafka.tls.caKey }}
 {{- end }}
-MARS_POSTGRES_DSN: {{ printf "postgresql://%s@%s:%d/%s?sslmode=%s" .Values.postgres.user (required "postgres.host is required: the external Postgres server's host name" .Values.postgres.host) (int .Values.postgres.port) .Values.postgres.database .Values.postgres.sslMode | quote }}
+MARS_POSTGRES_DSN: {{ printf "postgresql://%s@%s:%d/%s?%s" .Values.postgres.user (required "postgres.host is required: the external Postgres server's host name" .Values.postgres.host) (int .Values.postgres.port) .Values.postgres.database (include "mars.postgresSsl" .) | quote }}
 MARS_GRPC_HOST: "0.0.0.0"
 MARS_METRICS_PORT: {{ .Values.metrics.port | quote }}
 {{- if .Values.eventSealing.enabled }}
@@ -203,6 +213,14 @@ MARS_IDENTITY_REQUIRED: "false"
   secret:
     secretName: {{ .Values.kafka.tls.caSecret }}
 {{- end }}
+{{- if .Values.postgres.caSecret }}
+- name: postgres-tls
+  secret:
+    secretName: {{ .Values.postgres.caSecret }}
+    items:
+      - key: {{ .Values.postgres.caKey }}
+        path: {{ .Values.postgres.caKey }}
+{{- end }}
 {{- if .Values.eventSealing.enabled }}
 - name: master-key
   secret:
@@ -237,6 +255,11 @@ MARS_IDENTITY_REQUIRED: "false"
 {{- if include "mars.kafkaUsesTls" . }}
 - name: kafka-tls
   mountPath: /etc/mars/kafka-tls
+  readOnly: true
+{{- end }}
+{{- if .Values.postgres.caSecret }}
+- name: postgres-tls
+  mountPath: /etc/mars/postgres-tls
   readOnly: true
 {{- end }}
 {{- if .Values.eventSealing.enabled }}

@@ -142,6 +142,8 @@ def cmd_replay_job(args: argparse.Namespace) -> int:
         kafka_password_secret=args.kafka_password_secret,
         kafka_ca_secret=args.kafka_ca_secret,
         identity_secret=args.identity_secret,
+        postgres_ca_secret=args.postgres_ca_secret,
+        postgres_ca_key=args.postgres_ca_key,
         pvc=args.pvc,
         backoff_limit=args.backoff_limit,
         ttl_seconds_after_finished=args.ttl_s,
@@ -239,6 +241,12 @@ def add_deploy_parser(sub: argparse._SubParsersAction) -> argparse._SubParsersAc
     p.add_argument(
         "--kafka-ca-secret", default="", help="Secret with the brokers' CA (the chart's kafka.tls.caSecret)"
     )
+    p.add_argument(
+        "--postgres-ca-secret",
+        default="",
+        help="Secret with the Postgres server's CA (the chart's postgres.caSecret)",
+    )
+    p.add_argument("--postgres-ca-key", default="ca.crt", help="its key (the chart's postgres.caKey)")
     p.add_argument(
         "--identity-secret",
         default=None,

@@ -16,6 +16,8 @@ from typing import Any, Protocol
 
 #: Where the chart mounts the Kafka CA Secret (its ConfigMap sets MARS_KAFKA_SSL_CAFILE under it).
 KAFKA_TLS_DIR = "/etc/mars/kafka-tls"
+#: Where the chart mounts the Postgres CA Secret (its DSN's sslrootcert points under it).
+POSTGRES_TLS_DIR = "/etc/mars/postgres-tls"
 #: Where the replay identity's Secret is mounted (MARS_IDENTITY_CERT_FILE / _KEY_FILE point into it).
 IDENTITY_DIR = "/etc/mars/identity"
 #: Where --pvc mounts a claim, for replay outputs that must outlive the pod (--out /data/...).
@@ -59,6 +61,10 @@ class ReplayJob:
     postgres_password_key: str = "postgres-password"
     #: The Secret with the brokers' CA (the chart's kafka.tls.caSecret); "" mounts none.
     kafka_ca_secret: str = ""
+    #: The Secret with the Postgres server's CA (the chart's postgres.caSecret, key `postgres_ca_key`),
+    #: mounted where the release's DSN points (sslrootcert); "" mounts none.
+    postgres_ca_secret: str = ""
+    postgres_ca_key: str = "ca.crt"
     #: The replay tool's service identity (a kubernetes.io/tls Secret, mars.identity), which `replay run
     #: --router` needs to read the router's policy: None = the chart's <fullname>-identity-replay, "" = none.
     identity_secret: str | None = None
@@ -121,6 +127,10 @@ def replay_job_manifest(job: ReplayJob, now: datetime) -> dict[str, Any]:
     if job.kafka_ca_secret:
         volumes.append({"name": "kafka-tls", "secret": {"secretName": job.kafka_ca_secret}})
         mounts.append({"name": "kafka-tls", "mountPath": KAFKA_TLS_DIR, "readOnly": True})
+    if job.postgres_ca_secret:
+        items = [{"key": job.postgres_ca_key, "path": job.postgres_ca_key}]
+        volumes.append({"name": "postgres-tls", "secret": {"secretName": job.postgres_ca_secret, "items": items}})
+        mounts.append({"name": "postgres-tls", "mountPath": POSTGRES_TLS_DIR, "readOnly": True})
     if job.pvc:
         volumes.append({"name": "data", "persistentVolumeClaim": {"claimName": job.pvc}})
         mounts.append({"name": "data", "mountPath": DATA_DIR})
