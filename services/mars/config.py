@@ -214,6 +214,9 @@ class ServiceSettings(BaseSettings):
     #: neither set: events carry text in plaintext (a warning at start). Every service needs the same key.
     master_key_file: str = ""
     master_key: SecretStr = SecretStr("")
+    #: While rotating the master key (`mars keys rotate`): the key being replaced. Data keys it wrapped
+    #: still open; new ones are wrapped by MARS_MASTER_KEY_FILE. Unset once the rotation is done.
+    previous_master_key_file: str = ""
     #: How long a process keeps a user's data key after reading it. A forgotten user's key stays usable
     #: this long in processes that do not read the mars.control topic.
     data_key_cache_s: float = Field(default=60.0, gt=0)

@@ -33,13 +33,55 @@ CREATE TABLE IF NOT EXISTS user_data_keys (
     UNIQUE (tenant, user_id)
 )
 """
+#: Which master key wrapped a row (mars.sealing.master_key_id); '' for rows from before rotation existed.
+DATA_KEYS_MASTER_ID = "ALTER TABLE user_data_keys ADD COLUMN IF NOT EXISTS master_key_id TEXT NOT NULL DEFAULT ''"
 
-_BY_ID = "SELECT tenant, user_id, wrapped FROM user_data_keys WHERE key_id = %s"
-_BY_USER = "SELECT key_id, wrapped FROM user_data_keys WHERE tenant = %s AND user_id = %s"
+_BY_ID = "SELECT tenant, user_id, wrapped, master_key_id FROM user_data_keys WHERE key_id = %s"
+_BY_USER = "SELECT key_id, wrapped, master_key_id FROM user_data_keys WHERE tenant = %s AND user_id = %s"
 _CREATE = (
-    "INSERT INTO user_data_keys (key_id, tenant, user_id, wrapped) VALUES (%s, %s, %s, %s) "
+    "INSERT INTO user_data_keys (key_id, tenant, user_id, wrapped, master_key_id) VALUES (%s, %s, %s, %s, %s) "
     "ON CONFLICT (tenant, user_id) DO NOTHING"
 )
+
+
+class MasterKeys:
+    """The master key that wraps new data keys, and the previous ones still accepted while `mars keys
+    rotate` re-wraps their rows (MARS_PREVIOUS_MASTER_KEY_FILE): each row names the key that wrapped it."""
+
+    def __init__(self, current: bytes, previous: tuple[bytes, ...] = ()) -> None:
+        self.current_id = sealing.master_key_id(current)
+        self._keys = {sealing.master_key_id(k): AESGCM(k) for k in (*previous, current)}
+        self._current = self._keys[self.current_id]
+
+    def opens_with_current(self, key_id: str, tenant: str, user_id: str, wrapped: bytes, master_id: str) -> bool:
+        """Whether the current master key alone opens the row (once rotated, the previous key can go)."""
+        if master_id:
+            return master_id == self.current_id
+        try:
+            sealing.unwrap(self._current, key_id, tenant, user_id, wrapped)
+            return True
+        except sealing.SealError:
+            return False
+
+    def wrap(self, key_id: str, tenant: str, user_id: str, key: bytes) -> tuple[bytes, str]:
+        """The data key wrapped by the current master key, and that key's id."""
+        return sealing.wrap(self._current, key_id, tenant, user_id, key), self.current_id
+
+    def unwrap(self, key_id: str, tenant: str, user_id: str, wrapped: bytes, master_id: str) -> bytes:
+        """The data key of a row; SealError when no master key held here opens it."""
+        if master_id and master_id not in self._keys:
+            raise sealing.SealError(
+                f"data key {key_id} is wrapped by master key {master_id}, which this process does not hold "
+                "(MARS_MASTER_KEY_FILE, or MARS_PREVIOUS_MASTER_KEY_FILE while rotating)"
+            )
+        # A row from before master_key_id existed names none: the current key first, then the others.
+        ids = [master_id] if master_id else [self.current_id, *(k for k in self._keys if k != self.current_id)]
+        for mid in ids[:-1]:
+            try:
+                return sealing.unwrap(self._keys[mid], key_id, tenant, user_id, wrapped)
+            except sealing.SealError:
+                continue
+        return sealing.unwrap(self._keys[ids[-1]], key_id, tenant, user_id, wrapped)
 
 
 class Forgotten(Exception):
@@ -54,18 +96,35 @@ class MissingMasterKey(Exception):
     """A sealed event reached a process that was given no master key."""
 
 
+def master_keys(settings: ServiceSettings) -> MasterKeys | None:
+    """The current master key with the previous one (MARS_PREVIOUS_MASTER_KEY_FILE) when rotating; None
+    without a master key. ValueError names the variable when a key is malformed or its file unreadable."""
+    current = master_key(settings)
+    if current is None:
+        if settings.previous_master_key_file:
+            raise ValueError("MARS_PREVIOUS_MASTER_KEY_FILE is set but no MARS_MASTER_KEY_FILE: set both")
+        return None
+    if not settings.previous_master_key_file:
+        return MasterKeys(current)
+    return MasterKeys(current, (_key_file(settings.previous_master_key_file, "MARS_PREVIOUS_MASTER_KEY_FILE"),))
+
+
+def _key_file(path: str, variable: str) -> bytes:
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ValueError(f"{variable} {path}: {exc.strerror}") from exc
+    try:
+        return sealing.parse_master_key(text)
+    except ValueError as exc:
+        raise ValueError(f"{variable} {path}: {exc}") from exc
+
+
 def master_key(settings: ServiceSettings) -> bytes | None:
     """The master key from MARS_MASTER_KEY_FILE or MARS_MASTER_KEY; None when neither is set (events then
     travel in plaintext). ValueError names the variable when the key is malformed or the file unreadable."""
     if settings.master_key_file:
-        try:
-            text = Path(settings.master_key_file).read_text()
-        except OSError as exc:
-            raise ValueError(f"MARS_MASTER_KEY_FILE {settings.master_key_file}: {exc.strerror}") from exc
-        try:
-            return sealing.parse_master_key(text)
-        except ValueError as exc:
-            raise ValueError(f"MARS_MASTER_KEY_FILE {settings.master_key_file}: {exc}") from exc
+        return _key_file(settings.master_key_file, "MARS_MASTER_KEY_FILE")
     if secret := settings.master_key.get_secret_value():
         try:
             return sealing.parse_master_key(secret)
@@ -85,8 +144,8 @@ class _Entry:
 class _KeyCache:
     """Keys by id and users' key ids, each kept `cache_s`; the part both keyrings share."""
 
-    def __init__(self, master: bytes, cache_s: float) -> None:
-        self._master = AESGCM(master)
+    def __init__(self, master: bytes | MasterKeys, cache_s: float) -> None:
+        self._masters = master if isinstance(master, MasterKeys) else MasterKeys(master)
         self._cache_s = cache_s
         self._by_id: dict[str, _Entry] = {}
         self._by_user: dict[tuple[str, str], tuple[str, float]] = {}
@@ -109,16 +168,17 @@ class _KeyCache:
         if row is None:
             entry = _Entry(None, "", "", time.monotonic())
         else:
-            tenant, user_id, wrapped = str(row[0]), str(row[1]), bytes(row[2])
-            key = sealing.unwrap(self._master, key_id, tenant, user_id, wrapped)
+            tenant, user_id, wrapped, master_id = str(row[0]), str(row[1]), bytes(row[2]), str(row[3])
+            key = self._masters.unwrap(key_id, tenant, user_id, wrapped, master_id)
             entry = _Entry(AESGCM(key), tenant, user_id, time.monotonic())
             self._by_user[tenant, user_id] = (key_id, entry.at)
         self._by_id[key_id] = entry
         return entry
 
-    def _new_row(self, tenant: str, user_id: str) -> tuple[str, str, str, bytes]:
+    def _new_row(self, tenant: str, user_id: str) -> tuple[str, str, str, bytes, str]:
         key_id = secrets.token_hex(12)
-        return key_id, tenant, user_id, sealing.wrap(self._master, key_id, tenant, user_id, sealing.new_key())
+        wrapped, master_id = self._masters.wrap(key_id, tenant, user_id, sealing.new_key())
+        return key_id, tenant, user_id, wrapped, master_id
 
     def forget_user(self, tenant: str, user_id: str) -> None:
         """Drop the user's keys from this process (a UserForgotten event or this process's own forget)."""
@@ -130,7 +190,7 @@ class _KeyCache:
 class Keyring(_KeyCache):
     """The data keys of a service (async, over its connection pool)."""
 
-    def __init__(self, pool: Any, master: bytes, cache_s: float = 60.0) -> None:
+    def __init__(self, pool: Any, master: bytes | MasterKeys, cache_s: float = 60.0) -> None:
         super().__init__(master, cache_s)
         self._pool = pool
 
@@ -154,7 +214,7 @@ class Keyring(_KeyCache):
                 cur = await conn.execute(_BY_USER, (tenant, user_id))
                 row = await cur.fetchone()
                 if row is not None:
-                    self._store(str(row[0]), (tenant, user_id, row[1]))
+                    self._store(str(row[0]), (tenant, user_id, row[1], row[2]))
                     return str(row[0])
                 await conn.execute(_CREATE, self._new_row(tenant, user_id))
         raise RuntimeError(f"no data key could be made for {tenant}/{user_id}")
@@ -178,7 +238,7 @@ class Keyring(_KeyCache):
 class SyncKeyring(_KeyCache):
     """The data keys for tools reading topics (replay, eval), over one psycopg connection."""
 
-    def __init__(self, conn: Any, master: bytes, cache_s: float = 300.0) -> None:
+    def __init__(self, conn: Any, master: bytes | MasterKeys, cache_s: float = 300.0) -> None:
         super().__init__(master, cache_s)
         self._conn = conn
 
@@ -196,7 +256,7 @@ class SyncKeyring(_KeyCache):
         for _ in range(3):
             row = self._conn.execute(_BY_USER, (tenant, user_id)).fetchone()
             if row is not None:
-                self._store(str(row[0]), (tenant, user_id, row[1]))
+                self._store(str(row[0]), (tenant, user_id, row[1], row[2]))
                 return str(row[0])
             self._conn.execute(_CREATE, self._new_row(tenant, user_id))
         raise RuntimeError(f"no data key could be made for {tenant}/{user_id}")
@@ -234,7 +294,7 @@ def tool_keyring(warn: Callable[[str], None], settings: ServiceSettings | None =
 
     settings = settings or ServiceSettings()
     try:
-        master = master_key(settings)
+        master = master_keys(settings)
         if master is None:
             return None
         conn = psycopg.connect(settings.postgres_dsn, autocommit=True, connect_timeout=5)

@@ -11,7 +11,7 @@ from psycopg import AsyncConnection, pq
 from psycopg_pool import AsyncConnectionPool
 from psycopg_pool.base import AttemptWithBackoff
 
-from mars.data_keys import DATA_KEYS_SCHEMA
+from mars.data_keys import DATA_KEYS_MASTER_ID, DATA_KEYS_SCHEMA
 
 EMITTED_SCHEMA = """
 CREATE TABLE IF NOT EXISTS stage_emitted (
@@ -23,7 +23,7 @@ CREATE TABLE IF NOT EXISTS stage_emitted (
 """
 
 #: What every service creates besides its own tables: the emitted-event ledger and the users' data keys.
-SHARED_SCHEMAS = (EMITTED_SCHEMA, DATA_KEYS_SCHEMA)
+SHARED_SCHEMAS = (EMITTED_SCHEMA, DATA_KEYS_SCHEMA, DATA_KEYS_MASTER_ID)
 
 
 # Reconnect soon after Postgres comes back: the library's 1 s first wait doubling each time turned a 1 s

@@ -140,7 +140,7 @@ def configure_logging(level: str, name: str) -> None:
 async def serve(name: str, settings: ServiceSettings, build: Builder, migrations: Sequence[str] = ()) -> None:
     configure_logging(settings.log_level, name)
     try:
-        master = data_keys.master_key(settings)
+        master = data_keys.master_keys(settings)
     except ValueError as exc:  # found at start, with the variable to fix
         raise SystemExit(f"{name}: {exc}") from exc
     telemetry = setup_telemetry(name, settings)

@@ -125,6 +125,15 @@ def unseal(event: Message, key: AESGCM) -> None:
     _map_text(event, decrypt)
 
 
+def master_key_id(master: bytes) -> str:
+    """A master key's public name (stored beside each data key it wraps): a digest that reveals nothing of
+    the key, so a process can tell which of its master keys opens a row, and `mars keys rotate` which rows
+    still wait for the new one."""
+    import hashlib
+
+    return hashlib.sha256(b"mars master key id\x00" + master).hexdigest()[:16]
+
+
 def wrap(master: AESGCM, key_id: str, tenant: str, user_id: str, key: bytes) -> bytes:
     """A data key encrypted by the master key (what Postgres stores), bound to its id and owner."""
     nonce = os.urandom(NONCE_BYTES)

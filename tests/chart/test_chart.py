@@ -661,6 +661,15 @@ def test_every_service_and_job_opens_sealed_events_with_one_master_key() -> None
     pod = by_component(own, "Deployment")["judge"]["spec"]["template"]["spec"]
     assert {v["name"]: v for v in pod["volumes"]}["master-key"]["secret"]["secretName"] == "vault-mars"
     assert helm.service_env(own, "judge")["MARS_MASTER_KEY_FILE"] == "/etc/mars/master-key/kek"
+    rotating = render(merged(BASE, {"eventSealing": {"previousSecret": "mars-master-key-2025"}}))
+    assert helm.service_env(rotating, "memory")["MARS_PREVIOUS_MASTER_KEY_FILE"] == (
+        "/etc/mars/master-key-previous/master.key"
+    )
+    for name, pod in pod_specs(rotating):
+        if not name.endswith(("-vllm", "-gateway")):
+            previous = {v["name"]: v for v in pod["volumes"]}["master-key-previous"]["secret"]
+            assert previous["secretName"] == "mars-master-key-2025" and previous["defaultMode"] == 0o440, name
+    assert "MARS_PREVIOUS_MASTER_KEY_FILE" not in helm.service_env(objects, "memory")
     off = render(merged(BASE, {"eventSealing": {"enabled": False}}))
     assert "MARS_MASTER_KEY_FILE" not in helm.service_env(off, "ingress")
     assert not [s for s in helm.find(off, "Secret") if "master" in s["metadata"]["name"]]

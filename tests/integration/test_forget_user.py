@@ -18,7 +18,17 @@ from pathlib import Path
 import grpc
 import psycopg
 import pytest
-from conftest import REPO, STACK_ENV, api_key, ingress_stub, query, read_events, session_state, wait_for
+from conftest import (
+    REPO,
+    STACK_ENV,
+    api_key,
+    ingress_stub,
+    query,
+    read_events,
+    read_topic,
+    session_state,
+    wait_for,
+)
 from google.protobuf.message import Message
 from mars import data_keys, forget
 from mars.auth import mint_key
@@ -396,7 +406,7 @@ def test_keys_check_tells_the_right_master_key_from_another(stack: LocalStack, t
     assert stored >= 2, "runs after test_forget_user"
     ok = subprocess.run([mars, "keys", "check"], capture_output=True, text=True, timeout=60, env=env)
     assert ok.returncode == 0, ok.stdout + ok.stderr
-    assert f"{stored} data keys open with this master key, 0 do not" in ok.stdout
+    assert f"{stored} data keys open with the master key, 0 only with the previous one" in ok.stdout
     other = tmp_path / "other.key"
     made = subprocess.run([mars, "keys", "master", "--out", str(other)], capture_output=True, timeout=60)
     assert made.returncode == 0
@@ -407,7 +417,61 @@ def test_keys_check_tells_the_right_master_key_from_another(stack: LocalStack, t
         timeout=60,
         env={**env, "MARS_MASTER_KEY_FILE": str(other)},
     )
-    assert wrong.returncode == 1 and f"0 data keys open with this master key, {stored} do not" in wrong.stdout
+    assert (
+        wrong.returncode == 1
+        and "0 data keys open with the master key, 0 only with the previous one"
+        in (wrong.stdout.replace("\n", " "))
+    )
+    assert f"{stored} with neither" in wrong.stdout
+
+
+def test_the_master_key_rotates_and_sealed_events_still_open(stack: LocalStack, tmp_path: Path) -> None:
+    """`mars keys rotate` re-wraps every data key under a new master key while both are accepted; the data
+    keys stay, so the events already sealed on the topics open with the new key alone. Rotated back at the
+    end: this stack's services hold the old key."""
+    env = {**os.environ, **{k: v for k, v in stack.env.items() if k.startswith("MARS_")}}
+    old = stack.env["MARS_MASTER_KEY_FILE"]
+    mars = str(Path(sys.executable).parent / "mars")
+    new = tmp_path / "new.key"
+    assert (
+        subprocess.run(
+            [mars, "keys", "master", "--out", str(new)], capture_output=True, timeout=60
+        ).returncode
+        == 0
+    )
+    stored = int(query(stack, "SELECT count(*) FROM user_data_keys")[0][0])
+
+    def keys(*args: str, current: str, previous: str = "") -> subprocess.CompletedProcess[str]:
+        run_env = {**env, "MARS_MASTER_KEY_FILE": current, "MARS_PREVIOUS_MASTER_KEY_FILE": previous}
+        return subprocess.run([mars, "keys", *args], capture_output=True, text=True, timeout=120, env=run_env)
+
+    dry = keys("rotate", "--dry-run", current=str(new), previous=old)
+    assert dry.returncode == 0 and f"would re-wrap {stored} data keys" in dry.stdout, dry.stdout + dry.stderr
+    during = keys("check", current=str(new), previous=old)
+    assert f"0 data keys open with the master key, {stored} only with the previous one" in during.stdout
+    rotated = keys("rotate", current=str(new), previous=old)
+    assert rotated.returncode == 0 and f"re-wrapped {stored} data keys" in rotated.stdout, rotated.stdout
+    assert keys("rotate", current=str(new), previous=old).stdout.startswith("re-wrapped 0 data keys")
+    after = keys("check", current=str(new))
+    assert after.returncode == 0 and f"{stored} data keys open with the master key, 0 only" in after.stdout
+    assert keys("check", current=old).returncode == 1  # the old key alone opens nothing now
+    # Events sealed before the rotation open with the new master key alone.
+    new_keys = data_keys.SyncKeyring(
+        psycopg.connect(stack.env["MARS_POSTGRES_DSN"], autocommit=True),
+        data_keys.MasterKeys(data_keys.sealing.parse_master_key(new.read_text())),
+    )
+    opened = 0
+    for record in read_topic(stack.env["MARS_KAFKA_BOOTSTRAP"], "mars.turn.generated"):
+        event = ev.Generated.FromString(record.value)
+        try:
+            new_keys.unseal(event)
+        except data_keys.Forgotten:
+            continue
+        opened += event.text != "" and not event.text.startswith("v2:")
+    assert opened > 0
+    back = keys("rotate", current=old, previous=str(new))
+    assert back.returncode == 0 and f"re-wrapped {stored} data keys" in back.stdout
+    assert keys("check", current=old).returncode == 0
 
 
 HISTORY = [

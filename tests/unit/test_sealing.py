@@ -154,10 +154,10 @@ def test_a_keyring_opens_only_with_the_key_of_the_events_user() -> None:
 
     class Conn:
         def execute(self, sql: str, params: tuple[str, ...]) -> Conn:
-            self.row = ("acme", "bob", wrapped) if params == ("kb",) else None
+            self.row = ("acme", "bob", wrapped, "") if params == ("kb",) else None
             return self
 
-        def fetchone(self) -> tuple[str, str, bytes] | None:
+        def fetchone(self) -> tuple[str, str, bytes, str] | None:
             return self.row
 
     keyring = SyncKeyring(Conn(), master)
@@ -254,3 +254,45 @@ def test_sealing_benchmark_short_run() -> None:
     assert out["turns"] == 20 and out["events_per_turn"] == 6
     assert out["bytes_per_turn"]["sealed"] > out["bytes_per_turn"]["plaintext"] > 5000
     assert out["sealed_serialize_parse_us"]["p50"] > out["plaintext_serialize_parse_us"]["p50"] > 0
+
+
+def test_master_keys_open_rows_by_the_id_of_the_key_that_wrapped_them() -> None:
+    from mars.data_keys import MasterKeys
+
+    old, new = sealing.new_key(), sealing.new_key()
+    data = sealing.new_key()
+    wrapped_old, old_id = MasterKeys(old).wrap("k1", "acme", "u1", data)
+    assert old_id == sealing.master_key_id(old) != sealing.master_key_id(new)
+    assert old.hex() not in old_id and len(old_id) == 16  # a name, not the key
+    rotating = MasterKeys(new, (old,))
+    assert rotating.unwrap("k1", "acme", "u1", wrapped_old, old_id) == data
+    assert rotating.unwrap("k1", "acme", "u1", wrapped_old, "") == data  # a row from before ids: tried
+    assert not rotating.opens_with_current("k1", "acme", "u1", wrapped_old, old_id)
+    rewrapped, new_id = rotating.wrap("k1", "acme", "u1", data)
+    assert (
+        new_id == rotating.current_id
+        and MasterKeys(new).unwrap("k1", "acme", "u1", rewrapped, new_id) == data
+    )
+    with pytest.raises(
+        sealing.SealError, match=f"wrapped by master key {old_id}, which this process does not"
+    ):
+        MasterKeys(new).unwrap("k1", "acme", "u1", wrapped_old, old_id)
+    with pytest.raises(sealing.SealError, match="does not open with this master key"):
+        MasterKeys(new).unwrap("k1", "acme", "u1", wrapped_old, "")
+
+
+def test_previous_master_key_needs_a_current_one(tmp_path: pytest.TempPathFactory) -> None:
+    from mars.data_keys import master_keys
+
+    previous = tmp_path / "old.key"  # type: ignore[operator]
+    previous.write_text(sealing.master_key_text())
+    with pytest.raises(ValueError, match="MARS_PREVIOUS_MASTER_KEY_FILE is set but no MARS_MASTER_KEY_FILE"):
+        master_keys(ServiceSettings(previous_master_key_file=str(previous)))
+    current = tmp_path / "new.key"  # type: ignore[operator]
+    current.write_text(sealing.master_key_text())
+    both = master_keys(ServiceSettings(master_key_file=str(current), previous_master_key_file=str(previous)))
+    assert both is not None and both.current_id == sealing.master_key_id(
+        sealing.parse_master_key(current.read_text())
+    )
+    with pytest.raises(ValueError, match="MARS_PREVIOUS_MASTER_KEY_FILE /nope"):
+        master_keys(ServiceSettings(master_key_file=str(current), previous_master_key_file="/nope"))

@@ -149,6 +149,9 @@ MARS_GRPC_HOST: "0.0.0.0"
 MARS_METRICS_PORT: {{ .Values.metrics.port | quote }}
 {{- if .Values.eventSealing.enabled }}
 MARS_MASTER_KEY_FILE: /etc/mars/master-key/{{ .Values.eventSealing.key }}
+{{- if .Values.eventSealing.previousSecret }}
+MARS_PREVIOUS_MASTER_KEY_FILE: /etc/mars/master-key-previous/{{ .Values.eventSealing.key }}
+{{- end }}
 {{- end }}
 {{- if .Values.tls.enabled }}
 MARS_TLS_CERT_FILE: /etc/mars/tls/tls.crt
@@ -230,6 +233,15 @@ MARS_IDENTITY_REQUIRED: "false"
     items:
       - key: {{ .Values.eventSealing.key }}
         path: {{ .Values.eventSealing.key }}
+{{- if .Values.eventSealing.previousSecret }}
+- name: master-key-previous
+  secret:
+    secretName: {{ .Values.eventSealing.previousSecret }}
+    defaultMode: 0440
+    items:
+      - key: {{ .Values.eventSealing.key }}
+        path: {{ .Values.eventSealing.key }}
+{{- end }}
 {{- end }}
 {{- if .Values.tls.enabled }}
 - name: tls
@@ -266,6 +278,11 @@ MARS_IDENTITY_REQUIRED: "false"
 - name: master-key
   mountPath: /etc/mars/master-key
   readOnly: true
+{{- if .Values.eventSealing.previousSecret }}
+- name: master-key-previous
+  mountPath: /etc/mars/master-key-previous
+  readOnly: true
+{{- end }}
 {{- end }}
 {{- if .Values.tls.enabled }}
 - name: tls
