@@ -293,8 +293,13 @@ def create_app(settings: GatewaySettings, arms: list[str]) -> FastAPI:
         return JSONResponse(Health(status="unavailable", detail=detail).model_dump(), status_code=503)
 
     @app.get("/v1/models", response_model=ModelList, tags=["openai"])
-    async def models(_: Annotated[str, Depends(api_key)]) -> ModelList:
-        """`mars` (MARS routes each turn) and the pool's arms (the `model` a completion may name)."""
+    async def models(http: Request, key: Annotated[str, Depends(api_key)]) -> ModelList:
+        """`mars` (MARS routes each turn) and the pool's arms (the `model` a completion may name). The key
+        is checked by the ingress first: the pool is nobody's business without one."""
+        metadata = call_metadata(key, http)
+        await gateway.call(
+            http, lambda: gateway.ingress().WhoAmI(svc.WhoAmIRequest(), metadata=metadata, timeout=10)
+        )
         return ModelList(data=[Model(id=ROUTED_MODEL), *(Model(id=a) for a in gateway.arms)])
 
     @app.post(

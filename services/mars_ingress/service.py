@@ -745,6 +745,21 @@ class IngressServicer(svc_grpc.IngressServicer):
         )
         return svc.ForgetUserReply(forget_id=event.forget_id, rows_deleted=counts)
 
+    async def WhoAmI(self, request: svc.WhoAmIRequest, context: grpc.aio.ServicerContext) -> svc.WhoAmIReply:
+        """The call's key, verified: whom it acts for (empty with MARS_AUTH_REQUIRED=false)."""
+        try:
+            principal = await self._authenticate(context.invocation_metadata())
+        except Exception as exc:
+            await _abort(context, exc)
+        if principal is None:
+            return svc.WhoAmIReply()
+        return svc.WhoAmIReply(
+            tenant=principal.tenant,
+            user_id=principal.user_id or "",
+            admin=principal.admin,
+            key_id=principal.key_id,
+        )
+
     async def ImportHistory(
         self, request: svc.ImportHistoryRequest, context: grpc.aio.ServicerContext
     ) -> svc.ImportHistoryReply:

@@ -85,6 +85,10 @@ def turns_of(stack: LocalStack, user: str) -> list[tuple[str, str]]:
 def test_models_lists_mars_and_the_pool_arms(gw_stack: LocalStack) -> None:
     ids = [m.id for m in client(gw_stack).models.list()]
     assert ids[0] == "mars" and set(ids[1:]) == ARMS
+    # The key is verified (by the ingress), not merely present: a made-up one lists nothing.
+    made_up = openai.OpenAI(base_url=url(gw_stack) + "/v1", api_key="mars_" + "x" * 43, max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        made_up.models.list()
 
 
 def test_two_users_two_sessions_through_the_openai_client(gw_stack: LocalStack) -> None:

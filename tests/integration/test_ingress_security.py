@@ -406,3 +406,11 @@ def test_an_open_stream_stops_opening_turns_once_its_key_is_revoked(stack: Local
             assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
         finally:
             requests.put(None)
+
+
+def test_who_am_i_names_the_keys_tenant_and_user(stack: LocalStack) -> None:
+    me = ingress_stub(stack, "acme", "alice").WhoAmI(svc.WhoAmIRequest(), timeout=10)
+    assert (me.tenant, me.user_id, me.admin) == ("acme", "alice", False) and me.key_id
+    with grpc.insecure_channel(stack.addr("ingress")) as plain:
+        err = refused(svc_grpc.IngressStub(plain).WhoAmI, svc.WhoAmIRequest(), timeout=10)
+    assert err.code() == grpc.StatusCode.UNAUTHENTICATED
