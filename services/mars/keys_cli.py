@@ -147,6 +147,29 @@ def cmd_rotate(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def cmd_ensure_secret(args: argparse.Namespace) -> int:
+    from mars.deploy.master_key_secret import ApiServer, SecretError, ensure_secret
+
+    labels = dict(label.split("=", 1) for label in args.label)
+    try:
+        api = ApiServer.in_cluster(args.namespace)
+        created = ensure_secret(api, args.name, args.key, labels)
+    except SecretError as exc:
+        console.print(f"[red]{escape(str(exc))}[/]")
+        return 1
+    if created:
+        console.print(f"master key Secret {api.namespace}/{args.name} created (back it up: it is the only copy)")
+    else:
+        console.print(f"master key Secret {api.namespace}/{args.name} exists: kept as it is")
+    return 0
+
+
+def _label(value: str) -> str:
+    if "=" not in value:
+        raise argparse.ArgumentTypeError(f"a label is NAME=VALUE, got {value!r}")
+    return value
+
+
 def add_keys_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     keys = sub.add_parser(
         "keys",
@@ -191,3 +214,16 @@ def add_keys_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
     )
     p.add_argument("--dry-run", action="store_true", help="count what would be re-wrapped, change nothing")
     p.set_defaults(func=cmd_rotate)
+    p = keys_sub.add_parser(
+        "ensure-secret",
+        help="create the master key Secret in the cluster, unless it exists (the chart's Job)",
+        description="Inside a pod: creates a Kubernetes Secret NAME holding a new master key under KEY, with the "
+        "pod's service account, unless a Secret NAME exists (then it is kept, never overwritten). The chart "
+        "runs it as a Job so that no render (helm template, GitOps) ever mints a second key. Exit 1 when the "
+        "API server refuses or a Secret NAME exists without KEY.",
+    )
+    p.add_argument("--name", required=True, help="the Secret's name (the chart's <fullname>-master-key)")
+    p.add_argument("--key", default="master.key", help="the data key holding the master key (eventSealing.key)")
+    p.add_argument("--namespace", default="", help="default: the pod's own namespace")
+    p.add_argument("--label", action="append", default=[], type=_label, help="NAME=VALUE label, repeatable")
+    p.set_defaults(func=cmd_ensure_secret)

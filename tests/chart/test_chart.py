@@ -285,7 +285,9 @@ def test_every_pod_is_hardened(profile: str) -> None:
     for name, pod in specs:
         assert pod["securityContext"]["runAsNonRoot"] is True, name
         assert pod["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault", name
-        assert pod.get("automountServiceAccountToken") is False, name
+        # One pod talks to the API server: the Job that makes the master key Secret, with its own account.
+        api_caller = name == "Job/mars-master-key" and pod["serviceAccountName"] == "mars-master-key-maker"
+        assert pod.get("automountServiceAccountToken") is api_caller, name
         for container in pod["containers"]:
             sc = container["securityContext"]
             assert sc["allowPrivilegeEscalation"] is False, name
@@ -316,7 +318,6 @@ def test_passwords_come_from_secrets_never_from_config_maps() -> None:
     assert {s["metadata"]["name"] for s in own} == {
         "mars-secrets",
         "mars-secrets-api-keys",
-        "mars-master-key",
         "mars-identity-ca",
         *(f"mars-identity-{tool}" for tool in TOOL_IDENTITIES),
     }
@@ -351,10 +352,12 @@ def test_rendered_model_pool_loads(tmp_path: Any) -> None:
 def test_hook_jobs_run_real_cli_commands() -> None:
     objects = render(BASE)
     jobs = {j["metadata"]["name"]: j for j in helm.find(objects, "Job")}
-    assert set(jobs) == {"mars-migrate", "mars-topics"}
+    assert set(jobs) == {"mars-migrate", "mars-topics", "mars-master-key"}
     parser = cli.build_parser()
     for job in jobs.values():
-        assert "post-install" in job["metadata"]["annotations"]["helm.sh/hook"]
+        # Schema and topics after install (the master key before: the pods mount it).
+        hook = "pre-install" if job["metadata"]["name"] == "mars-master-key" else "post-install"
+        assert hook in job["metadata"]["annotations"]["helm.sh/hook"]
         args = job["spec"]["template"]["spec"]["containers"][0]["args"]
         assert args[0] == "mars"
         parser.parse_args(args[1:])
@@ -376,7 +379,8 @@ def test_strimzi_topics_only_where_the_api_exists() -> None:
     assert all(t["spec"]["partitions"] == 12 and t["spec"]["replicas"] == 3 for t in topics)
     assert all(t["metadata"]["labels"]["strimzi.io/cluster"] == "kafka" for t in topics)
     # With Strimzi managing topics, no topic Job races it.
-    assert {j["metadata"]["name"] for j in helm.find(render(BASE, strimzi=True), "Job")} == {"mars-migrate"}
+    jobs = {j["metadata"]["name"] for j in helm.find(render(BASE, strimzi=True), "Job")}
+    assert jobs == {"mars-migrate", "mars-master-key"}
 
 
 def test_keda_scales_each_stage_on_its_consumer_groups() -> None:
@@ -635,14 +639,22 @@ def test_tls_mounts_the_secret_and_probes_health_in_plaintext() -> None:
 def test_every_service_and_job_opens_sealed_events_with_one_master_key() -> None:
     """Crypto-shredding: one master key, made by the chart once (kept on uninstall) or an existing Secret,
     mounted read-only in every pod, its path the services' MARS_MASTER_KEY_FILE."""
-    import base64
 
     objects = render(BASE)
-    (secret,) = [s for s in helm.find(objects, "Secret") if s["metadata"]["name"] == "mars-master-key"]
-    assert secret["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
-    assert len(base64.b64decode(base64.b64decode(secret["data"]["master.key"]))) == 32
+    # No render holds a key (a new one per `helm template` would strand every sealed event): a Job makes the
+    # Secret in the cluster, once, and keeps an existing one.
+    assert not [s for s in helm.find(objects, "Secret") if "master" in s["metadata"]["name"]]
+    (job,) = [j for j in helm.find(objects, "Job") if j["metadata"]["name"] == "mars-master-key"]
+    args = job["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[:7] == ["mars", "keys", "ensure-secret", "--name", "mars-master-key", "--key", "master.key"]
+    assert job["metadata"]["annotations"]["helm.sh/hook"] == "pre-install,pre-upgrade"
+    (role,) = [r for r in helm.find(objects, "Role") if r["metadata"]["name"] == "mars-master-key-maker"]
+    assert role["rules"] == [
+        {"apiGroups": [""], "resources": ["secrets"], "verbs": ["create"]},
+        {"apiGroups": [""], "resources": ["secrets"], "resourceNames": ["mars-master-key"], "verbs": ["get"]},
+    ]
     for name, pod in pod_specs(objects):
-        if name.endswith(("-vllm", "-gateway")):  # the gateway sees no event: it holds no key
+        if name.endswith(("-vllm", "-gateway", "-master-key")):  # the gateway sees no event: it holds no key
             continue
         volumes = {v["name"]: v for v in pod["volumes"]}
         assert volumes["master-key"]["secret"]["secretName"] == "mars-master-key", name
@@ -658,6 +670,7 @@ def test_every_service_and_job_opens_sealed_events_with_one_master_key() -> None
         assert helm.service_env(objects, service)["MARS_MASTER_KEY_FILE"] == "/etc/mars/master-key/master.key"
     own = render(merged(BASE, {"eventSealing": {"existingSecret": "vault-mars", "key": "kek"}}))
     assert not [s for s in helm.find(own, "Secret") if "master" in s["metadata"]["name"]]
+    assert not [j for j in helm.find(own, "Job") if "master-key" in j["metadata"]["name"]]
     pod = by_component(own, "Deployment")["judge"]["spec"]["template"]["spec"]
     assert {v["name"]: v for v in pod["volumes"]}["master-key"]["secret"]["secretName"] == "vault-mars"
     assert helm.service_env(own, "judge")["MARS_MASTER_KEY_FILE"] == "/etc/mars/master-key/kek"
@@ -666,7 +679,7 @@ def test_every_service_and_job_opens_sealed_events_with_one_master_key() -> None
         "/etc/mars/master-key-previous/master.key"
     )
     for name, pod in pod_specs(rotating):
-        if not name.endswith(("-vllm", "-gateway")):
+        if not name.endswith(("-vllm", "-gateway", "-master-key")):
             previous = {v["name"]: v for v in pod["volumes"]}["master-key-previous"]["secret"]
             assert previous["secretName"] == "mars-master-key-2025" and previous["defaultMode"] == 0o440, name
     assert "MARS_PREVIOUS_MASTER_KEY_FILE" not in helm.service_env(objects, "memory")
@@ -724,7 +737,7 @@ def test_postgres_certificates_are_verified_where_tls_is_on() -> None:
     dsn = helm.service_env(own_ca, "judge")["MARS_POSTGRES_DSN"]
     assert dsn.endswith("?sslmode=verify-full&sslrootcert=/etc/mars/postgres-tls/root.crt")
     for name, pod in pod_specs(own_ca):
-        if name.endswith(("-vllm", "-gateway")):  # neither talks to Postgres
+        if name.endswith(("-vllm", "-gateway", "-master-key")):  # none of them talks to Postgres
             continue
         volumes = {v["name"]: v for v in pod["volumes"]}
         assert volumes["postgres-tls"]["secret"]["secretName"] == "pg-ca", name
