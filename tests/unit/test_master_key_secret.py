@@ -60,7 +60,7 @@ def test_created_once_then_kept_never_replaced() -> None:
 
 def test_a_secret_of_that_name_without_the_key_is_left_alone_and_said() -> None:
     cluster = Cluster({"mars-master-key": {"other": "eA=="}})
-    with pytest.raises(SecretError, match="exists without the key 'master.key'"):
+    with pytest.raises(SecretError, match=r"exists without the key 'master\.key'"):
         ensure_secret(API, "mars-master-key", "master.key", {}, httpx.MockTransport(cluster.handle))
     assert cluster.secrets["mars-master-key"] == {"other": "eA=="}
 
