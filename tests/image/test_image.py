@@ -30,6 +30,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from mars import tls
 from mars.client import ingress_channel
 from mars.config import TOPIC_RECEIVED
+from mars.identity import CallerIdentity, with_identity
 from mars.replay.cli import read_topics
 from mars.replay.traces import RawRecord
 from mars.tls import ClientTls
@@ -51,6 +52,8 @@ POOL_DIR_IN_CONTAINER = "/etc/mars/pool"
 TLS_DIR_IN_CONTAINER = "/etc/mars/tls"
 #: Where the chart mounts the master key of the users' data keys (eventSealing).
 MASTER_KEY_DIR_IN_CONTAINER = "/etc/mars/master-key"
+#: Where the chart mounts the identity CA's certificate (the stage services check callers against it).
+IDENTITY_CA_DIR_IN_CONTAINER = "/etc/mars/identity-ca"
 UID = "10001"
 #: The hardening the chart's securityContext asks for, in podman's words.
 HARDENED = [
@@ -148,17 +151,33 @@ def read_records(bootstrap: str, topic: str) -> list[RawRecord]:
     return asyncio.run(read())
 
 
-def master_key_secret(objects: list[dict[str, Any]], folder: Path) -> Path:
-    """The master-key Secret the chart made, written out as Kubernetes mounts it (readable files)."""
+def mounted_secret(data: dict[str, str], folder: Path) -> Path:
+    """A Secret's data written out as Kubernetes mounts it (readable files, one per key)."""
     import base64
 
-    (secret,) = helm.find(objects, "Secret", "mars-master-key")
     folder.mkdir()
-    for name, value in secret["data"].items():
+    for name, value in data.items():
         (folder / name).write_bytes(base64.b64decode(value))
         (folder / name).chmod(0o644)
     folder.chmod(0o755)
     return folder
+
+
+def master_key_secret(objects: list[dict[str, Any]], folder: Path) -> Path:
+    """The master-key Secret as the chart's Job makes it (`mars keys ensure-secret`: the chart renders no key),
+    mounted."""
+    from mars.deploy.master_key_secret import secret_manifest
+
+    (job,) = [j for j in helm.find(objects, "Job") if j["metadata"]["name"] == "mars-master-key"]
+    args = job["spec"]["template"]["spec"]["containers"][0]["args"]
+    name, key = args[args.index("--name") + 1], args[args.index("--key") + 1]
+    return mounted_secret(secret_manifest(name, key, {})["data"], folder)
+
+
+def identity_secret(objects: list[dict[str, Any]], name: str, folder: Path) -> Path:
+    """One of the chart's identity Secrets (the CA's, or a tool's), mounted."""
+    (secret,) = helm.find(objects, "Secret", name)
+    return mounted_secret(secret["data"], folder)
 
 
 def main_port_health(port: int, client_tls: ClientTls) -> int:
@@ -246,6 +265,7 @@ def test_six_services_and_the_gateway_serve_and_answer_turns(
     monkeypatch.setenv("MARS_TLS_CLIENT_CERT_FILE", client.cert_file)
     monkeypatch.setenv("MARS_TLS_CLIENT_KEY_FILE", client.key_file)
     master_dir = master_key_secret(objects, tmp_path / "master-key")
+    identity_ca_dir = identity_secret(objects, "mars-identity-ca", tmp_path / "identity-ca")
     pool_dir = tmp_path / "pool"
     pool_dir.mkdir()
     (pool_dir / "models.yaml").write_text(
@@ -265,7 +285,8 @@ def test_six_services_and_the_gateway_serve_and_answer_turns(
                 "run", "--detach", f"--name={names[service]}", "--network=host", *HARDENED,
                 f"--volume={pool_dir}:{POOL_DIR_IN_CONTAINER}:ro",
                 f"--volume={certs.ca.parent}:{TLS_DIR_IN_CONTAINER}:ro",
-                f"--volume={master_dir}:{MASTER_KEY_DIR_IN_CONTAINER}:ro", *env_args, image, service,
+                f"--volume={master_dir}:{MASTER_KEY_DIR_IN_CONTAINER}:ro",
+                f"--volume={identity_ca_dir}:{IDENTITY_CA_DIR_IN_CONTAINER}:ro", *env_args, image, service,
             )  # fmt: skip
             started.append(names[service])
 
@@ -299,6 +320,16 @@ def test_six_services_and_the_gateway_serve_and_answer_turns(
             assert main_port_health(ports[service], ClientTls()) != serving, service
             assert main_port_health(ports[service], ClientTls(ca_file=str(certs.ca))) != serving, service
         assert health(health_ports["memory"], "mars.v1.Memory.dense") == serving
+        # The stage services answer the chart's tool identities only: the operator's Secret opens the router,
+        # the caller with the client certificate alone (no identity) gets UNAUTHENTICATED.
+        operator_dir = identity_secret(objects, "mars-identity-operator", tmp_path / "identity-operator")
+        operator = CallerIdentity.from_files(str(operator_dir / "tls.crt"), str(operator_dir / "tls.key"))
+        policy = svc.PolicyRequest(tenant="image", user_id="u1")
+        with tls.channel(f"127.0.0.1:{ports['router']}", client) as channel:
+            assert svc_grpc.RouterStub(with_identity(channel, operator)).GetPolicy(policy, timeout=30).arms
+            with pytest.raises(grpc.RpcError) as anonymous:
+                svc_grpc.RouterStub(channel).GetPolicy(policy, timeout=30)
+            assert anonymous.value.code() == grpc.StatusCode.UNAUTHENTICATED
         # Each service's Prometheus endpoint, where the chart's ServiceMonitor scrapes it.
         for service in SERVICES:
             scrape = httpx.get(f"http://127.0.0.1:{metrics_ports[service]}/metrics", timeout=10)
