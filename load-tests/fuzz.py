@@ -506,9 +506,11 @@ def cases(draw: st.DrawFn, ctx: Context, kind: str) -> Case:
         return Case(kind, r_topic, r_key, r_payload, False, (), r_turn)
     if kind == "bad_seal":
         # Claims a real data key, but its text fields are not that key's ciphertext (plaintext, or another
-        # value's): dead-lettered as unsealable wherever the event has text to open.
+        # value's), and the key is another user's: dead-lettered as unsealable wherever the event has text to
+        # open (the key's owner is checked first, where the build does).
         event.turn.data_key_id = ctx.data_key_id  # type: ignore[attr-defined]
-        return case(event.SerializeToString(), _has_text_to_open(event), ("does not open",))
+        words = ("does not open", "is not the key of the turn's tenant and user")
+        return case(event.SerializeToString(), _has_text_to_open(event), words)
     if kind == "unknown_key":
         # A key that does not exist is a forgotten user's: the event is dropped, nothing to dead-letter.
         event.turn.data_key_id = draw(st.sampled_from(["", uuid.uuid4().hex[:24], "x" * 200]))  # type: ignore[attr-defined]

@@ -424,8 +424,9 @@ def test_feedback_is_validated_and_recorded(
             grpc.StatusCode.INVALID_ARGUMENT,
         ),
         (
+            # Another user's turn reads as no turn (no oracle on which turn ids exist).
             svc.FeedbackRequest(tenant=TENANT, user_id="user-zebra", turn_id=turn.turn_id, rating=0.5),
-            grpc.StatusCode.PERMISSION_DENIED,
+            grpc.StatusCode.NOT_FOUND,
         ),
     ]:
         with pytest.raises(grpc.RpcError) as info:

@@ -117,15 +117,13 @@ def redrive(
     reward_timeout_s: float,
     on_turn: Any = lambda: None,
     keys: TenantKeys | None = None,
+    identity: CallerIdentity | None = None,
 ) -> list[dict[str, Any]]:
-    """Send each turn as its tenant (+ suffix), with that tenant's key from `keys`."""
+    """Send each turn as its tenant (+ suffix), with that tenant's key from `keys`. The router is internal:
+    GetPolicy calls as `identity`, by default the replay identity in MARS_IDENTITY_CERT_FILE / _KEY_FILE."""
     channels = TenantChannels(ingress_addr, keys or TenantKeys())
-    # The router is internal: GetPolicy needs the replay identity (MARS_IDENTITY_CERT_FILE / _KEY_FILE).
-    router = (
-        svc_grpc.RouterStub(with_identity(tls.channel(router_addr), CallerIdentity.from_env()))
-        if router_addr
-        else None
-    )
+    caller = identity if identity is not None else CallerIdentity.from_env()
+    router = svc_grpc.RouterStub(with_identity(tls.channel(router_addr), caller)) if router_addr else None
     try:
         return _redrive(turns, channels, suffix, router, reward_timeout_s, on_turn)
     finally:
@@ -260,7 +258,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         original.add(r)
     original = only(original, [t.turn_id for t in turns])
 
-    def drive(ingress: str, router: str | None, suffix: str, keys: TenantKeys) -> list[dict[str, Any]]:
+    def drive(
+        ingress: str, router: str | None, suffix: str, keys: TenantKeys, identity: CallerIdentity | None = None
+    ) -> list[dict[str, Any]]:
         with Progress(console=console, transient=True) as progress:
             task = progress.add_task("re-driving", total=len(turns))
             return redrive(
@@ -271,6 +271,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                 args.reward_timeout_s,
                 lambda: progress.advance(task),
                 keys,
+                identity,
             )
 
     redriven: TraceBuilder | None = None
@@ -294,7 +295,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             return 1
         try:
             keys = TenantKeys(postgres_dsn=stack.env["MARS_POSTGRES_DSN"], label="mars replay run")
-            rows = drive(stack.addr("ingress"), stack.addr("router"), suffix, keys)
+            rows = drive(stack.addr("ingress"), stack.addr("router"), suffix, keys, stack.caller("replay"))
             redriven = read_back(
                 stack.env["MARS_KAFKA_BOOTSTRAP"], prefix, [r["turn_id"] for r in rows if "turn_id" in r]
             )
