@@ -38,6 +38,14 @@ def load_settings(**overrides: Any) -> ServiceSettings:
         raise SettingsError(f"invalid settings: {problems}") from None
 
 
+def add_postgres_dsn_arg(p: argparse.ArgumentParser) -> None:
+    """--postgres-dsn, as every command that talks to Postgres itself takes it."""
+    p.add_argument(
+        "--postgres-dsn",
+        help="libpq connection string (default: MARS_POSTGRES_DSN, else postgresql://mars@127.0.0.1:5432/mars)",
+    )
+
+
 def cmd_migrate(args: argparse.Namespace) -> int:
     from mars.migrations import MIGRATION_MODULES, migrate_all
 
@@ -171,10 +179,7 @@ def add_migrate_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore
         "Safe to rerun and to run while services start. Exit 0 when the schema is in place, 1 when "
         "Postgres failed, 2 for bad settings. The password may come from PGPASSWORD.",
     )
-    p.add_argument(
-        "--postgres-dsn",
-        help="libpq connection string (default: MARS_POSTGRES_DSN, else postgresql://mars@127.0.0.1:5432/mars)",
-    )
+    add_postgres_dsn_arg(p)
     p.add_argument(
         "--service",
         action="append",

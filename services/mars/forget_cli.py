@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from mars import auth, forget
-from mars.admin_cli import SettingsError, load_settings
+from mars.admin_cli import SettingsError, add_postgres_dsn_arg, load_settings
 from mars.config import TOPIC_CONTROL, ServiceSettings
 
 console = Console(width=None if sys.stdout.isatty() else 160)
@@ -82,9 +82,6 @@ def add_forget_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     )
     p.add_argument("tenant", help="the user's tenant")
     p.add_argument("user", help="the user id to forget")
-    p.add_argument(
-        "--postgres-dsn",
-        help="libpq connection string (default: MARS_POSTGRES_DSN, else postgresql://mars@127.0.0.1:5432/mars)",
-    )
+    add_postgres_dsn_arg(p)
     p.add_argument("--bootstrap", help="Kafka bootstrap servers (default: MARS_KAFKA_BOOTSTRAP)")
     p.set_defaults(func=cmd_forget_user)

@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from mars import data_keys, sealing
-from mars.admin_cli import SettingsError, load_settings
+from mars.admin_cli import SettingsError, add_postgres_dsn_arg, load_settings
 from mars.private_files import open_private
 
 console = Console(width=None if sys.stdout.isatty() else 160)
@@ -193,10 +193,7 @@ def add_keys_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
         description="Unwraps every data key in Postgres with MARS_MASTER_KEY_FILE / MARS_MASTER_KEY. Exit 0 "
         "when all open, 1 when some do not (a different master key) or Postgres failed, 2 for bad settings.",
     )
-    p.add_argument(
-        "--postgres-dsn",
-        help="libpq connection string (default: MARS_POSTGRES_DSN, else postgresql://mars@127.0.0.1:5432/mars)",
-    )
+    add_postgres_dsn_arg(p)
     p.set_defaults(func=cmd_check)
     p = keys_sub.add_parser(
         "rotate",
@@ -208,10 +205,7 @@ def add_keys_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "change); (4) `mars keys check`, then drop MARS_PREVIOUS_MASTER_KEY_FILE. Exit 1 when a data key opens "
         "with neither key, 2 for bad settings.",
     )
-    p.add_argument(
-        "--postgres-dsn",
-        help="libpq connection string (default: MARS_POSTGRES_DSN, else postgresql://mars@127.0.0.1:5432/mars)",
-    )
+    add_postgres_dsn_arg(p)
     p.add_argument("--dry-run", action="store_true", help="count what would be re-wrapped, change nothing")
     p.set_defaults(func=cmd_rotate)
     p = keys_sub.add_parser(

@@ -15,7 +15,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from mars import auth
-from mars.admin_cli import SettingsError, load_settings
+from mars.admin_cli import SettingsError, add_postgres_dsn_arg, load_settings
 
 console = Console(width=None if sys.stdout.isatty() else 160)
 
@@ -122,11 +122,7 @@ def add_tenant_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     )
     tenant_sub = tenant.add_subparsers(dest="tenant_cmd", required=True)
 
-    def common(p: argparse.ArgumentParser) -> None:
-        p.add_argument(
-            "--postgres-dsn",
-            help="libpq connection string (default: MARS_POSTGRES_DSN, else postgresql://mars@127.0.0.1:5432/mars)",
-        )
+    common = add_postgres_dsn_arg
 
     p = tenant_sub.add_parser(
         "create",
