@@ -29,7 +29,6 @@ import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import grpc
@@ -38,6 +37,8 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, padding, rsa
 from cryptography.x509.oid import NameOID
+
+from mars.tls import read_pem
 
 log = logging.getLogger(__name__)
 
@@ -88,10 +89,7 @@ def _unb64(text: str) -> bytes:
 
 
 def _read(path: str, setting: str) -> bytes:
-    try:
-        return Path(path).read_bytes()
-    except OSError as exc:
-        raise IdentityConfigError(f"{setting}={path}: cannot read it ({exc.strerror})") from None
+    return read_pem(path, setting, IdentityConfigError)
 
 
 def _common_name(cert: x509.Certificate) -> str:

@@ -24,11 +24,13 @@ class TlsConfigError(ValueError):
     """TLS files that are missing, unreadable or only half given; the message names the setting."""
 
 
-def _read(path: str, setting: str) -> bytes:
+def read_pem(path: str, setting: str, error: type[ValueError] = TlsConfigError) -> bytes:
+    """The bytes of a PEM file a setting names; `error` (naming the setting and the path) when unreadable.
+    Also the identity files' reader (mars.identity)."""
     try:
         return Path(path).read_bytes()
     except OSError as exc:
-        raise TlsConfigError(f"{setting}={path}: cannot read it ({exc.strerror})") from None
+        raise error(f"{setting}={path}: cannot read it ({exc.strerror})") from None
 
 
 def server_credentials(settings: ServiceSettings) -> grpc.ServerCredentials | None:
@@ -42,10 +44,10 @@ def server_credentials(settings: ServiceSettings) -> grpc.ServerCredentials | No
         return None
     if not (cert and key):
         raise TlsConfigError("MARS_TLS_CERT_FILE and MARS_TLS_KEY_FILE go together: set both or neither")
-    pair = (_read(key, "MARS_TLS_KEY_FILE"), _read(cert, "MARS_TLS_CERT_FILE"))
+    pair = (read_pem(key, "MARS_TLS_KEY_FILE"), read_pem(cert, "MARS_TLS_CERT_FILE"))
     if client_ca:
         return grpc.ssl_server_credentials(
-            [pair], root_certificates=_read(client_ca, "MARS_TLS_CLIENT_CA_FILE"), require_client_auth=True
+            [pair], root_certificates=read_pem(client_ca, "MARS_TLS_CLIENT_CA_FILE"), require_client_auth=True
         )
     return grpc.ssl_server_credentials([pair])
 
@@ -83,9 +85,11 @@ class ClientTls:
         if bool(self.cert_file) != bool(self.key_file):
             raise TlsConfigError("MARS_TLS_CLIENT_CERT_FILE and MARS_TLS_CLIENT_KEY_FILE go together")
         return grpc.ssl_channel_credentials(
-            root_certificates=_read(self.ca_file, "MARS_TLS_CA_FILE") if self.ca_file else None,
-            private_key=_read(self.key_file, "MARS_TLS_CLIENT_KEY_FILE") if self.key_file else None,
-            certificate_chain=_read(self.cert_file, "MARS_TLS_CLIENT_CERT_FILE") if self.cert_file else None,
+            root_certificates=read_pem(self.ca_file, "MARS_TLS_CA_FILE") if self.ca_file else None,
+            private_key=read_pem(self.key_file, "MARS_TLS_CLIENT_KEY_FILE") if self.key_file else None,
+            certificate_chain=read_pem(self.cert_file, "MARS_TLS_CLIENT_CERT_FILE")
+            if self.cert_file
+            else None,
         )
 
 
