@@ -1,13 +1,16 @@
 """The metrics over a real stack: every service serves Prometheus on its own MARS_METRICS_PORT, and after a
 few turns each stage's consumer group has handler timings and queue delays, its lag gauge, the judge has
 costs by tenant and component, dispatch its attempts and circuit states, and no series carries a per-user
-label anywhere."""
+label anywhere; and every series the chart's Grafana dashboard queries is one a service serves."""
 
 from __future__ import annotations
 
+import json
+import re
 import socket
 from collections import defaultdict
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -31,6 +34,7 @@ for _group in STAGE_GROUPS:
 GROUPS["ingress"].add("ingress-replies")
 
 Sample = tuple[str, dict[str, str], float]
+DASHBOARD = REPO / "charts" / "mars" / "dashboards" / "mars.json"
 
 
 def _free_port() -> int:
@@ -176,3 +180,120 @@ def test_no_series_has_a_per_user_label(
         values = {v for _, ls, _ in scrape(port) for v in ls.values()}
         assert not values & set(USERS), service
         assert not values & {r.turn_id for r in turns}, service
+
+
+# --- the Grafana dashboard's queries ------------------------------------------------------------------------
+
+#: PromQL words that look like identifiers but name no series (`bool`, `offset`, set operators, ...).
+PROMQL_WORDS = {
+    "by", "without", "on", "ignoring", "group_left", "group_right", "and", "or", "unless", "bool",
+    "offset", "atan2", "inf", "nan",
+}  # fmt: skip
+#: The series a family of each type serves (prometheus_client's parser names a counter's family without
+#: `_total`).
+SERIES_SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*"|\'(?:[^\'\\]|\\.)*\'|`[^`]*`')
+_IDENTIFIER = re.compile(r"(?<![\w.:])([A-Za-z_:][\w:]*)(?![\w:])(?!\s*\()")
+
+
+def promql_metrics(expr: str) -> set[str]:
+    """The metric names an expression selects: identifiers that are not a function call, a PromQL word,
+    or inside a string, label matchers `{...}`, a range `[...]`, a `by (...)`-style clause or a Grafana
+    variable."""
+    text = _STRING.sub(" ", expr)
+    text = re.sub(r"\{[^{}]*\}", " ", text)
+    text = re.sub(r"\[[^\[\]]*\]", " ", text)
+    text = re.sub(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^()]*\)", " ", text)
+    text = re.sub(r"\$\{[^}]*\}|\$\w+", " ", text)
+    return {m for m in _IDENTIFIER.findall(text) if m.lower() not in PROMQL_WORDS}
+
+
+def call_arguments(expr: str, function: str) -> list[str]:
+    """The argument text of each call of `function` in `expr` (parentheses balanced, strings skipped)."""
+    masked = _STRING.sub(lambda m: "_" * len(m.group()), expr)
+    out = []
+    for match in re.finditer(rf"\b{function}\s*\(", masked):
+        depth, start = 1, match.end()
+        for i in range(start, len(masked)):
+            depth += {"(": 1, ")": -1}.get(masked[i], 0)
+            if depth == 0:
+                out.append(expr[start:i])
+                break
+    return out
+
+
+def dashboard_queries() -> dict[str, list[str]]:
+    """Each panel's PromQL (by title), and the template variables' queries (as "$name")."""
+    dashboard: dict[str, Any] = json.loads(DASHBOARD.read_text())
+    queries: dict[str, list[str]] = defaultdict(list)
+    for panel in dashboard["panels"]:
+        queries[panel["title"]] += [t["expr"] for t in panel.get("targets", []) if t.get("expr")]
+    for var in dashboard.get("templating", {}).get("list", []):
+        query = var.get("query")
+        text = query.get("query", "") if isinstance(query, dict) else query
+        if var.get("type") == "query" and text:
+            # label_values(selector, label): the label is no series.
+            labels = re.fullmatch(r"\s*label_values\((.*?)(?:,\s*\w+)?\)\s*", text)
+            queries[f"${var['name']}"].append(labels.group(1) if labels else text)
+    return queries
+
+
+def served_series(ports: dict[str, int]) -> dict[str, tuple[str, str]]:
+    """Every series name some service serves -> its family and type."""
+    out: dict[str, tuple[str, str]] = {}
+    for port in ports.values():
+        body = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        for family in text_string_to_metric_families(body):
+            for sample in family.samples:
+                out[sample.name] = (family.name, family.type)
+    return out
+
+
+def family_of(name: str, served: dict[str, tuple[str, str]]) -> tuple[str, str] | None:
+    """The served family (and type) `name` is a series of: its name plus the type's suffix."""
+    found = served.get(name)
+    if found is None:
+        return None
+    family, kind = found
+    return found if any(name == family + suffix for suffix in SERIES_SUFFIXES.get(kind, ())) else None
+
+
+def test_promql_metrics_finds_the_series_names() -> None:
+    expr = (
+        'histogram_quantile(0.95, sum by (le, group) (rate(mars_x_bucket{outcome="ok", group=~"$g"}'
+        "[$__rate_interval]))) / on (group) group_left sum without (topic) (mars_y) * 1e3 > bool 0"
+        " unless max(mars_z offset 5m) or absent(mars_w[${__range}:1m])"
+    )
+    assert promql_metrics(expr) == {"mars_x_bucket", "mars_y", "mars_z", "mars_w"}
+    assert call_arguments('sum(rate(a[1m])) + rate(b{c="("}[1m])', "rate") == ["a[1m]", 'b{c="("}[1m]']
+
+
+def test_every_series_on_the_dashboard_is_served(
+    metrics_stack: tuple[LocalStack, dict[str, int]], turns: list[svc.TurnReply]
+) -> None:
+    _, ports = metrics_stack
+    queries = dashboard_queries()
+    wanted = {(title, name) for title, exprs in queries.items() for e in exprs for name in promql_metrics(e)}
+    assert {title for title, _ in wanted} == set(queries), "a panel or variable selects no series"
+    # The learning path's series (cost, judge outcomes) appear after the replies: wait for them.
+
+    def all_served() -> bool:
+        served = served_series(ports)
+        return all(family_of(name, served) for _, name in wanted)
+
+    try:
+        wait_for(all_served, timeout_s=60, what="every series the dashboard queries")
+    except AssertionError:
+        pass  # named below
+    served = served_series(ports)
+    unserved = sorted((title, name) for title, name in wanted if family_of(name, served) is None)
+    assert not unserved, f"the dashboard queries series no service serves: {unserved}"
+    for title, exprs in queries.items():
+        for expr in exprs:
+            for arg in call_arguments(expr, "histogram_quantile"):
+                for name in promql_metrics(arg):
+                    assert served[name][1] == "histogram" and name.endswith("_bucket"), (title, name)
+            for function in ("rate", "irate", "increase"):
+                for arg in call_arguments(expr, function):
+                    for name in promql_metrics(arg):
+                        assert served[name][1] in ("counter", "histogram"), (title, function, name)
