@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PROTO_SRC := $(wildcard proto/mars/v1/*.proto)
 PROTO_OUT := services/mars/v1/.generated
 
-.PHONY: install proto kafka litellm run test test-unit test-integration lint clean image test-image
+.PHONY: install proto kafka litellm run test test-unit test-integration lint clean image test-image kube test-k8s
 
 install: $(STAMP)
 
@@ -67,6 +67,15 @@ test-unit: install proto
 
 test-integration: install proto kafka
 	$(PY) -m pytest -q tests/integration
+
+# The local Kubernetes control plane (infra/k8s): etcd, kube-apiserver, kube-controller-manager and
+# kube-scheduler v1.37 and kwok, built with Go from the module proxy into infra/k8s/bin (cold ~10 min on two
+# cores, then a stamp check). `mars kube up` runs it; test-k8s installs the chart on it with Helm.
+kube:
+	infra/k8s/build.sh
+
+test-k8s: install proto kube
+	$(PY) -m pytest -q tests/k8s
 
 # The services' OCI image (infra/image): a Debian bookworm base made by mmdebstrap, the wheels fetched here,
 # built by podman with no network. Installs podman, buildah, mmdebstrap and runc from Debian when missing.

@@ -9,7 +9,6 @@ import ipaddress
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 
 @dataclass(frozen=True)
@@ -52,6 +51,51 @@ def _write(path: Path, data: bytes) -> Path:
     return path
 
 
+@dataclass(frozen=True)
+class KubePKI:
+    """What a local Kubernetes control plane needs (infra/k8s): its CA, the API server's serving pair, an
+    admin client pair (group system:masters) and the service-account signing key pair."""
+
+    ca: Path
+    apiserver_cert: Path
+    apiserver_key: Path
+    admin_cert: Path
+    admin_key: Path
+    service_account_key: Path
+    service_account_pub: Path
+
+
+def make_kube_pki(folder: Path, service_ip: str = "10.96.0.1") -> KubePKI:
+    """Write a fresh cluster CA and the control plane's certificates into `folder` (valid one day)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID
+
+    ca, leaf = _authority(folder, "MARS local Kubernetes CA")
+    hosts = ["localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc"]
+    sans: list[x509.GeneralName] = [x509.DNSName(h) for h in hosts]
+    sans += [x509.IPAddress(ipaddress.ip_address(ip)) for ip in ("127.0.0.1", service_ip)]
+    server_cert, server_key = leaf("kube-apiserver", ExtendedKeyUsageOID.SERVER_AUTH, sans)
+    admin_cert, admin_key = leaf("mars-admin", ExtendedKeyUsageOID.CLIENT_AUTH, [], "system:masters")
+    sa_key = ec.generate_private_key(ec.SECP256R1())
+    sa_private = sa_key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+    sa_public = sa_key.public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+    return KubePKI(
+        ca=ca,
+        apiserver_cert=_write(folder / "apiserver.crt", server_cert),
+        apiserver_key=_write(folder / "apiserver.key", server_key),
+        admin_cert=_write(folder / "admin.crt", admin_cert),
+        admin_key=_write(folder / "admin.key", admin_key),
+        service_account_key=_write(folder / "sa.key", sa_private),
+        service_account_pub=_write(folder / "sa.pub", sa_public),
+    )
+
+
 def make_local_ca(folder: Path, hosts: tuple[str, ...] = ("localhost", "127.0.0.1")) -> LocalCerts:
     """Write a fresh CA and a server and a client certificate signed by it into `folder` (valid one day)."""
     from cryptography import x509
@@ -75,7 +119,7 @@ def make_local_ca(folder: Path, hosts: tuple[str, ...] = ("localhost", "127.0.0.
     )
 
 
-Leaf = Callable[[str, Any, list[Any]], tuple[bytes, bytes]]
+Leaf = Callable[..., tuple[bytes, bytes]]
 
 
 def _authority(folder: Path, ca_name: str) -> tuple[Path, Leaf]:
@@ -89,8 +133,11 @@ def _authority(folder: Path, ca_name: str) -> tuple[Path, Leaf]:
     folder.mkdir(parents=True, exist_ok=True)
     now = datetime.datetime.now(datetime.UTC)
 
-    def name(common: str) -> x509.Name:
-        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common)])
+    def name(common: str, organization: str = "") -> x509.Name:
+        attributes = [x509.NameAttribute(NameOID.COMMON_NAME, common)]
+        if organization:  # Kubernetes reads a client certificate's O as its group
+            attributes.append(x509.NameAttribute(NameOID.ORGANIZATION_NAME, organization))
+        return x509.Name(attributes)
 
     def key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
         return key.private_bytes(
@@ -110,11 +157,13 @@ def _authority(folder: Path, ca_name: str) -> tuple[Path, Leaf]:
         .sign(ca_key, hashes.SHA256())
     )
 
-    def leaf(common: str, usage: x509.ObjectIdentifier, sans: list[x509.GeneralName]) -> tuple[bytes, bytes]:
+    def leaf(
+        common: str, usage: x509.ObjectIdentifier, sans: list[x509.GeneralName], organization: str = ""
+    ) -> tuple[bytes, bytes]:
         key = ec.generate_private_key(ec.SECP256R1())
         builder = (
             x509.CertificateBuilder()
-            .subject_name(name(common))
+            .subject_name(name(common, organization))
             .issuer_name(ca_cert.subject)
             .public_key(key.public_key())
             .serial_number(x509.random_serial_number())

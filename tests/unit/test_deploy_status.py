@@ -12,9 +12,11 @@ from mars.deploy.lag import TopicLag, topic_lag
 from mars.deploy.status import (
     all_ready,
     lag_table,
+    list_waiting_pods,
     list_workloads,
     release_selector,
     status_json,
+    waiting_table,
     workload_table,
 )
 from rich.console import Console
@@ -142,3 +144,56 @@ def test_without_the_kubernetes_client_status_says_how_to_install_it(monkeypatch
         main(["deploy", "status", "--no-lag"])
     assert exited.value.code == 2
     assert "pip install 'mars[deploy]'" in capsys.readouterr().out
+
+
+def pod(name: str, phase: str, conditions: dict[str, tuple[str, str, str]], waiting: str = "") -> Any:
+    state = SimpleNamespace(waiting=SimpleNamespace(reason=waiting, message="back-off") if waiting else None)
+    return SimpleNamespace(
+        metadata=SimpleNamespace(name=name, labels={"app.kubernetes.io/component": name.split("-")[1]}),
+        status=SimpleNamespace(
+            phase=phase,
+            conditions=[
+                SimpleNamespace(type=kind, status=status, reason=reason, message=message)
+                for kind, (status, reason, message) in conditions.items()
+            ],
+            container_statuses=[SimpleNamespace(state=state)],
+        ),
+    )
+
+
+class FakeCore:
+    def __init__(self, pods: list[Any]) -> None:
+        self.pods = pods
+        self.selectors: list[str | None] = []
+
+    def list_namespaced_pod(self, namespace: str, *, label_selector: str | None = None) -> Any:
+        self.selectors.append(label_selector)
+        return SimpleNamespace(items=self.pods)
+
+
+def test_waiting_pods_say_what_they_wait_for() -> None:
+    verdict = "0/2 nodes are available: 2 Insufficient nvidia.com/gpu."
+    core = FakeCore(
+        [
+            pod("mars-vllm-1", "Pending", {"PodScheduled": ("False", "Unschedulable", verdict)}),
+            pod("mars-ingress-1", "Running", {"PodScheduled": ("True", "", ""), "Ready": ("True", "", "")}),
+            pod(
+                "mars-router-1",
+                "Running",
+                {"PodScheduled": ("True", "", ""), "Ready": ("False", "ContainersNotReady", "")},
+                waiting="CrashLoopBackOff",
+            ),
+            pod("mars-migrate-1", "Succeeded", {"Ready": ("False", "PodCompleted", "")}),
+        ]
+    )
+    rows = list_waiting_pods(core, "mars", "mars")
+    assert core.selectors == [release_selector("mars")]
+    assert [(r.name, r.component, r.phase, r.reason) for r in rows] == [
+        ("mars-router-1", "router", "Running", "CrashLoopBackOff"),
+        ("mars-vllm-1", "vllm", "Pending", "Unschedulable"),
+    ]
+    assert rows[1].message == verdict
+    text = render(waiting_table(rows))
+    assert "Insufficient nvidia.com/gpu" in text and "CrashLoopBackOff" in text
+    data = status_json("mars", "mars", [], None, waiting=rows)
+    assert data["waiting_pods"][1]["reason"] == "Unschedulable"

@@ -53,7 +53,16 @@ def load_kube(context: str | None) -> str:
 def cmd_status(args: argparse.Namespace) -> int:
     from mars.admin_cli import SettingsError, load_settings
     from mars.deploy.lag import TopicLag, fetch_lag
-    from mars.deploy.status import all_ready, lag_table, list_workloads, status_json, workload_table
+    from mars.deploy.status import (
+        WaitingPod,
+        all_ready,
+        lag_table,
+        list_waiting_pods,
+        list_workloads,
+        status_json,
+        waiting_table,
+        workload_table,
+    )
     from mars.kafka_options import kafka_client_options
 
     try:
@@ -66,6 +75,10 @@ def cmd_status(args: argparse.Namespace) -> int:
     namespace = args.namespace or namespace
     try:
         workloads = list_workloads(client.AppsV1Api(), namespace, args.release)
+        # Only when something is not ready: then why (e.g. the scheduler's verdict) is the question.
+        waiting: list[WaitingPod] = []
+        if not all_ready(workloads):
+            waiting = list_waiting_pods(client.CoreV1Api(), namespace, args.release)
     except client.ApiException as exc:
         console.print(f"[red]the API server refused: {exc.status} {exc.reason}[/]")
         return 2
@@ -87,7 +100,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     ready = all_ready(workloads)
     if args.output == "json":
-        print(json.dumps(status_json(namespace, args.release, workloads, lags, lag_error), indent=2))
+        print(json.dumps(status_json(namespace, args.release, workloads, lags, lag_error, waiting), indent=2))
     else:
         console.print(f"release [bold]{args.release}[/] in namespace [bold]{namespace}[/]")
         if workloads:
@@ -97,6 +110,8 @@ def cmd_status(args: argparse.Namespace) -> int:
                 f"[red]no Deployments or StatefulSets labelled app.kubernetes.io/instance={args.release} "
                 "in this namespace[/]"
             )
+        if waiting:
+            console.print(waiting_table(waiting))
         if lags is not None:
             console.print(lag_table(lags))
         elif lag_error:
@@ -190,8 +205,10 @@ def add_deploy_parser(sub: argparse._SubParsersAction) -> argparse._SubParsersAc
         "status",
         help="each workload's ready/desired replicas and each stage consumer group's lag",
         description="Lists the release's Deployments and StatefulSets (labels app.kubernetes.io/instance="
-        "<release>, app.kubernetes.io/part-of=mars) with ready, up-to-date and available replicas, then the "
-        "lag of every stage consumer group on each topic it reads (committed offsets against end offsets, "
+        "<release>, app.kubernetes.io/part-of=mars) with ready, up-to-date and available replicas; when one "
+        "is not ready, its pods that wait and why (the scheduler's verdict, such as Insufficient "
+        "nvidia.com/gpu, or a container's waiting reason); then the lag of every stage consumer group on each "
+        "topic it reads (committed offsets against end offsets, "
         "from Kafka: MARS_KAFKA_BOOTSTRAP and the MARS_KAFKA_* security settings, or --bootstrap). Exit 0 "
         "when every workload is ready, 3 when one is not (or none was found), 2 when the cluster could not "
         "be asked. Lag does not change the exit code.",

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import os
+import ssl
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -74,7 +75,8 @@ def ensure_secret(
     An existing Secret without `key` is an error (something else took the name), never overwritten."""
     base = f"{api.url}/api/v1/namespaces/{api.namespace}/secrets"
     headers = {"Authorization": f"Bearer {api.token}"}
-    with httpx.Client(verify=api.ca_file, transport=transport, timeout=30) as client:
+    verify = ssl.create_default_context(cafile=api.ca_file) if isinstance(api.ca_file, str) else api.ca_file
+    with httpx.Client(verify=verify, transport=transport, timeout=30) as client:
         try:
             created = client.post(base, json=secret_manifest(name, key, labels), headers=headers)
             if created.status_code == 201:
@@ -83,7 +85,9 @@ def ensure_secret(
                 raise SecretError(_refusal("create", name, created))
             found = client.get(f"{base}/{name}", headers=headers)
         except httpx.HTTPError as exc:
-            raise SecretError(f"cannot reach the API server at {api.url}: {type(exc).__name__}: {exc}") from None
+            raise SecretError(
+                f"cannot reach the API server at {api.url}: {type(exc).__name__}: {exc}"
+            ) from None
     if found.status_code != 200:
         raise SecretError(_refusal("read", name, found))
     if key not in (found.json().get("data") or {}):

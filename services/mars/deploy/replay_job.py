@@ -129,7 +129,9 @@ def replay_job_manifest(job: ReplayJob, now: datetime) -> dict[str, Any]:
         mounts.append({"name": "kafka-tls", "mountPath": KAFKA_TLS_DIR, "readOnly": True})
     if job.postgres_ca_secret:
         items = [{"key": job.postgres_ca_key, "path": job.postgres_ca_key}]
-        volumes.append({"name": "postgres-tls", "secret": {"secretName": job.postgres_ca_secret, "items": items}})
+        volumes.append(
+            {"name": "postgres-tls", "secret": {"secretName": job.postgres_ca_secret, "items": items}}
+        )
         mounts.append({"name": "postgres-tls", "mountPath": POSTGRES_TLS_DIR, "readOnly": True})
     if job.pvc:
         volumes.append({"name": "data", "persistentVolumeClaim": {"claimName": job.pvc}})

@@ -1,7 +1,9 @@
-"""`mars deploy status`: a release's workloads (ready of desired replicas) and its stage groups' lag.
+"""`mars deploy status`: a release's workloads (ready of desired replicas), why its pods that are not
+running wait (the scheduler's verdict, a container's waiting reason), and its stage groups' lag.
 
-`list_workloads` is the only part that talks to the API server (two list calls on an `AppsV1Api`); the
-rows, the tables and the JSON are pure, and tested with a stand-in API object.
+`list_workloads` and `list_waiting_pods` are the only parts that talk to the API server (list calls on an
+`AppsV1Api` and a `CoreV1Api`); the rows, the tables and the JSON are pure, and tested with stand-in API
+objects (and against a real API server in tests/k8s).
 """
 
 from __future__ import annotations
@@ -31,6 +33,57 @@ class AppsApi(Protocol):
     def list_namespaced_deployment(self, namespace: str, *, label_selector: str | None = ...) -> Any: ...
 
     def list_namespaced_stateful_set(self, namespace: str, *, label_selector: str | None = ...) -> Any: ...
+
+
+class CoreApi(Protocol):
+    """The call of kubernetes.client.CoreV1Api this module makes."""
+
+    def list_namespaced_pod(self, namespace: str, *, label_selector: str | None = ...) -> Any: ...
+
+
+@dataclass(frozen=True)
+class WaitingPod:
+    """A pod of the release that is not ready, and what it waits for."""
+
+    name: str
+    component: str
+    phase: str
+    reason: str
+    message: str
+
+
+def waiting_pod_from(pod: Any) -> WaitingPod | None:
+    """The pod (kubernetes client model) as a row if it is not ready: the PodScheduled condition's reason
+    and message while unscheduled (e.g. "0/2 nodes are available: 2 Insufficient nvidia.com/gpu"), else
+    the first waiting or failed container's; None for a ready or finished pod."""
+    status = pod.status
+    if status is None:
+        return None
+    phase = status.phase or "Unknown"
+    conditions = {c.type: c for c in status.conditions or []}
+    ready = conditions.get("Ready")
+    if phase in ("Succeeded",) or (ready is not None and ready.status == "True"):
+        return None
+    reason, message = "", ""
+    scheduled = conditions.get("PodScheduled")
+    if scheduled is not None and scheduled.status != "True":
+        reason, message = scheduled.reason or "", scheduled.message or ""
+    else:
+        for container in status.container_statuses or []:
+            state = container.state
+            waiting = state.waiting if state else None
+            if waiting is not None:
+                reason, message = waiting.reason or "", waiting.message or ""
+                break
+    labels = pod.metadata.labels or {}
+    return WaitingPod(pod.metadata.name, labels.get(COMPONENT_LABEL, ""), phase, reason, message)
+
+
+def list_waiting_pods(core: CoreApi, namespace: str, release: str) -> list[WaitingPod]:
+    """The release's pods that are not ready, by name. Calls the API server."""
+    pods = core.list_namespaced_pod(namespace, label_selector=release_selector(release)).items
+    rows = [row for pod in pods if (row := waiting_pod_from(pod)) is not None]
+    return sorted(rows, key=lambda row: row.name)
 
 
 @dataclass(frozen=True)
@@ -96,6 +149,15 @@ def workload_table(workloads: Sequence[Workload]) -> Table:
     return table
 
 
+def waiting_table(pods: Sequence[WaitingPod]) -> Table:
+    table = Table(title="pods not ready", title_justify="left")
+    for col in ("pod", "component", "phase", "reason", "message"):
+        table.add_column(col, overflow="fold")
+    for pod in pods:
+        table.add_row(pod.name, pod.component, pod.phase, pod.reason, pod.message)
+    return table
+
+
 def lag_table(lags: Sequence[TopicLag]) -> Table:
     table = Table(title="consumer-group lag", title_justify="left")
     for col in ("group", "service", "topic", "partitions", "lag"):
@@ -117,6 +179,7 @@ def status_json(
     workloads: Sequence[Workload],
     lags: Sequence[TopicLag] | None,
     lag_error: str | None = None,
+    waiting: Sequence[WaitingPod] = (),
 ) -> dict[str, Any]:
     """The status as plain data (`--output json`)."""
     return {
@@ -124,6 +187,7 @@ def status_json(
         "release": release,
         "ready": all_ready(workloads),
         "workloads": [{**asdict(w), "is_ready": w.is_ready} for w in workloads],
+        "waiting_pods": [asdict(pod) for pod in waiting],
         "lag": [asdict(row) for row in lags] if lags is not None else None,
         "lag_error": lag_error,
     }
