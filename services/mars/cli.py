@@ -329,6 +329,9 @@ def build_parser() -> argparse.ArgumentParser:
     from mars.deploy.cli import add_deploy_parser
 
     add_deploy_parser(sub)
+    from mars.kube_cli import add_kube_parser
+
+    add_kube_parser(sub)
     return parser
 
 
