@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PROTO_SRC := $(wildcard proto/mars/v1/*.proto)
 PROTO_OUT := services/mars/v1/.generated
 
-.PHONY: install proto kafka litellm run test test-unit test-integration lint clean image test-image kube test-k8s
+.PHONY: install proto kafka litellm run test test-unit test-integration lint clean image test-image kube test-k8s test-k8s-kubelet
 
 install: $(STAMP)
 
@@ -76,6 +76,15 @@ kube:
 
 test-k8s: install proto kube
 	$(PY) -m pytest -q tests/k8s
+
+# Past kwok: the upstream kubelet over Debian's containerd, runc and CNI plugins (installed when missing, as
+# root) runs the chart's ingress pod in a container of the image (tests/k8s/test_real_kubelet.py). Builds
+# the kubelet (~6 min cold) and the image (make image) first.
+test-k8s-kubelet: install proto image
+	infra/k8s/build.sh --kubelet
+	@if ! command -v containerd >/dev/null || ! command -v runc >/dev/null || [ ! -e /usr/lib/cni/bridge ]; then \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -q containerd runc containernetworking-plugins; fi
+	$(PY) -m pytest -q tests/k8s/test_real_kubelet.py
 
 # The services' OCI image (infra/image): a Debian bookworm base made by mmdebstrap, the wheels fetched here,
 # built by podman with no network. Installs podman, buildah, mmdebstrap and runc from Debian when missing.

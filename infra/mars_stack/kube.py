@@ -285,6 +285,8 @@ class LocalCluster:
                 # endpoint, which the API refuses.
                 "--endpoint-reconciler-type=none",
                 "--profiling=false",
+                # Node names need not resolve (kwok's never do): reach a real kubelet by its address.
+                "--kubelet-preferred-address-types=InternalIP,Hostname",
             ],
         )
         context = self._ssl_context()
