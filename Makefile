@@ -83,7 +83,9 @@ test-k8s: install proto kube
 test-k8s-kubelet: install proto image
 	infra/k8s/build.sh --kubelet
 	@if ! command -v containerd >/dev/null || ! command -v runc >/dev/null || [ ! -e /usr/lib/cni/bridge ]; then \
-		DEBIAN_FRONTEND=noninteractive apt-get install -y -q containerd runc containernetworking-plugins; fi
+		[ "$$(id -u)" = 0 ] || { echo "need root to apt-get install containerd runc containernetworking-plugins" >&2; exit 2; }; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq containerd runc \
+			containernetworking-plugins >/dev/null; fi
 	$(PY) -m pytest -q tests/k8s/test_real_kubelet.py
 
 # The services' OCI image (infra/image): a Debian bookworm base made by mmdebstrap, the wheels fetched here,
