@@ -9,6 +9,7 @@ import ipaddress
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -67,16 +68,20 @@ class KubePKI:
 
 def make_kube_pki(folder: Path, service_ip: str = "10.96.0.1") -> KubePKI:
     """Write a fresh cluster CA and the control plane's certificates into `folder` (valid one day)."""
-    from cryptography import x509
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import ExtendedKeyUsageOID
 
     ca, leaf = _authority(folder, "MARS local Kubernetes CA")
-    hosts = ["localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc"]
-    sans: list[x509.GeneralName] = [x509.DNSName(h) for h in hosts]
-    sans += [x509.IPAddress(ipaddress.ip_address(ip)) for ip in ("127.0.0.1", service_ip)]
-    server_cert, server_key = leaf("kube-apiserver", ExtendedKeyUsageOID.SERVER_AUTH, sans)
+    hosts = (
+        "localhost",
+        "kubernetes",
+        "kubernetes.default",
+        "kubernetes.default.svc",
+        "127.0.0.1",
+        service_ip,
+    )
+    server_cert, server_key = leaf("kube-apiserver", ExtendedKeyUsageOID.SERVER_AUTH, _sans(hosts))
     admin_cert, admin_key = leaf("mars-admin", ExtendedKeyUsageOID.CLIENT_AUTH, [], "system:masters")
     sa_key = ec.generate_private_key(ec.SECP256R1())
     sa_private = sa_key.private_bytes(
@@ -96,19 +101,25 @@ def make_kube_pki(folder: Path, service_ip: str = "10.96.0.1") -> KubePKI:
     )
 
 
-def make_local_ca(folder: Path, hosts: tuple[str, ...] = ("localhost", "127.0.0.1")) -> LocalCerts:
-    """Write a fresh CA and a server and a client certificate signed by it into `folder` (valid one day)."""
+def _sans(hosts: tuple[str, ...]) -> list[Any]:
+    """Subject alternative names: an IP address entry for each address, a DNS name for the rest."""
     from cryptography import x509
-    from cryptography.x509.oid import ExtendedKeyUsageOID
 
-    ca, leaf = _authority(folder, "MARS local CA")
     sans: list[x509.GeneralName] = []
     for host in hosts:
         try:
             sans.append(x509.IPAddress(ipaddress.ip_address(host)))
         except ValueError:
             sans.append(x509.DNSName(host))
-    server_cert, server_key = leaf("mars-server", ExtendedKeyUsageOID.SERVER_AUTH, sans)
+    return sans
+
+
+def make_local_ca(folder: Path, hosts: tuple[str, ...] = ("localhost", "127.0.0.1")) -> LocalCerts:
+    """Write a fresh CA and a server and a client certificate signed by it into `folder` (valid one day)."""
+    from cryptography.x509.oid import ExtendedKeyUsageOID
+
+    ca, leaf = _authority(folder, "MARS local CA")
+    server_cert, server_key = leaf("mars-server", ExtendedKeyUsageOID.SERVER_AUTH, _sans(hosts))
     client_cert, client_key = leaf("mars-client", ExtendedKeyUsageOID.CLIENT_AUTH, [])
     return LocalCerts(
         ca=ca,

@@ -12,7 +12,6 @@ pod Running and Ready and a Job's pod Succeeded, so Deployments become Available
 from __future__ import annotations
 
 import base64
-import contextlib
 import os
 import shutil
 import signal
@@ -20,7 +19,7 @@ import ssl
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -162,14 +161,7 @@ class LocalCluster:
 
     def stop(self) -> None:
         """Stop every component (controllers first, etcd last); the workdir goes too when it was ours."""
-        for proc in reversed(self._procs):
-            if proc.popen.poll() is None:
-                proc.popen.send_signal(signal.SIGTERM)
-                try:
-                    proc.popen.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    proc.popen.kill()
-                    proc.popen.wait()
+        stop_processes([proc.popen for proc in reversed(self._procs)])
         self._procs.clear()
         if self._own_workdir and not os.environ.get("MARS_KEEP_KUBE_WORKDIR"):
             shutil.rmtree(self.workdir, ignore_errors=True)
@@ -464,14 +456,16 @@ class LocalCluster:
         self.kubeconfig.chmod(0o600)
 
 
-@contextlib.contextmanager
-def running_cluster(progress: Callable[[str], None] = lambda _: None, **kw: Any) -> Iterator[LocalCluster]:
-    cluster = LocalCluster(**kw)
-    cluster.start(progress)
-    try:
-        yield cluster
-    finally:
-        cluster.stop()
+def stop_processes(procs: list[subprocess.Popen[bytes]], timeout_s: float = 15.0) -> None:
+    """SIGTERM each running process in turn and wait for it; one that outlives `timeout_s` is killed."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
 def wait_for(check: Callable[[], Any], timeout_s: float, what: str) -> Any:

@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from mars_stack.kube import BIN_DIR, ClusterError, LocalCluster, wait_for
+from mars_stack.kube import BIN_DIR, ClusterError, LocalCluster, stop_processes, wait_for
 from mars_stack.stack import free_port
 
 PAUSE_IMAGE = "localhost/mars-pause:local"
@@ -77,14 +77,7 @@ class RealNode:
         return self
 
     def stop(self) -> None:
-        for proc in reversed(self._procs):
-            if proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=20)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+        stop_processes(list(reversed(self._procs)), timeout_s=20)
         self._procs.clear()
         # The kubelet leaves its pods' containers to the runtime: stop them with it.
         subprocess.run(["pkill", "-f", f"containerd-shim-runc-v2 -namespace k8s.io -address {self.socket}"])
