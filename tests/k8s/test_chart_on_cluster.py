@@ -139,7 +139,7 @@ def test_every_default_object_and_pod_is_admitted_under_restricted(cluster: kube
     for account in helm.find(objects, "ServiceAccount"):
         core.create_namespaced_service_account(namespace, account)
     pods = [pod_from_template(o) for o in objects if o["kind"] in ("Deployment", "Job")]
-    assert len(pods) >= 8  # six services, vLLM, the gateway or the hook Jobs
+    assert len(pods) == 11  # six services, the gateway, vLLM, and the migrate, topics and master-key hooks
     refusals = [r for pod in pods if (r := dry_run_create(cluster, pod, namespace))]
     assert refusals == []
 
@@ -183,13 +183,13 @@ def test_install_without_a_gpu_node_leaves_vllm_pending_and_status_says_why(
     assert [(ns, created) for ns, _, created in master_keys.ran] == [(NAMESPACE, True)]
     core, _, _ = _apis(cluster)
     assert core.read_namespaced_secret(f"{RELEASE}-master-key", NAMESPACE).data
-    # Both hook Jobs completed (Helm deleted them after success; their events remain).
+    # The hook Jobs completed (Helm deleted them after success; their events remain).
     completed = {
         e.involved_object.name
         for e in core.list_namespaced_event(NAMESPACE).items
         if e.involved_object.kind == "Job" and e.reason == "Completed"
     }
-    assert {f"{RELEASE}-master-key", f"{RELEASE}-migrate"} <= completed
+    assert {f"{RELEASE}-master-key", f"{RELEASE}-migrate", f"{RELEASE}-topics"} <= completed
 
     def others_available() -> bool:
         found = deployments(cluster, NAMESPACE)
