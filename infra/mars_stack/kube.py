@@ -120,7 +120,9 @@ class LocalCluster:
     ) -> None:
         """`held_components`: pods labelled app.kubernetes.io/component=<one of them> become Running but are
         never completed by kwok; whoever holds them (a test playing the kubelet) finishes them."""
-        self.nodes = nodes
+        self._initial_nodes = nodes
+        #: The nodes registered so far.
+        self.nodes: tuple[KwokNode, ...] = ()
         self.volumes = volumes
         self.held_components = held_components
         self._own_workdir = workdir is None
@@ -130,6 +132,7 @@ class LocalCluster:
         self.ports: dict[str, int] = {}
         self._procs: list[_Proc] = []
         self._pki: KubePKI | None = None
+        self._configuration: Any = None
 
     @property
     def server(self) -> str:
@@ -150,7 +153,7 @@ class LocalCluster:
             progress("starting the controller manager, the scheduler and kwok")
             self._start_controllers()
             progress("registering kwok nodes and volumes")
-            for node in self.nodes:
+            for node in self._initial_nodes:
                 self.add_node(node)
             self._add_storage()
             self.wait_nodes_ready()
@@ -175,23 +178,23 @@ class LocalCluster:
     # --- the API -------------------------------------------------------------------------------------
 
     def api_client(self) -> Any:
-        """A kubernetes.client.ApiClient with the admin credentials."""
+        """A kubernetes.client.ApiClient with the admin credentials (the kubeconfig is read once)."""
         from kubernetes import client, config
 
-        configuration = client.Configuration()
-        config.load_kube_config(config_file=str(self.kubeconfig), client_configuration=configuration)
-        return client.ApiClient(configuration)
+        if self._configuration is None:
+            self._configuration = client.Configuration()
+            config.load_kube_config(
+                config_file=str(self.kubeconfig), client_configuration=self._configuration
+            )
+        return client.ApiClient(self._configuration)
 
     def add_node(self, node: KwokNode) -> None:
+        """Register a node for kwok to play; `nodes` and wait_nodes_ready then count it."""
         from kubernetes import client
 
         core: Any = client.CoreV1Api(self.api_client())  # the typed client takes plain manifests too
         core.create_node(node.manifest())
-
-    def delete_node(self, name: str) -> None:
-        from kubernetes import client
-
-        client.CoreV1Api(self.api_client()).delete_node(name)
+        self.nodes = (*self.nodes, node)
 
     def wait_nodes_ready(self, timeout_s: float = 60.0) -> None:
         from kubernetes import client
@@ -208,10 +211,6 @@ class LocalCluster:
             return names <= ok
 
         wait_until(ready, timeout_s, "kwok nodes Ready", log=self.logdir / "kwok.log")
-
-    def log_tail(self, name: str, chars: int = 3000) -> str:
-        path = self.logdir / f"{name}.log"
-        return path.read_text(errors="replace")[-chars:] if path.exists() else ""
 
     # --- the components ------------------------------------------------------------------------------
 

@@ -5,6 +5,7 @@ try the chart against a real API server on a laptop. `up` runs in the foreground
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import signal
 import sys
 import threading
@@ -32,12 +33,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     from mars_stack import kube
 
     nodes = tuple(kube.KwokNode(f"cpu-{i}") for i in range(args.cpu_nodes))
-    nodes += tuple(
-        kube.KwokNode(
-            f"gpu-{i}", kube.GPU_NODE.cpu, kube.GPU_NODE.memory, 1, kube.GPU_NODE.labels, kube.GPU_NODE.taints
-        )
-        for i in range(args.gpu_nodes)
-    )
+    nodes += tuple(dataclasses.replace(kube.GPU_NODE, name=f"gpu-{i}") for i in range(args.gpu_nodes))
     cluster = kube.LocalCluster(nodes=nodes, volumes=args.volumes)
     try:
         with console.status("starting the local Kubernetes control plane") as status:

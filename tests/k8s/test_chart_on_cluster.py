@@ -213,7 +213,6 @@ def test_install_without_a_gpu_node_leaves_vllm_pending_and_status_says_why(
 
 def test_vllm_lands_on_the_gpu_node_and_nothing_else_does(cluster: kube.LocalCluster) -> None:
     cluster.add_node(kube.GPU_NODE)
-    cluster.nodes = (*cluster.nodes, kube.GPU_NODE)
     cluster.wait_nodes_ready()
     kube.wait_for(lambda: available(deployments(cluster, NAMESPACE)["vllm"]), 120, "vLLM Available")
     core, _, _ = _apis(cluster)
