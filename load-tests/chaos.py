@@ -52,7 +52,6 @@ class Scenario:
 
 SCENARIOS = {"chaos-basic": Scenario(turns=1000, users=50, rate=20.0)}
 SHORT = Scenario(turns=100, users=20, rate=10.0)
-SERVICES = ("state", "memory", "router", "dispatch", "judge", "ingress")
 WORDS = (
     "ferry timetable budget hotel museum hiking recipe garden invoice deadline violin marathon "
     "passport allergy bicycle concert mortgage puppy telescope vaccine wedding tax thesis roof"
@@ -168,9 +167,12 @@ async def send_turns(
 def fault_plan(sc: Scenario, duration_s: float, seed: int) -> list[Fault]:
     """One SIGKILL per service (a random replica), the broker stall and the Postgres restart, spread
     evenly over the middle of the run in a seeded order."""
+    from mars import topology
+
     rng = random.Random(seed)
     faults = [
-        Fault(0.0, "kill", f"{s}-{rng.randint(1, sc.replicas)}" if sc.replicas > 1 else s) for s in SERVICES
+        Fault(0.0, "kill", f"{s}-{rng.randint(1, sc.replicas)}" if sc.replicas > 1 else s)
+        for s in topology.NAMES
     ]
     faults += [Fault(0.0, "stall", "broker"), Fault(0.0, "restart", "postgres")]
     rng.shuffle(faults)
@@ -202,7 +204,7 @@ def run_faults(stack: Any, faults: list[Fault], sc: Scenario, t0: float, log: Ca
 
 def read_log(bootstrap: str, topics: tuple[str, ...]) -> dict[str, list[bytes]]:
     """Every record of the stage topics (base names), through the replay tool's reader."""
-    from mars.replay.cli import read_topics
+    from mars_tools.replay.readers import read_topics
 
     async def _read() -> dict[str, list[bytes]]:
         out: dict[str, list[bytes]] = {t: [] for t in topics}

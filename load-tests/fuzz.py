@@ -70,7 +70,7 @@ from mars.config import (  # noqa: E402
     TOPIC_STATE,
     TOPIC_VIEW,
 )
-from mars.consumer_groups import STAGE_GROUPS  # noqa: E402
+from mars.topology import STAGE_GROUPS  # noqa: E402
 from mars.v1 import events_pb2 as ev  # noqa: E402
 from mars.v1 import services_pb2 as svc  # noqa: E402
 from mars.v1 import services_pb2_grpc as svc_grpc  # noqa: E402
@@ -617,7 +617,7 @@ def _parse(cls: type[Message], raw: bytes | None) -> Message | None:
 
 
 async def total_lag(bootstrap: str) -> dict[str, int]:
-    from mars.deploy.lag import fetch_lag
+    from mars_tools.deploy.lag import fetch_lag
 
     lags = await fetch_lag({"bootstrap_servers": bootstrap})
     return {f"{lag.group}:{lag.topic}": int(lag.lag or 0) for lag in lags if lag.lag}

@@ -150,8 +150,8 @@ def check(
     import psycopg
     from mars.config import TOPIC_GENERATED, TOPIC_VIEW
     from mars.data_keys import is_sealed
-    from mars.replay.cli import read_topics
     from mars.v1 import events_pb2 as ev
+    from mars_tools.replay.readers import read_topics
 
     owner = owners(turns)
     for tenant, user, _, reply in replies:

@@ -17,11 +17,11 @@ import json
 import time
 from pathlib import Path
 
-from mars.probe.qtm import _pct
 from mars.qtm.guard import GuardedEstimator
 from mars.qtm.labelled import DEFAULT_LABELS, read_labelled
 from mars.qtm.learned import DEFAULT_MODEL, LearnedController, LearnedModel
 from mars.retrieval.embedder import LruEmbedder, load_embedder
+from mars_tools.probe.common import percentile
 from rich.console import Console
 from rich.progress import Progress
 
@@ -65,8 +65,8 @@ def main() -> int:
         times = asyncio.run(timed(est))
         result[name] = {
             "turns": len(times),
-            "p50_ms": _pct(times, 0.5),
-            "p99_ms": _pct(times, 0.99),
+            "p50_ms": percentile(times, 0.5),
+            "p99_ms": percentile(times, 0.99),
             "max_ms": max(times),
         }
     console.print(f"{len(turns)} labelled turns x {args.repeat}, embeddings cached")

@@ -26,7 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mars_stack import kafka
+from mars import topology
+
+import mars_stack.kafka as kafka
 
 if TYPE_CHECKING:
     import grpc
@@ -35,17 +37,6 @@ if TYPE_CHECKING:
 
     from mars_stack.certs import IdentityFiles
 
-SERVICES = ("state", "memory", "router", "dispatch", "judge", "ingress")
-#: The gRPC service each process serves; readiness asks for it by name, so a port taken by some other
-#: server (a race on free ports) is detected instead of trusted.
-GRPC_SERVICE = {
-    "state": "mars.v1.StateEstimator",
-    "memory": "mars.v1.Memory",
-    "router": "mars.v1.Router",
-    "dispatch": "mars.v1.Dispatch",
-    "judge": "mars.v1.Judge",
-    "ingress": "mars.v1.Ingress",
-}
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_POOL = REPO_ROOT / "config" / "models.local.yaml"
 PG_SYSTEM_USER = "mars-pg"  # Postgres refuses to run as root
@@ -106,7 +97,7 @@ class StackSettings:
     start_llm: bool = True
     start_broker: bool = True
     start_postgres: bool = True
-    services: tuple[str, ...] = SERVICES
+    services: tuple[str, ...] = topology.NAMES
     extra_env: dict[str, str] = field(default_factory=dict)
     #: Per-service extra environment (e.g. a test's deliberately failing model pool for dispatch).
     service_env: dict[str, dict[str, str]] = field(default_factory=dict)
@@ -217,7 +208,7 @@ class LocalStack:
             validate_topic_prefix(self.settings.topic_prefix)
             if self.settings.llm not in ("llama", "standin"):
                 raise ValueError(f"llm must be llama or standin, got {self.settings.llm!r}")
-            unknown = sorted(set(self.settings.replicas_of) - set(SERVICES))
+            unknown = sorted(set(self.settings.replicas_of) - set(topology.NAMES))
             if unknown:
                 raise ValueError(f"unknown service(s) in replicas: {', '.join(unknown)}")
             if self.settings.replicas < 1 or any(n < 1 for n in self.settings.replicas_of.values()):
@@ -412,17 +403,6 @@ class LocalStack:
                 self.events.append(ProcEvent(time.time(), name, "restarted", "on request"))
         finally:
             proc.held = False
-
-    def wait_ready(self, name: str, timeout_s: float = 120.0) -> None:
-        """Block until a (restarted) service replica answers its health check as SERVING."""
-        proc = self.proc(name)
-        if proc.service not in GRPC_SERVICE:
-            raise KeyError(f"{name} is not a MARS service")
-        wait_until(
-            functools.partial(grpc_serving, self.health_port(name), GRPC_SERVICE[proc.service]),
-            timeout_s,
-            name,
-        )
 
     def health_port(self, name: str) -> int:
         """Where a service process answers grpc.health.v1 in plaintext: its health-only port with TLS, else
@@ -796,7 +776,9 @@ class LocalStack:
         # Consumer-group joins take a while (seconds on Tansu): all start together, then we wait for all.
         for proc in procs:
             wait_until(
-                functools.partial(grpc_serving, self.health_port(proc.name), GRPC_SERVICE[proc.service]),
+                functools.partial(
+                    grpc_serving, self.health_port(proc.name), topology.service(proc.service).grpc_service
+                ),
                 120,
                 f"service {proc.name}",
                 proc.popen,

@@ -12,7 +12,7 @@ import logging
 import math
 import time
 from collections import OrderedDict, deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -38,7 +38,7 @@ from google.protobuf.message import Message
 from google.protobuf.unknown_fields import UnknownFieldSet
 from opentelemetry import trace
 
-from mars import metrics
+from mars import metrics, topology
 from mars.config import (
     ALL_TOPICS,
     SCHEMA_VERSION,
@@ -396,6 +396,18 @@ class _PartitionTrack:
         return self.next_fetch
 
 
+def check_group(service: str, group_id: str, subscriptions: Sequence[Subscription]) -> None:
+    """A stage group reads exactly the topics the topology gives it, in the service it names: a handler
+    added or dropped in one place and not the other fails at start, not as lag nobody scales on."""
+    group = topology.group(group_id)
+    handled = sorted(s.topic for s in subscriptions)
+    if group.service != service or handled != sorted(group.topics):
+        raise ValueError(
+            f"consumer group {group_id} of {service} handles {', '.join(handled)}; the topology gives it to "
+            f"{group.service} with {', '.join(sorted(group.topics))}"
+        )
+
+
 class StageConsumer:
     """A consumer group over one or more topics.
 
@@ -423,6 +435,8 @@ class StageConsumer:
         subscriptions: list[Subscription],
         broadcast: bool = False,
     ) -> None:
+        if not broadcast:
+            check_group(service, group_id, subscriptions)
         self._settings = settings
         self._producer = producer
         self._service = service

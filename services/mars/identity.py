@@ -39,6 +39,7 @@ from cryptography.hazmat.primitives.asymmetric import ec, padding, rsa
 from cryptography.x509.oid import NameOID
 
 from mars.tls import read_pem
+from mars.topology import INTERNAL_SERVICES, PERMISSIONS
 
 log = logging.getLogger(__name__)
 
@@ -50,28 +51,10 @@ TOKEN_LIFETIME_S = 300.0
 MAX_TOKEN_LIFETIME_S = 900.0
 CLOCK_SKEW_S = 30.0
 
-#: The stage services: every RPC on them needs an identity (health and reflection aside).
-INTERNAL_SERVICES = frozenset(
-    {"mars.v1.StateEstimator", "mars.v1.Memory", "mars.v1.Router", "mars.v1.Dispatch", "mars.v1.Judge"}
-)
 #: The identities that tools and people hold (the services themselves call no stage over gRPC: turns move
 #: over Kafka). operator: a person's diagnostics (`mars` against a stack, the tests); replay: `mars replay
 #: redrive` and the replay Job; chaos: the chaos harness; deploy: `mars deploy`.
 TOOL_IDENTITIES = ("operator", "replay", "chaos", "deploy")
-#: Who may call what, by full method name; a method missing here is refused to everyone.
-PERMISSIONS: Mapping[str, frozenset[str]] = {
-    "/mars.v1.StateEstimator/Estimate": frozenset({"operator", "replay"}),
-    "/mars.v1.Memory/BuildView": frozenset({"operator", "replay"}),
-    "/mars.v1.Memory/DescribeIndex": frozenset({"operator", "replay", "chaos"}),
-    "/mars.v1.Router/Route": frozenset({"operator", "replay"}),
-    "/mars.v1.Router/GetPolicy": frozenset({"operator", "replay", "deploy"}),
-    "/mars.v1.Router/ResetPolicy": frozenset({"operator"}),
-    "/mars.v1.Dispatch/Generate": frozenset({"operator", "replay"}),
-    "/mars.v1.Dispatch/ListModels": frozenset({"operator", "replay", "deploy"}),
-    "/mars.v1.Judge/Score": frozenset({"operator", "replay"}),
-}
-
-
 class IdentityError(ValueError):
     """A token that proves nothing: missing, malformed, forged, expired, or for another service."""
 

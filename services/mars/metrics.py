@@ -21,7 +21,7 @@ mars.circuit.state       observable gauge  1         arm (0 closed, 1 half-open,
 mars.dispatch.attempts   counter           {attempt} arm, outcome (DISPATCH_OUTCOMES)               dispatch
 =======================  ================  ========  =====================================================
 
-Labels: `group` is the consumer group's name without the run's topic prefix (`mars.consumer_groups`, and
+Labels: `group` is the consumer group's name without the run's topic prefix (`mars.topology`, and
 "ingress-replies" for each ingress replica's reply reader), `topic` the base topic name. Every label takes a
 bounded set of values, except `tenant`: one series per tenant (and status or component), so a deployment
 with very many tenants should aggregate it away in the collector (or drop the label there). Never a

@@ -1,38 +1,24 @@
 """Every service's schema in one place, for `mars migrate` (a Helm hook Job before the services start).
 
-The statements are the services' own (their `MIGRATIONS`, imported, never copied), applied the way each
-service applies them at start: `mars.db.migrate`, under the same advisory lock, so a migrate Job and
-services starting beside it do not race. Everything is idempotent (IF NOT EXISTS), so a rerun is a no-op.
+The statements are the services' own (the `MIGRATIONS` of each schema module `mars.topology` names,
+imported, never copied), applied the way each service applies them at start: `mars.db.migrate`, under the
+same advisory lock, so a migrate Job and services starting beside it do not race. Everything is idempotent
+(IF NOT EXISTS), so a rerun is a no-op.
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from psycopg import AsyncConnection
 
-from mars import db
-
-#: Service -> the module holding its MIGRATIONS (None: only the shared stage_emitted ledger), in the
-#: order the local stack starts them.
-MIGRATION_MODULES: dict[str, str | None] = {
-    "state": "mars_state.service",
-    "memory": "mars_memory.store",
-    "router": "mars_router.store",
-    "dispatch": None,
-    "judge": "mars_judge.service",
-    "ingress": "mars_ingress.service",
-}
+from mars import db, topology
 
 
 def service_migrations(service: str) -> Sequence[str]:
     """The DDL `service` applies at start (besides the shared ledger, which `db.migrate` adds)."""
-    module = MIGRATION_MODULES[service]
-    if module is None:
-        return ()
-    return tuple(importlib.import_module(module).MIGRATIONS)
+    return topology.service(service).migrations()
 
 
 #: What the schema holds: ("table", name), ("index", name), ("column", "table.column").
@@ -77,13 +63,13 @@ def new_objects(before: set[SchemaObject], after: set[SchemaObject]) -> tuple[Sc
 
 
 async def migrate_all(
-    dsn: str, services: Sequence[str] = tuple(MIGRATION_MODULES), wait_s: float = 30.0
+    dsn: str, services: Sequence[str] = topology.NAMES, wait_s: float = 30.0
 ) -> list[Migrated]:
     """Apply each service's schema (one transaction per service, under the migrations lock); what each
     added. Needs a live Postgres at `dsn` (waits up to `wait_s` for it to accept a connection)."""
-    unknown = [s for s in services if s not in MIGRATION_MODULES]
+    unknown = [s for s in services if s not in topology.NAMES]
     if unknown:
-        raise ValueError(f"unknown service(s) {', '.join(unknown)} (expected {', '.join(MIGRATION_MODULES)})")
+        raise ValueError(f"unknown service(s) {', '.join(unknown)} (expected {', '.join(topology.NAMES)})")
     pool = await db.open_pool(dsn, max_size=2, wait_s=wait_s)
     done: list[Migrated] = []
     try:

@@ -18,7 +18,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from psycopg_pool import AsyncConnectionPool
 
-from mars import data_keys, db, identity, tls
+from mars import data_keys, db, identity, tls, topology
 from mars.bus import EventProducer, PoisonEvent, StageConsumer, ensure_topics, id_problem, is_transient
 from mars.config import ServiceSettings
 from mars.kafka_options import kafka_client_options
@@ -247,7 +247,7 @@ def grpc_server(
         except identity.IdentityConfigError as exc:
             raise SystemExit(f"{name}: {exc}") from exc
     names = [b.full_name for b in bindings]
-    internal = [n for n in names if n in identity.INTERNAL_SERVICES]
+    internal = [n for n in names if n in topology.INTERNAL_SERVICES]
     if internal and not settings.identity_required:
         log.warning("%s: MARS_IDENTITY_REQUIRED=false: any caller that reaches the port may call it", name)
     elif internal and verifier is None:

@@ -8,9 +8,9 @@ import functools
 import time
 
 import grpc
-from mars import consumer_groups
+from mars import topology
 from mars.bus import EventProducer, PoisonEvent, StageConsumer, StageOutput, Subscription
-from mars.config import TOPIC_GENERATED, TOPIC_ROUTED, TOPIC_TOKENS, ServiceSettings
+from mars.config import TOPIC_GENERATED, TOPIC_ROUTED, TOPIC_TOKENS
 from mars.domain.circuit import CircuitBreaker
 from mars.domain.turn_options import MAX_TOKENS_LIMIT, InvalidOption, parse_turn_options
 from mars.pool import ModelPool, load_pool
@@ -22,26 +22,10 @@ from psycopg_pool import AsyncConnectionPool
 
 from mars_dispatch.clients import ModelClients
 from mars_dispatch.dispatcher import Dispatcher
+from mars_dispatch.settings import DispatchSettings
 
 STAGE = "dispatch"
 #: Largest max_tokens a turn may ask for (ingress's limit on the option too).
-
-
-class DispatchSettings(ServiceSettings):
-    model_pool: str = "config/models.local.yaml"
-    default_max_tokens: int = 96
-    #: Extra attempts on the same arm for a retryable error (connection trouble, 429, 5xx).
-    retries_per_arm: int = 1
-    #: Consecutive failed calls after which an arm's circuit opens (turns fall back at once). Only the
-    #: endpoint's own failures count: a call cut by the turn's deadline does not.
-    circuit_failure_threshold: int = 5
-    #: Seconds an open circuit waits before one trial call may close it again.
-    circuit_reset_s: float = 30.0
-    #: The MEMORY GUIDANCE state header (continuation or topic shift, query type, phase, scope, recency,
-    #: lens) in the generator prompt (Fig. 5). False leaves it out, memory blocks and clipping unchanged:
-    #: the paper's "No QTM state/header" ablation (mars_semctx_noactive, with MARS_VIEW_POLICY=semantic,
-    #: whose view has no active-thread state block either).
-    state_header: bool = True
 
 
 class DispatchStage:
@@ -159,7 +143,7 @@ async def build(ctx: ServiceContext) -> ServiceParts:
         settings,
         ctx.producer,
         "dispatch",
-        consumer_groups.DISPATCH.name,
+        topology.DISPATCH.name,
         [Subscription(TOPIC_ROUTED, ev.Routed, stage.on_routed)],
     )
     return ServiceParts(

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 
 import grpc
-from mars import auth, consumer_groups, forget, history, metrics
+from mars import auth, forget, history, metrics, topology
 from mars.auth import AuthError, KeyVerifier, PermissionDenied, Principal
 from mars.bus import EventProducer, StageConsumer, Subscription, is_transient
 from mars.config import (
@@ -27,7 +27,6 @@ from mars.config import (
     TOPIC_STATE,
     TOPIC_TOKENS,
     TOPIC_VIEW,
-    ServiceSettings,
 )
 from mars.data_keys import Forgotten
 from mars.db import pg_text
@@ -44,40 +43,12 @@ from mars.v1 import services_pb2_grpc as svc_grpc
 from opentelemetry import trace
 from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
-from pydantic import Field
+
+from mars_ingress.schema import MIGRATIONS
+from mars_ingress.settings import IngressSettings
 
 log = logging.getLogger(__name__)
 
-MIGRATIONS = [
-    """
-    CREATE TABLE IF NOT EXISTS ingress_user_seq (
-        tenant TEXT NOT NULL, user_id TEXT NOT NULL, last_seq BIGINT NOT NULL,
-        PRIMARY KEY (tenant, user_id)
-    )
-    """,
-    # Every accepted turn is recorded with its outcome, so no turn is ever silently dropped.
-    """
-    CREATE TABLE IF NOT EXISTS ingress_turns (
-        turn_id TEXT PRIMARY KEY, tenant TEXT NOT NULL, user_id TEXT NOT NULL, session_id TEXT NOT NULL,
-        seq BIGINT NOT NULL, status TEXT NOT NULL, error TEXT,
-        created_at TIMESTAMPTZ NOT NULL DEFAULT now(), finished_at TIMESTAMPTZ
-    )
-    """,
-    # When the caller stops waiting: a turn still PENDING past it lost its waiting replica (the reaper).
-    "ALTER TABLE ingress_turns ADD COLUMN IF NOT EXISTS deadline_at TIMESTAMPTZ",
-    "CREATE INDEX IF NOT EXISTS ingress_turns_pending ON ingress_turns (deadline_at) WHERE status = 'PENDING'",
-    # The turn's received event (an outbox): a turn whose replica died before publishing it is sent again.
-    "ALTER TABLE ingress_turns ADD COLUMN IF NOT EXISTS received BYTEA",
-    "ALTER TABLE ingress_turns ADD COLUMN IF NOT EXISTS republished_at TIMESTAMPTZ",
-    # A tenant's turns of today, for the daily spend limit (mars.quota.SPENT_TODAY_SQL).
-    "CREATE INDEX IF NOT EXISTS ingress_turns_tenant_day ON ingress_turns (tenant, created_at)",
-    # A user turn's content digest in its session (mars.history.text_digest): a turn's earlier messages
-    # (TurnRequest.history) that MARS holds already are found by it and not stored again.
-    "ALTER TABLE ingress_turns ADD COLUMN IF NOT EXISTS text_digest TEXT",
-    "CREATE INDEX IF NOT EXISTS ingress_turns_text_digest ON ingress_turns (tenant, user_id, text_digest)",
-    # The API keys (mars.auth): applied with the ingress's schema, by the service and by `mars migrate`.
-    *auth.MIGRATIONS,
-]
 
 #: Tries at recording a turn when the database connection breaks (e.g. Postgres restarting).
 ACCEPT_ATTEMPTS = 4
@@ -97,42 +68,6 @@ STAGE_OF_TOPIC = {
     TOPIC_VIEW: "router",
     TOPIC_ROUTED: "dispatch",
 }
-
-
-class IngressSettings(ServiceSettings):
-    max_text_chars: int = 8000
-    #: How long a call waits for its answer before DEADLINE_EXCEEDED (the turn stays recorded).
-    turn_timeout_s: float = 180.0
-    #: Seconds past its deadline after which a turn still PENDING (its waiting replica died before the
-    #: answer came) is marked TIMEOUT by whichever replica sweeps first.
-    orphan_grace_s: float = 5.0
-    orphan_sweep_every_s: float = 2.0
-    #: A PENDING turn that no state replica has taken after this long is published again from the outbox
-    #: (its replica may have died before publishing it); duplicates are harmless (effects by turn_id).
-    republish_after_s: float = 10.0
-    #: Every call must carry a tenant API key (`authorization: Bearer <key>`, see mars.auth); false lets
-    #: anyone act as any tenant named in the request (a closed test network only).
-    auth_required: bool = True
-    #: How long a verified (or refused) key is remembered per process: a revoked key keeps working for at
-    #: most this long; 0 looks every call up in Postgres.
-    auth_cache_ttl_s: float = Field(default=5.0, ge=0)
-    #: Per-tenant rate limits (mars.quota), 0 = unlimited: turns per second with a burst (0: max(1, rate)),
-    #: text tokens per minute (the request text, by the packing estimator), and USD per UTC day (the judged
-    #: generator + controller + judge cost of the tenant's turns).
-    quota_turns_per_s: float = Field(default=0.0, ge=0)
-    quota_turn_burst: float = Field(default=0.0, ge=0)
-    quota_tokens_per_min: float = Field(default=0.0, ge=0)
-    quota_usd_per_day: float = Field(default=0.0, ge=0)
-    #: Per-tenant overrides of the four limits above, as JSON: {"acme": {"turns_per_s": 5, "usd_per_day": 20}}
-    #: (an overridden tenant gets exactly what is given; fields left out are unlimited).
-    quota_tenants: dict[str, TenantLimits] = Field(default_factory=dict)
-    #: Ingress replicas sharing the limits: buckets are per process, so each enforces 1/N of each rate.
-    quota_replicas: int = Field(default=1, ge=1)
-    #: How long a tenant's spend today is cached before Postgres is asked again.
-    quota_spend_cache_s: float = Field(default=5.0, ge=0)
-    #: ImportHistory with wait: the longest it waits for the memory service to store the pairs when the
-    #: call itself has no deadline.
-    import_wait_s: float = Field(default=600.0, gt=0)
 
 
 class InvalidTurn(ValueError):
@@ -983,7 +918,7 @@ async def build(ctx: ServiceContext) -> ServiceParts:
         settings,
         ctx.producer,
         "ingress",
-        consumer_groups.INGRESS_OUTCOMES.name,
+        topology.INGRESS_OUTCOMES.name,
         [
             Subscription(TOPIC_GENERATED, ev.Generated, servicer.record_generated),
             Subscription(

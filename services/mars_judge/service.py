@@ -6,83 +6,26 @@ from __future__ import annotations
 import logging
 import math
 import os
-from typing import Literal
 
 import grpc
-from mars import consumer_groups, metrics
+from mars import metrics, topology
 from mars.bus import EventProducer, PoisonEvent, StageConsumer, StageOutput, Subscription
-from mars.config import TOPIC_FEEDBACK, TOPIC_GENERATED, TOPIC_JUDGED, ServiceSettings
+from mars.config import TOPIC_FEEDBACK, TOPIC_GENERATED, TOPIC_JUDGED
 from mars.db import pg_text
-from mars.domain.feedback import FeedbackMode, feedback_utility
+from mars.domain.feedback import feedback_utility
 from mars.llm_json import Dialect, JsonChatClient, TokenPrices, endpoint_url
 from mars.rubric.judge import RubricJudge
 from mars.runtime import GrpcBinding, InvalidRequest, ServiceContext, ServiceParts, rpc_errors, run
 from mars.v1 import events_pb2 as ev
 from mars.v1 import services_pb2_grpc as svc_grpc
 from psycopg_pool import AsyncConnectionPool
-from pydantic import Field
+
+from mars_judge.schema import MIGRATIONS
+from mars_judge.settings import JudgeSettings
 
 log = logging.getLogger(__name__)
 
 STAGE = "judge"
-
-MIGRATIONS = [
-    """
-    CREATE TABLE IF NOT EXISTS judge_feedback (
-        turn_id TEXT PRIMARY KEY, tenant TEXT NOT NULL, user_id TEXT NOT NULL,
-        rating DOUBLE PRECISION NOT NULL, comment TEXT NOT NULL, received_at TIMESTAMPTZ NOT NULL DEFAULT now()
-    )
-    """,
-    # What each rewarded turn was rewarded with, so late feedback can move it by the difference once.
-    """
-    CREATE TABLE IF NOT EXISTS judge_rewards (
-        turn_id TEXT PRIMARY KEY, tenant TEXT NOT NULL, user_id TEXT NOT NULL, arm TEXT NOT NULL,
-        policy_id TEXT NOT NULL, judge_utility DOUBLE PRECISION NOT NULL, cost_usd DOUBLE PRECISION NOT NULL,
-        lambda_cost DOUBLE PRECISION NOT NULL, applied_reward DOUBLE PRECISION NOT NULL,
-        corrections INT NOT NULL DEFAULT 0
-    )
-    """,
-    # Per-turn costs kept apart; totals per tenant and user are SUMs over this table (and OTel metrics).
-    "ALTER TABLE judge_rewards ADD COLUMN IF NOT EXISTS controller_cost_usd DOUBLE PRECISION NOT NULL DEFAULT 0",
-    "ALTER TABLE judge_rewards ADD COLUMN IF NOT EXISTS judge_cost_usd DOUBLE PRECISION NOT NULL DEFAULT 0",
-]
-
-
-class JudgeSettings(ServiceSettings):
-    #: Cost weight lambda of Eq. 17 (paper Table 8: 0.002 main RealMem run, 0.5 ablations).
-    lambda_cost: float = 0.002
-    #: Per-tenant lambda, e.g. MARS_LAMBDA_TENANTS='{"budget-co": 0.5}' (a tenant's cost sensitivity).
-    lambda_tenants: dict[str, float] = Field(default_factory=dict)
-    #: deterministic (default: lexical signals only), openai (any OpenAI-compatible judge endpoint), or
-    #: llamacpp (the local stack's server); the LLM judges fall back to deterministic when they fail.
-    judge_backend: Literal["deterministic", "openai", "llamacpp"] = "deterministic"
-    judge_url: str = ""
-    judge_model: str = "judge"
-    #: Name of the environment variable holding the judge endpoint's API key.
-    judge_api_key_env: str = "MARS_JUDGE_API_KEY"
-    judge_prompt: str = "judge-v1"
-    #: Eq. 17 profile (B.5): realmem, or multichallenge (its penalties, and M averaging in revision
-    #: application with coverage as 1).
-    judge_profile: str = "realmem"
-    judge_deadline_ms: int = 10_000
-    judge_max_tokens: int = 200
-    #: Judge prices per million tokens (B.6: GPT-4o-mini).
-    judge_price_input_per_m: float = 0.15
-    judge_price_output_per_m: float = 0.60
-    #: Set by the local stack launcher: its llama.cpp server.
-    local_llm_url: str = ""
-    #: What user feedback does to the reward (appendix G.1): log (default), replace, or blend.
-    feedback_mode: FeedbackMode = "log"
-    #: Per-tenant override, e.g. MARS_FEEDBACK_TENANT_MODES='{"acme": "replace"}'.
-    feedback_tenant_modes: dict[str, FeedbackMode] = Field(default_factory=dict)
-    #: Weight of the user's rating in blend mode: u = (1 - w) * u_judge + w * rating.
-    feedback_blend_weight: float = 0.5
-
-    def feedback_mode_for(self, tenant: str) -> str:
-        return self.feedback_tenant_modes.get(tenant, self.feedback_mode)
-
-    def lambda_for(self, tenant: str) -> float:
-        return self.lambda_tenants.get(tenant, self.lambda_cost)
 
 
 def make_judge(settings: JudgeSettings) -> RubricJudge:
@@ -278,7 +221,7 @@ async def build(ctx: ServiceContext) -> ServiceParts:
         settings,
         ctx.producer,
         "judge",
-        consumer_groups.JUDGE.name,
+        topology.JUDGE.name,
         [
             Subscription(TOPIC_GENERATED, ev.Generated, stage.on_generated),
             Subscription(TOPIC_FEEDBACK, ev.Feedback, stage.on_feedback),

@@ -9,12 +9,11 @@ judged events, but never changes A or b, so the policy version does not move eit
 from __future__ import annotations
 
 import logging
-from typing import Literal
 
 import grpc
-from mars import consumer_groups
+from mars import topology
 from mars.bus import EventProducer, StageConsumer, StageOutput, Subscription
-from mars.config import TOPIC_JUDGED, TOPIC_ROUTED, TOPIC_VIEW, ServiceSettings
+from mars.config import TOPIC_JUDGED, TOPIC_ROUTED, TOPIC_VIEW
 from mars.domain.bandits import draw_key
 from mars.pool import ModelPool, load_pool
 from mars.runtime import GrpcBinding, InvalidRequest, ServiceContext, ServiceParts, check_ids, rpc_errors, run
@@ -24,50 +23,13 @@ from mars.v1 import services_pb2 as svc
 from mars.v1 import services_pb2_grpc as svc_grpc
 from psycopg_pool import AsyncConnectionPool
 
-from mars_router.store import MIGRATIONS, PolicyCorrupt, PolicyStore, policy_id_for
+from mars_router.schema import MIGRATIONS
+from mars_router.settings import RouterSettings
+from mars_router.store import PolicyCorrupt, PolicyStore, policy_id_for
 
 log = logging.getLogger(__name__)
 
 STAGE = "router"
-
-
-class RouterSettings(ServiceSettings):
-    model_pool: str = "config/models.local.yaml"
-    alpha: float = 0.8
-    ridge: float = 1.0
-    #: The paper keeps one policy per user; tenant or global share learning across users.
-    policy_scope: Literal["user", "tenant", "global"] = "user"
-    #: A new user policy copies its tenant policy's matrices ("tenant:<tenant>") when one exists.
-    warm_start_from_tenant: bool = False
-    #: linucb (the paper's), thompson, eps-greedy, random, fixed:<arm>, query-linucb (LinUCB over the query
-    #: embedding without session state: the no-QTM / MetaLLM-style baseline), or cascade (cheapest arm
-    #: first, escalating by price while the answer's mean token log-probability is below cascade_min_logprob).
-    routing_policy: str = "linucb"
-    cascade_min_logprob: float = -1.0
-    epsilon: float = 0.1
-    thompson_v: float = 0.3
-    #: Seed of the stochastic policies (thompson, eps-greedy, random). Set, each turn draws from its own
-    #: generator seeded by (seed, user_id, seq), so a re-drive of the same log with the same configuration
-    #: and seed makes the same decisions whatever the process, restart or interleaving of users. Unset
-    #: (default): draws come from OS entropy. Keyed on (user_id, seq), not turn_id, because ingress mints
-    #: a fresh turn_id for every re-driven turn while a user's seq repeats (also under --tenant-suffix).
-    routing_seed: int | None = None
-    #: Session affinity: UCB points an arm other than the session's previous one loses (0 = off).
-    switch_penalty: float = 0.0
-    #: Arm used when a policy's matrices fail the sanity check (default: the pool's first arm).
-    default_arm: str | None = None
-    #: Rewards outside this range are rejected (utility is in [0, 1]; cost only lowers it).
-    min_reward: float = -1000.0
-    max_reward: float = 1.0
-    #: Attempts at an optimistic policy update before the reward is handed back for redelivery.
-    update_attempts: int = 50
-    #: Online updates (Eq. 11). False freezes every policy as it is (the paper's "No online update"
-    #: diagnostic): routing uses the current matrices, judged rewards and corrections are checked and
-    #: recorded in the ledger with applied = false, and A, b and the version stay unchanged. Recording
-    #: them means turning updates back on starts learning from the next judged turn: a redelivered or
-    #: replayed reward from the frozen period is a ledger duplicate, never applied late to a policy that
-    #: did not choose by it, and the reward stays visible to whoever reads the ledger.
-    policy_updates: bool = True
 
 
 class RouterStage:
@@ -210,14 +172,14 @@ async def build(ctx: ServiceContext) -> ServiceParts:
         settings,
         ctx.producer,
         "router",
-        consumer_groups.ROUTER.name,
+        topology.ROUTER.name,
         [Subscription(TOPIC_VIEW, ev.ViewBuilt, stage.on_view)],
     )
     updates = StageConsumer(
         settings,
         ctx.producer,
         "router",
-        consumer_groups.ROUTER_UPDATES.name,
+        topology.ROUTER_UPDATES.name,
         [Subscription(TOPIC_JUDGED, ev.Judged, stage.on_judged)],
     )
     return ServiceParts(

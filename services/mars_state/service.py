@@ -10,9 +10,9 @@ import os
 import time
 
 import grpc
-from mars import consumer_groups
+from mars import topology
 from mars.bus import EventProducer, StageConsumer, StageOutput, Subscription, control_reader
-from mars.config import STATE_STAGE, TOPIC_RECEIVED, TOPIC_STATE, ServiceSettings
+from mars.config import STATE_STAGE, TOPIC_RECEIVED, TOPIC_STATE
 from mars.db import pg_text
 from mars.history import UPSERT_STATE_CONTEXT_SQL
 from mars.llm_json import TokenPrices, endpoint_url
@@ -25,57 +25,12 @@ from mars.v1 import services_pb2 as svc
 from mars.v1 import services_pb2_grpc as svc_grpc
 from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
-from pydantic import Field
+
+from mars_state.schema import MIGRATIONS
+from mars_state.settings import StateSettings
 
 STAGE = STATE_STAGE
 log = logging.getLogger(__name__)
-
-MIGRATIONS = [
-    # The active context the controller reads: the user turns of the active thread, newest last.
-    """
-    CREATE TABLE IF NOT EXISTS state_context (
-        tenant TEXT NOT NULL, user_id TEXT NOT NULL,
-        recent_texts JSONB NOT NULL, thread_depth INT NOT NULL, last_seq BIGINT NOT NULL,
-        PRIMARY KEY (tenant, user_id)
-    )
-    """,
-    # The session of the last turn: the next turn in another session opens it (mars.qtm.guard).
-    "ALTER TABLE state_context ADD COLUMN IF NOT EXISTS session_id TEXT",
-]
-
-
-class StateSettings(ServiceSettings):
-    #: User turns of the active thread shown to the controller as PREVIOUS ACTIVE CONTEXT.
-    context_turns: int = 6
-    #: QTM backend: learned (the packaged CPU model over MiniLM features, default), rules (deterministic
-    #: cues), openai (any OpenAI-compatible server, e.g. vLLM with Qwen2.5-7B-Instruct), llamacpp (the local
-    #: stack's server), vllm (in-process engine on a GPU node).
-    qtm_backend: str = "learned"
-    #: Endpoint base URL including /v1; for llamacpp it defaults to the local stack's server.
-    qtm_url: str = ""
-    #: Model name (openai / llamacpp) or model path (vllm).
-    qtm_model: str = ""
-    #: Name of the environment variable holding the endpoint's API key (never the key itself).
-    qtm_api_key_env: str = "MARS_QTM_API_KEY"
-    #: Prompt template version (mars/qtm/prompts) or path to a template file.
-    qtm_prompt: str = "qtm-v1"
-    #: After this the rules backend answers the turn (the controller call is abandoned).
-    qtm_deadline_ms: int = 1500
-    qtm_max_tokens: int = 200
-    #: In-process vllm backend: calls in flight (running or queued on its one engine thread); beyond it a
-    #: turn falls back to the rules at once instead of queueing behind a busy engine.
-    qtm_max_in_flight: int = Field(default=4, ge=1)
-    #: Controller prices per million tokens (Table 10: Qwen2.5-7B-Instruct).
-    qtm_price_input_per_m: float = 0.04
-    qtm_price_output_per_m: float = 0.10
-    #: Set by the local stack launcher: its llama.cpp server.
-    local_llm_url: str = ""
-    #: learned backend: the model file (`mars train qtm` writes one); "" = the one shipped in the package.
-    #: A missing or corrupt file leaves the rules answering, with health entry
-    #: mars.v1.StateEstimator.learned_model NOT_SERVING.
-    qtm_learned_model: str = ""
-    #: learned backend: folder of the embedder's ONNX exports (the memory service's setting of that name).
-    embedding_cache_dir: str | None = None
 
 
 def make_estimator(settings: StateSettings) -> GuardedEstimator:
@@ -183,7 +138,7 @@ async def build(ctx: ServiceContext) -> ServiceParts:
         settings,
         ctx.producer,
         "state",
-        consumer_groups.STATE.name,
+        topology.STATE.name,
         [Subscription(TOPIC_RECEIVED, ev.TurnReceived, stage.on_received)],
     )
     return ServiceParts(

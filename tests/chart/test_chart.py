@@ -19,11 +19,12 @@ import kubernetes_validate
 import pytest
 import yaml
 from crd_schemas import CRD_SCHEMAS
-from mars import cli, consumer_groups
+from mars import topology
 from mars.config import ServiceSettings
 from mars.identity import TOOL_IDENTITIES
 from mars.pool import load_pool
 from mars_stack import helm
+from mars_tools import cli
 
 SERVICES = ("ingress", "state", "memory", "router", "dispatch", "judge")
 STAGES = ("state", "memory", "router", "dispatch", "judge")
@@ -408,7 +409,7 @@ def test_keda_scales_each_stage_on_its_consumer_groups() -> None:
         triggers = {(t["metadata"]["consumerGroup"], t["metadata"]["topic"]) for t in spec["triggers"]}
         expected = {
             (f"p1.{g.name}", f"p1.{topic}")
-            for g in consumer_groups.STAGE_GROUPS
+            for g in topology.STAGE_GROUPS
             if g.service == service
             for topic in g.topics
         }
@@ -599,7 +600,7 @@ def test_replay_job_fits_the_release_it_runs_beside() -> None:
     the NetworkPolicies let reach the stage services."""
     from datetime import UTC, datetime
 
-    from mars.deploy.replay_job import ReplayJob, replay_job_manifest
+    from mars_tools.deploy.replay_job import ReplayJob, replay_job_manifest
 
     for release, values in (("mars", PROFILES["networkpolicy"]), ("prod", PROFILES["hpa-no-vllm"])):
         objects = helm.render(values, release=release)

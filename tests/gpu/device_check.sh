@@ -31,5 +31,5 @@ fi
 python3 -c "import faiss; print('faiss', faiss.__version__, 'GPUs', faiss.get_num_gpus())" || exit 2
 python3 -m pytest -q -p no:cacheprovider -c /dev/null --rootdir tests/gpu tests/gpu 2>&1 | tail -5
 for dev in cpu gpu; do
-  python3 -m mars.bench.memory_load --device "$dev" --no-ingest --searches 20000 --writes 5000
+  python3 -m mars_tools.bench.memory_load --device "$dev" --no-ingest --searches 20000 --writes 5000
 done

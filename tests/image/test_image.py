@@ -27,19 +27,19 @@ import httpx
 import pytest
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from mars import tls
+from mars import tls, topology
 from mars.client import ingress_channel
 from mars.config import TOPIC_RECEIVED
 from mars.identity import CallerIdentity, with_identity
-from mars.replay.cli import read_topics
-from mars.replay.traces import RawRecord
 from mars.tls import ClientTls
 from mars.v1 import events_pb2 as ev
 from mars.v1 import services_pb2 as svc
 from mars.v1 import services_pb2_grpc as svc_grpc
 from mars_stack import LocalStack, StackSettings, helm
 from mars_stack.certs import LocalCerts, make_local_ca
-from mars_stack.stack import GRPC_SERVICE, SERVICES, free_port
+from mars_stack.stack import free_port
+from mars_tools.replay.readers import read_topics
+from mars_tools.replay.traces import RawRecord
 
 REPO = Path(__file__).resolve().parents[2]
 BUILD = REPO / "infra" / "image" / "build.sh"
@@ -166,7 +166,7 @@ def mounted_secret(data: dict[str, str], folder: Path) -> Path:
 def master_key_secret(objects: list[dict[str, Any]], folder: Path) -> Path:
     """The master-key Secret as the chart's Job makes it (`mars keys ensure-secret`: the chart renders no key),
     mounted."""
-    from mars.deploy.master_key_secret import secret_manifest
+    from mars_tools.deploy.master_key_secret import secret_manifest
 
     (job,) = [j for j in helm.find(objects, "Job") if j["metadata"]["name"] == "mars-master-key"]
     args = job["spec"]["template"]["spec"]["containers"][0]["args"]
@@ -272,13 +272,13 @@ def test_six_services_and_the_gateway_serve_and_answer_turns(
         helm.find(objects, "ConfigMap", "mars-model-pool")[0]["data"]["models.yaml"]
     )
     run_id = uuid.uuid4().hex[:8]
-    ports = {service: free_port() for service in SERVICES}
-    metrics_ports = {service: free_port() for service in SERVICES}
-    health_ports = {service: free_port() for service in SERVICES}
-    names = {service: f"mars-test-{service}-{run_id}" for service in SERVICES}
+    ports = {service: free_port() for service in topology.NAMES}
+    metrics_ports = {service: free_port() for service in topology.NAMES}
+    health_ports = {service: free_port() for service in topology.NAMES}
+    names = {service: f"mars-test-{service}-{run_id}" for service in topology.NAMES}
     started: list[str] = []
     try:
-        for service in SERVICES:
+        for service in topology.NAMES:
             env = service_env(objects, service, ports[service], metrics_ports[service], health_ports[service])
             env_args = [f"--env={k}={v}" for k, v in sorted(env.items())]
             podman(
@@ -291,7 +291,7 @@ def test_six_services_and_the_gateway_serve_and_answer_turns(
             started.append(names[service])
 
         deadline = time.monotonic() + 240
-        waiting = set(SERVICES)
+        waiting = set(topology.NAMES)
         while waiting and time.monotonic() < deadline:
             for service in sorted(waiting):
                 state = podman("inspect", "--format", "{{.State.Status}}", names[service]).stdout.strip()
@@ -299,7 +299,7 @@ def test_six_services_and_the_gateway_serve_and_answer_turns(
                     logs = podman("logs", names[service], check=False)
                     pytest.fail(f"{service} container is {state}:\n{(logs.stdout + logs.stderr)[-4000:]}")
                 if (
-                    health(health_ports[service], GRPC_SERVICE[service])
+                    health(health_ports[service], topology.service(service).grpc_service)
                     == health_pb2.HealthCheckResponse.SERVING
                 ):
                     waiting.discard(service)
@@ -313,7 +313,7 @@ def test_six_services_and_the_gateway_serve_and_answer_turns(
         # The overall status too ("" = the server), and the memory service's dense retrieval: the embedder
         # loaded from the ONNX export baked into the image (its failure would leave lexical-only views).
         serving = health_pb2.HealthCheckResponse.SERVING
-        for service in SERVICES:
+        for service in topology.NAMES:
             assert health(health_ports[service], "") == serving, service
             # The gRPC port itself: mutual TLS only (no plaintext, no caller without a certificate).
             assert main_port_health(ports[service], client) == serving, service
@@ -331,7 +331,7 @@ def test_six_services_and_the_gateway_serve_and_answer_turns(
                 svc_grpc.RouterStub(channel).GetPolicy(policy, timeout=30)
             assert anonymous.value.code() == grpc.StatusCode.UNAUTHENTICATED
         # Each service's Prometheus endpoint, where the chart's ServiceMonitor scrapes it.
-        for service in SERVICES:
+        for service in topology.NAMES:
             scrape = httpx.get(f"http://127.0.0.1:{metrics_ports[service]}/metrics", timeout=10)
             assert scrape.status_code == 200 and "# TYPE" in scrape.text, service
 
@@ -423,7 +423,7 @@ def test_six_services_and_the_gateway_serve_and_answer_turns(
         assert all(ev.TurnReceived.FromString(r.value).turn.data_key_id for r in received)
 
         # Nothing died along the way (a write outside /tmp on the read-only root would have crashed it).
-        for service in SERVICES:
+        for service in topology.NAMES:
             state = podman("inspect", "--format", "{{.State.Status}}", names[service]).stdout.strip()
             assert state == "running", f"{service} is {state}"
         assert podman("inspect", "--format", "{{.State.Status}}", gateway_name).stdout.strip() == "running"

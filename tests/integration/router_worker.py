@@ -5,8 +5,9 @@ import json
 import sys
 
 from mars import db
-from mars_router.service import RouterSettings
-from mars_router.store import MIGRATIONS, PolicyStore
+from mars_router.schema import MIGRATIONS
+from mars_router.settings import RouterSettings
+from mars_router.store import PolicyStore
 
 
 async def main(dsn: str, jobs: list[list[object]], arms: list[str]) -> None:

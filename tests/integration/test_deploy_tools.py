@@ -16,10 +16,10 @@ import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from conftest import require_kafka
 from mars.config import TOPIC_RECEIVED, ServiceSettings, Topics
-from mars.consumer_groups import STATE
-from mars.deploy.lag import fetch_lag
 from mars.kafka_options import kafka_client_options
+from mars.topology import STATE
 from mars_stack import LocalStack, StackSettings
+from mars_tools.deploy.lag import fetch_lag
 
 pytestmark = pytest.mark.integration
 

@@ -36,12 +36,12 @@ from mars.bus import TOPIC_EVENTS
 from mars.client import ingress_channel
 from mars.config import ALL_TOPICS, TOPIC_GENERATED, TOPIC_VIEW
 from mars.identity import with_identity
-from mars.replay.cli import read_topics
-from mars.replay.traces import RawRecord, TraceBuilder, summarize
 from mars.v1 import events_pb2 as ev
 from mars.v1 import services_pb2 as svc
 from mars.v1 import services_pb2_grpc as svc_grpc
 from mars_stack import LocalStack, StackSettings
+from mars_tools.replay.readers import read_topics
+from mars_tools.replay.traces import RawRecord, TraceBuilder, summarize
 
 pytestmark = pytest.mark.integration
 

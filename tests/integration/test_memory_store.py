@@ -10,8 +10,9 @@ from conftest import session_state
 from mars import db
 from mars.retrieval.embedder import SentenceTransformerEmbedder
 from mars.v1 import events_pb2 as ev
-from mars_memory.service import MemorySettings
-from mars_memory.store import MIGRATIONS, MemoryStore
+from mars_memory.schema import MIGRATIONS
+from mars_memory.settings import MemorySettings
+from mars_memory.store import MemoryStore
 
 pytestmark = pytest.mark.integration
 

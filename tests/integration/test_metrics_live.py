@@ -15,10 +15,10 @@ from typing import Any
 import httpx
 import pytest
 from conftest import REPO, ingress_stub, start_stack, wait_for
-from mars.consumer_groups import STAGE_GROUPS
+from mars import topology
+from mars.topology import STAGE_GROUPS
 from mars.v1 import services_pb2 as svc
 from mars_stack import LocalStack
-from mars_stack.stack import SERVICES
 from prometheus_client.parser import text_string_to_metric_families
 
 pytestmark = pytest.mark.integration
@@ -45,7 +45,7 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def metrics_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalStack, dict[str, int]]]:
-    ports = {service: _free_port() for service in SERVICES}
+    ports = {service: _free_port() for service in topology.NAMES}
     s = start_stack(
         tmp_path_factory.mktemp("metrics"),
         str(REPO / "config" / "models.standin.yaml"),

@@ -525,7 +525,7 @@ def test_confidence_cascade_escalates_on_low_logprob(stack: LocalStack) -> None:
     from mars.pool import ModelPool, ModelSpec
     from mars_dispatch.clients import ModelClients
     from mars_dispatch.dispatcher import Dispatcher
-    from mars_dispatch.service import DispatchSettings
+    from mars_dispatch.settings import DispatchSettings
 
     url = stack.env["MARS_LOCAL_LLM_URL"] + "/v1"
     common = {
@@ -570,7 +570,7 @@ def test_turn_deadline_bounds_model_calls(stack: LocalStack) -> None:
     from mars.pool import ModelPool, ModelSpec
     from mars_dispatch.clients import ModelClients
     from mars_dispatch.dispatcher import Dispatcher
-    from mars_dispatch.service import DispatchSettings
+    from mars_dispatch.settings import DispatchSettings
 
     spec = ModelSpec(
         name="local",
@@ -605,7 +605,7 @@ def test_turn_deadline_bounds_model_calls(stack: LocalStack) -> None:
 def test_demo_states_read_as_a_reader_would(stack: LocalStack) -> None:
     """The demo (`mars run`) through the default controller, the learned one: the revision continues the
     itinerary, the unrelated question starts a new topic, the return to Kyoto searches all of memory."""
-    from mars.demo import DEMO, play
+    from mars_tools.demo import DEMO, play
 
     rows = play(stack.addr("ingress"), tenant="e2e-demo", max_tokens=8, api_key=api_key(stack, "e2e-demo"))
     assert [r.error for r in rows] == [None] * len(DEMO)

@@ -15,8 +15,9 @@ from mars import db
 from mars.bus import PoisonEvent
 from mars.domain.features import FEATURE_DIM
 from mars.domain.linucb import ArmModel
-from mars_router.service import RouterSettings
-from mars_router.store import MIGRATIONS, PolicyStore
+from mars_router.schema import MIGRATIONS
+from mars_router.settings import RouterSettings
+from mars_router.store import PolicyStore
 from mars_stack import LocalStack, StackSettings
 
 pytestmark = pytest.mark.integration

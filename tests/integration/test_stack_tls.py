@@ -15,12 +15,12 @@ import grpc
 import pytest
 from conftest import REPO, STACK_ENV, api_key
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from mars import tls
+from mars import tls, topology
 from mars.client import ingress_channel
 from mars.v1 import services_pb2 as svc
 from mars.v1 import services_pb2_grpc as svc_grpc
 from mars_stack import LocalStack, StackSettings
-from mars_stack.stack import CALLER_TLS_VARS, GRPC_SERVICE
+from mars_stack.stack import CALLER_TLS_VARS
 
 pytestmark = pytest.mark.integration
 
@@ -62,13 +62,13 @@ def test_every_service_serves_mutual_tls_only(tls_stack: LocalStack) -> None:
     assert Path(env["MARS_TLS_CA_FILE"]).parent == Path(tls_stack.workdir) / "tls"
     for name, service in tls_stack.service_procs():
         target = f"127.0.0.1:{tls_stack.ports[name]}"
-        assert _health(target, caller, GRPC_SERVICE[service]) == SERVING, name
+        assert _health(target, caller, topology.service(service).grpc_service) == SERVING, name
         assert _health(target, tls.ClientTls()) != SERVING, f"{name} answers plaintext"
         assert _health(target, tls.ClientTls(ca_file=env["MARS_TLS_CA_FILE"])) != SERVING, f"{name}: no cert"
         # Health alone, in plaintext, on the process's own port (for probes and the launcher).
         health_only = f"127.0.0.1:{tls_stack.health_port(name)}"
         assert tls_stack.health_port(name) != tls_stack.ports[name]
-        assert _health(health_only, tls.ClientTls(), GRPC_SERVICE[service]) == SERVING, name
+        assert _health(health_only, tls.ClientTls(), topology.service(service).grpc_service) == SERVING, name
     # stack.env tells callers where the CA and their certificate are.
     lines = (Path(tls_stack.workdir) / "stack.env").read_text().splitlines()
     assert all(any(line.startswith(f"{var}=") for line in lines) for var in CALLER_TLS_VARS)

@@ -9,9 +9,9 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from mars.cli import build_parser
-from mars.deploy.master_key_secret import ApiServer, SecretError, ensure_secret
 from mars_stack.kube import LocalCluster
+from mars_tools.cli import build_parser
+from mars_tools.deploy.master_key_secret import ApiServer, SecretError, ensure_secret
 
 COMPONENT = "master-key"
 

@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 from conftest import BASE
-from mars.deploy.master_key_secret import secret_manifest
 from mars_stack import helm, kube, kubelet
+from mars_tools.deploy.master_key_secret import secret_manifest
 from test_chart_on_cluster import pod_from_template, restricted_namespace
 
 pytestmark = pytest.mark.k8s

@@ -3,30 +3,34 @@ settings errors as one clear line."""
 
 from __future__ import annotations
 
+import mars_ingress.schema
 import mars_ingress.service
-import mars_judge.service
-import mars_memory.store
-import mars_router.store
+import mars_judge.schema
+import mars_memory.schema
+import mars_memory.service
+import mars_router.schema
+import mars_state.schema
 import mars_state.service
 import pytest
-from mars.admin_cli import SettingsError, load_settings, topic_rows
-from mars.cli import build_parser
-from mars.migrations import MIGRATION_MODULES, new_objects, service_migrations
+from mars.migrations import new_objects, service_migrations
+from mars_tools.admin_cli import SettingsError, load_settings, topic_rows
+from mars_tools.cli import build_parser
 
 
 def test_migrate_uses_each_services_own_statements() -> None:
-    assert service_migrations("ingress") == tuple(mars_ingress.service.MIGRATIONS)
-    assert service_migrations("memory") == tuple(mars_memory.store.MIGRATIONS)
-    assert service_migrations("router") == tuple(mars_router.store.MIGRATIONS)
-    assert service_migrations("judge") == tuple(mars_judge.service.MIGRATIONS)
-    assert service_migrations("state") == tuple(mars_state.service.MIGRATIONS)
+    assert service_migrations("ingress") == tuple(mars_ingress.schema.MIGRATIONS)
+    assert service_migrations("memory") == tuple(mars_memory.schema.MIGRATIONS)
+    assert service_migrations("router") == tuple(mars_router.schema.MIGRATIONS)
+    assert service_migrations("judge") == tuple(mars_judge.schema.MIGRATIONS)
+    assert service_migrations("state") == tuple(mars_state.schema.MIGRATIONS)
     assert service_migrations("dispatch") == ()  # only the shared stage_emitted ledger
 
 
-def test_every_service_of_the_stack_is_migrated() -> None:
-    from mars_stack.stack import SERVICES
-
-    assert set(MIGRATION_MODULES) == set(SERVICES)
+def test_each_service_applies_at_start_what_mars_migrate_applies() -> None:
+    # The service modules start with the same statements `mars migrate` runs (one schema module each).
+    assert mars_ingress.service.MIGRATIONS is mars_ingress.schema.MIGRATIONS
+    assert mars_memory.service.MIGRATIONS is mars_memory.schema.MIGRATIONS
+    assert mars_state.service.MIGRATIONS is mars_state.schema.MIGRATIONS
 
 
 def test_new_objects_names_new_tables_and_only_the_columns_added_to_old_ones() -> None:

@@ -21,7 +21,7 @@ def test_generated_keys_are_random_prefixed_and_carry_their_id() -> None:
 
 def test_key_ids_never_read_as_command_line_options() -> None:
     """`mars tenant revoke KEY_ID`: an id starting with '-' was taken for an option (1 key in 32)."""
-    from mars.cli import build_parser
+    from mars_tools.cli import build_parser
 
     ids = [auth.generate_key().key_id for _ in range(3000)]
     assert all(i[0].isalnum() for i in ids)

@@ -1,6 +1,5 @@
 import numpy as np
 import pytest
-from mars.bench.router_sim import policies, simulate
 from mars.domain.bandits import (
     EpsilonGreedyRouting,
     FixedArmRouting,
@@ -9,6 +8,7 @@ from mars.domain.bandits import (
     RandomRouting,
 )
 from mars.domain.linucb import ArmModel
+from mars_tools.bench.router_sim import policies, simulate
 
 ARMS = ["a", "b", "c"]
 DIM = 3
@@ -162,8 +162,8 @@ def test_simulator_cost_is_usd_at_table_10_prices() -> None:
     Table 10 prices, USD per million tokens), so its lambda is the service's MARS_LAMBDA_COST."""
     from pathlib import Path
 
-    from mars.bench.router_sim import OUTPUT_TOKENS, POOL, PROMPT_OVERHEAD, draw_turn
     from mars.pool import load_pool
+    from mars_tools.bench.router_sim import OUTPUT_TOKENS, POOL, PROMPT_OVERHEAD, draw_turn
 
     paper = load_pool(str(Path(__file__).parents[2] / "config" / "models.paper.yaml"))
     assert [a.name for a in POOL] == paper.arms

@@ -157,7 +157,7 @@ def test_a_handler_failure_letter_names_the_exception_type_not_its_text() -> Non
             settings,
             Producer(),  # type: ignore[arg-type]
             "state",
-            "state-test",
+            "mars-state",
             [Subscription("mars.turn.received", ev.TurnReceived, handler)],
         )
         event = ev.TurnReceived(turn=turn(), text="my bank PIN is 4321")

@@ -14,10 +14,10 @@ from typing import Any
 import faiss
 import numpy as np
 import pytest
-from mars.bench.memory_load import main as memory_load_main
 from mars.retrieval import dense
 from mars.retrieval.dense import DenseIndex, ShardedDenseIndex
 from mars.retrieval.hybrid import HybridMemory
+from mars_tools.bench.memory_load import main as memory_load_main
 
 
 class GpuRecorder:
@@ -134,5 +134,5 @@ def test_memory_load_bench_defaults_to_cpu(fake_gpu: GpuRecorder, capsys: pytest
 
 
 def test_memory_load_bench_refuses_gpu_without_one(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("mars.bench.memory_load.gpu_count", lambda: 0)
+    monkeypatch.setattr("mars_tools.bench.memory_load.gpu_count", lambda: 0)
     assert memory_load_main(["--device", "gpu", "--vectors", "10", "--users", "1", "--no-ingest"]) == 2

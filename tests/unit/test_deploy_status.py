@@ -7,9 +7,9 @@ import json
 from types import SimpleNamespace
 from typing import Any
 
-from mars.consumer_groups import STAGE_GROUPS
-from mars.deploy.lag import TopicLag, topic_lag
-from mars.deploy.status import (
+from mars.topology import STAGE_GROUPS
+from mars_tools.deploy.lag import TopicLag, topic_lag
+from mars_tools.deploy.status import (
     all_ready,
     lag_table,
     list_waiting_pods,
@@ -137,7 +137,7 @@ def test_without_the_kubernetes_client_status_says_how_to_install_it(monkeypatch
     import sys
 
     import pytest
-    from mars.cli import main
+    from mars_tools.cli import main
 
     monkeypatch.setitem(sys.modules, "kubernetes", None)  # as if `pip install mars` without [deploy]
     with pytest.raises(SystemExit) as exited:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from mars.bench.dispatch import _run
+from mars_tools.bench.dispatch import _run
 from rich.console import Console
 
 

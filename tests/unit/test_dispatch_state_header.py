@@ -12,7 +12,7 @@ from mars.pool import ModelPool, ModelSpec
 from mars.v1 import events_pb2 as ev
 from mars_dispatch.clients import ModelClients
 from mars_dispatch.dispatcher import Dispatcher
-from mars_dispatch.service import DispatchSettings
+from mars_dispatch.settings import DispatchSettings
 
 STATE = ev.SessionState(action=ev.MATCH, phase=ev.REVISE, query_type=ev.DYNAMIC, lens_recommendation=3)
 VIEW = ev.CandidateView(

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from mars.bench.locomo import Conversation, LocomoQuestion, LocomoTurn
-from mars.bench.realmem import Persona, Query, Session, Turn
-from mars.eval import locomo as eval_locomo
-from mars.eval import realmem as eval_realmem
-from mars.eval.driver import SentTurn, distinct, shown_sources
 from mars.v1 import events_pb2 as ev
+from mars_tools.bench.locomo import Conversation, LocomoQuestion, LocomoTurn
+from mars_tools.bench.realmem import Persona, Query, Session, Turn
+from mars_tools.eval import locomo as eval_locomo
+from mars_tools.eval import realmem as eval_realmem
+from mars_tools.eval.driver import SentTurn, distinct, shown_sources
 
 
 def block(kind: int, session: str, turn: str = "", score: float = 0.0) -> ev.MemoryBlock:

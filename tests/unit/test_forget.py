@@ -8,18 +8,18 @@ import asyncio
 
 import numpy as np
 import pytest
-from mars import auth, db, forget
+from mars import auth, db, forget, topology
 from mars.auth import PermissionDenied, Principal, StoredKey
-from mars.cli import build_parser
-from mars.migrations import MIGRATION_MODULES, service_migrations
+from mars.migrations import service_migrations
 from mars.retrieval.embedder import LruEmbedder
 from mars_ingress.service import InvalidTurn, admin_tenant
 from mars_router.store import policy_id_for
+from mars_tools.cli import build_parser
 
 
 def _all_migrations() -> list[str]:
     statements = list(db.SHARED_SCHEMAS)
-    for service in MIGRATION_MODULES:
+    for service in topology.NAMES:
         statements += list(service_migrations(service))
     return statements
 
@@ -167,7 +167,7 @@ def test_memory_store_drops_the_users_index_and_every_cached_query_vector() -> N
     from types import SimpleNamespace
 
     from mars.domain.memory_policy import MemoryRecord
-    from mars_memory.service import MemorySettings
+    from mars_memory.settings import MemorySettings
     from mars_memory.store import MemoryStore
 
     store = MemoryStore(None, MemorySettings(), None)  # type: ignore[arg-type]

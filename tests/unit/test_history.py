@@ -116,7 +116,7 @@ def test_a_session_opening_continuation_searches_beyond_the_session() -> None:
 
 
 def test_history_file_lines_are_read_or_refused_with_their_line_number() -> None:
-    from mars.history_cli import RecordedFileError, read_recorded
+    from mars_tools.history_cli import RecordedFileError, read_recorded
 
     lines = [
         '{"session_id": "a", "user_text": "hi", "assistant_text": "hello"}',

@@ -25,7 +25,8 @@ def test_a_dead_letter_tells_the_caller_the_stage_and_a_reference_only() -> None
     import asyncio
 
     from mars.v1 import events_pb2 as ev
-    from mars_ingress.service import IngressServicer, IngressSettings, TurnFailed
+    from mars_ingress.service import IngressServicer, TurnFailed
+    from mars_ingress.settings import IngressSettings
 
     async def run() -> TurnFailed:
         servicer = IngressServicer(IngressSettings(), None, None)  # type: ignore[arg-type]

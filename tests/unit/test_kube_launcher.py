@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import yaml
-from mars.cli import build_parser
 from mars_stack import kube
+from mars_tools.cli import build_parser
 
 
 def test_gpu_node_offers_gpus_behind_the_nvidia_taint() -> None:

@@ -2,7 +2,7 @@ import json
 from pathlib import Path
 
 import pytest
-from mars.bench.locomo import load_locomo, parse_evidence, score_question
+from mars_tools.bench.locomo import load_locomo, parse_evidence, score_question
 
 
 def test_evidence_ids_are_parsed_leniently() -> None:

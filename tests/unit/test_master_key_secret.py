@@ -1,4 +1,4 @@
-"""`mars keys ensure-secret` (mars.deploy.master_key_secret): the master key Secret is created once and an
+"""`mars keys ensure-secret` (mars_tools.deploy.master_key_secret): the master key Secret is created once and an
 existing one is never replaced, against a stand-in API server (the request shapes Kubernetes documents)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import json
 import httpx
 import pytest
 from mars import sealing
-from mars.deploy.master_key_secret import ApiServer, SecretError, ensure_secret, secret_manifest
+from mars_tools.deploy.master_key_secret import ApiServer, SecretError, ensure_secret, secret_manifest
 
 API = ApiServer("https://kube.test:443", "sa-token", False, "mars")
 

@@ -24,7 +24,7 @@ from mars.telemetry import setup_telemetry
 from mars.v1 import events_pb2 as ev
 from mars_dispatch.clients import Completion, GenerationError
 from mars_dispatch.dispatcher import Dispatcher
-from mars_dispatch.service import DispatchSettings
+from mars_dispatch.settings import DispatchSettings
 from mars_judge.service import count_costs
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader

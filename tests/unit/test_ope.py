@@ -46,7 +46,7 @@ def test_unknown_propensities_are_skipped_and_counted() -> None:
 
 
 def test_simulator_log_estimates_match_the_true_value() -> None:
-    from mars.bench.ope import fixed, log_run, true_value
+    from mars_tools.bench.ope import fixed, log_run, true_value
 
     steps = log_run(3000, 0.5, seed=3, epsilon=0.3)
     assert all(0 < s.propensity <= 1 for s in steps)

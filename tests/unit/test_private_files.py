@@ -1,4 +1,4 @@
-"""Files with secrets or users' text are their owner's alone (mars.private_files)."""
+"""Files with secrets or users' text are their owner's alone (mars_tools.private_files)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
-from mars.private_files import open_private
+from mars_tools.private_files import open_private
 
 
 def test_a_private_file_is_0600_even_where_a_readable_one_was(tmp_path: Path) -> None:

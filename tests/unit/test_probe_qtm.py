@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from mars.bench.realmem import Session, Turn, load_persona
-from mars.probe.qtm import (
+from mars_tools.bench.realmem import Session, Turn, load_persona
+from mars_tools.probe.qtm import (
     ControllerConfig,
     Snapshot,
     _pairs_before,

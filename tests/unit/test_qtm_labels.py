@@ -1,4 +1,4 @@
-"""`mars probe qtm-labels` (mars.probe.qtm_labels): the labelled set's gold context, validation, scoring,
+"""`mars probe qtm-labels` (mars_tools.probe.qtm_labels): the labelled set's gold context, validation, scoring,
 and a run of the rules backend end to end on a small set."""
 
 from __future__ import annotations
@@ -7,8 +7,6 @@ import json
 from pathlib import Path
 
 import pytest
-from mars.cli import build_parser
-from mars.probe.qtm_labels import score
 from mars.qtm.labelled import (
     DEFAULT_LABELS,
     FIELDS,
@@ -18,6 +16,8 @@ from mars.qtm.labelled import (
     state_labels,
 )
 from mars.v1 import events_pb2 as ev
+from mars_tools.cli import build_parser
+from mars_tools.probe.qtm_labels import score
 
 BASE = {
     "action": "MATCH",

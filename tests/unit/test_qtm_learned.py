@@ -26,9 +26,10 @@ from mars.qtm.learned import (
     hashed_ngrams,
     standardised_columns,
 )
-from mars.qtm.train_cli import train
 from mars.v1 import events_pb2 as ev
-from mars_state.service import StateSettings, make_estimator
+from mars_state.service import make_estimator
+from mars_state.settings import StateSettings
+from mars_tools.train_cli import train
 
 DIM = 16
 
@@ -163,7 +164,7 @@ def test_ngram_buckets_are_the_same_in_every_process_and_carry_the_wording() -> 
 
 
 def test_leave_one_persona_out_can_score_some_personas_only(small_set) -> None:  # type: ignore[no-untyped-def]
-    from mars.qtm.train_cli import features_of, leave_one_persona_out
+    from mars_tools.train_cli import features_of, leave_one_persona_out
 
     x = features_of(small_set, fake_embed)
     held = leave_one_persona_out(x, small_set, scored=["p02"], steps=30)
@@ -173,7 +174,7 @@ def test_leave_one_persona_out_can_score_some_personas_only(small_set) -> None: 
 
 
 def test_session_starts_train_the_action_head_and_are_scored_per_held_out_persona(small_set) -> None:  # type: ignore[no-untyped-def]
-    from mars.qtm.train_cli import SessionStart
+    from mars_tools.train_cli import SessionStart
 
     starts = [
         SessionStart(

@@ -6,8 +6,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from mars.bench.realmem import load_selected_personas
-from mars.probe.qtm import project_boundaries
+from mars_tools.bench.realmem import load_selected_personas
+from mars_tools.probe.common import project_boundaries
 
 FOLDER = Path(__file__).parents[1] / "fixtures" / "realmem"
 

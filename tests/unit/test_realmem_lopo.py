@@ -8,9 +8,11 @@ import shutil
 from pathlib import Path
 
 import pytest
-from mars.bench.policies import CachingEmbedder, make_retriever
-from mars.bench.realmem import evaluate, load_selected_personas, replay
-from mars.bench.realmem_lopo import (
+from mars.retrieval.embedder import SentenceTransformerEmbedder
+from mars.retrieval.hybrid import POLICY_CONFIGS
+from mars_tools.bench.policies import CachingEmbedder, make_retriever
+from mars_tools.bench.realmem import evaluate, load_selected_personas, replay
+from mars_tools.bench.realmem_lopo import (
     FULL_LEVELS,
     TUNED,
     fusion_grid,
@@ -18,9 +20,7 @@ from mars.bench.realmem_lopo import (
     leave_one_persona_out,
     tuned_name,
 )
-from mars.cli import main
-from mars.retrieval.embedder import SentenceTransformerEmbedder
-from mars.retrieval.hybrid import POLICY_CONFIGS
+from mars_tools.cli import main
 
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "realmem" / "Synth_Wanderer_dialogues_256k.json"
 

@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 
 import pytest
-from mars.bench.realmem import (
+from mars_tools.bench.realmem import (
     Persona,
     Prediction,
     Query,

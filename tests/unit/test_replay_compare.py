@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from mars.bench.replay import synthetic_turn
-from mars.replay.compare import comparison_rows, model_shares, only
-from mars.replay.traces import RawRecord, TraceBuilder
+from mars_tools.bench.replay import synthetic_turn
+from mars_tools.replay.compare import comparison_rows, model_shares, only
+from mars_tools.replay.traces import RawRecord, TraceBuilder
 
 
 def _traces(first: int, turns: int) -> TraceBuilder:

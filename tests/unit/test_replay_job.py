@@ -11,8 +11,8 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
-from mars.cli import build_parser
-from mars.deploy.replay_job import ReplayJob, chart_fullname, create_job, replay_job_manifest
+from mars_tools.cli import build_parser
+from mars_tools.deploy.replay_job import ReplayJob, chart_fullname, create_job, replay_job_manifest
 
 NOW = datetime(2025, 3, 4, 5, 6, 7, tzinfo=UTC)
 K8S_VERSION = "1.29.0"

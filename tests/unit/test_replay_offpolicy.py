@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from mars.replay.offpolicy import logged_steps, support, target_policy
-from mars.replay.traces import Trace
 from mars.v1 import events_pb2 as ev
+from mars_tools.replay.offpolicy import logged_steps, support, target_policy
+from mars_tools.replay.traces import Trace
 
 ARMS = ("small", "large")
 

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from mars.replay import presets
+from mars_tools.replay import presets
 
 
 def test_every_preset_sets_real_settings_to_accepted_values() -> None:
@@ -38,8 +38,8 @@ def test_every_table_17_row_has_a_preset() -> None:
 
 
 def test_header_and_updates_are_on_unless_a_preset_turns_them_off() -> None:
-    from mars_dispatch.service import DispatchSettings
-    from mars_router.service import RouterSettings
+    from mars_dispatch.settings import DispatchSettings
+    from mars_router.settings import RouterSettings
 
     assert DispatchSettings().state_header is True and RouterSettings().policy_updates is True
     with pytest.raises(ValueError, match="router settings refuse the overrides: MARS_POLICY_UPDATES"):

@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from mars.bench.replay import synthetic_turn
-from mars.replay.report import write_report
-from mars.replay.traces import RawRecord, TraceBuilder, summarize
+from mars_tools.bench.replay import synthetic_turn
+from mars_tools.replay.report import write_report
+from mars_tools.replay.traces import RawRecord, TraceBuilder, summarize
 
 
 def _traces(turns: int) -> TraceBuilder:

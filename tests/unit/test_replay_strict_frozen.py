@@ -8,8 +8,8 @@ import time
 from typing import Any
 
 import pytest
-from mars.replay import redrive as rd
 from mars.v1 import services_pb2 as svc
+from mars_tools.replay import redrive as rd
 
 TURNS = [rd.RecordedTurn(f"rec-{i}", "t", "u", "s", i, f"turn {i}", {}, "small", "small") for i in range(3)]
 

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from mars.bench.policies import CachingEmbedder, make_retriever, session_chunks
-from mars.bench.realmem import Session, Turn
 from mars.retrieval.dense import DenseIndex, ShardedDenseIndex
 from mars.retrieval.embedder import LruEmbedder, SentenceTransformerEmbedder
 from mars.retrieval.hybrid import HybridConfig, HybridMemory, split_words
+from mars_tools.bench.policies import CachingEmbedder, make_retriever, session_chunks
+from mars_tools.bench.realmem import Session, Turn
 
 
 @pytest.fixture(scope="module")

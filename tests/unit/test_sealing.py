@@ -219,7 +219,7 @@ def test_master_key_from_file_or_variable_with_clear_errors(tmp_path: pytest.Tem
 def test_keys_master_writes_a_new_private_file_and_never_overwrites(
     tmp_path: pytest.TempPathFactory, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from mars.cli import build_parser
+    from mars_tools.cli import build_parser
 
     out = tmp_path / "master.key"  # type: ignore[operator]
     args = build_parser().parse_args(["keys", "master", "--out", str(out)])

@@ -23,7 +23,8 @@ from mars.qtm.controllers import make_controller
 from mars.qtm.schema import qtm_json_schema
 from mars.rubric.judge import FLAG_FIELDS, SCORE_FIELDS, rubric_json_schema
 from mars.v1 import events_pb2 as ev
-from mars_judge.service import JudgeSettings, make_judge
+from mars_judge.service import make_judge
+from mars_judge.settings import JudgeSettings
 
 SERVICES = Path(__file__).resolve().parents[2] / "services"
 PAPER_EXAMPLE = json.loads((Path(__file__).parent / "fixtures" / "qtm_paper_example.json").read_text())

@@ -6,11 +6,12 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from mars.bus import EventProducer, StageConsumer, Subscription
+from mars.bus import EventProducer, StageConsumer, Subscription, check_group
 from mars.config import (
     ALL_TOPICS,
     MAX_TOPIC_LENGTH,
     TOPIC_DEAD_LETTER,
+    TOPIC_GENERATED,
     TOPIC_RECEIVED,
     ServiceSettings,
     Topics,
@@ -72,10 +73,10 @@ def test_bus_subscribes_publishes_and_groups_under_the_prefix() -> None:
         consumer = StageConsumer(
             settings,
             producer,
-            "state",
-            "state",
+            "ingress",
+            "mars-ingress-outcomes",
             [
-                Subscription(TOPIC_RECEIVED, ev.TurnReceived, handler),
+                Subscription(TOPIC_GENERATED, ev.Generated, handler),
                 Subscription(TOPIC_DEAD_LETTER, ev.DeadLetter, handler, requires_envelope=False),
             ],
         )
@@ -83,5 +84,20 @@ def test_bus_subscribes_publishes_and_groups_under_the_prefix() -> None:
 
     producer, consumer = asyncio.run(build())
     assert producer.topics.dead_letter == "run7.mars.deadletter"
-    assert set(consumer._subs) == {"run7.mars.turn.received", "run7.mars.deadletter"}
-    assert consumer._group_id == "run7.state"
+    assert set(consumer._subs) == {"run7.mars.turn.generated", "run7.mars.deadletter"}
+    assert consumer._group_id == "run7.mars-ingress-outcomes"
+
+
+def test_a_stage_consumer_must_handle_exactly_its_groups_topics_in_the_topology() -> None:
+    async def handler(_: object) -> None:
+        return None
+
+    received = Subscription(TOPIC_RECEIVED, ev.TurnReceived, handler)
+    generated = Subscription(TOPIC_GENERATED, ev.Generated, handler)
+    check_group("state", "mars-state", [received])  # what the topology says: accepted
+    with pytest.raises(ValueError, match=r"handles mars\.turn\.generated, mars\.turn\.received"):
+        check_group("state", "mars-state", [received, generated])  # a handler the registry does not know
+    with pytest.raises(ValueError, match="topology gives it to state"):
+        check_group("memory", "mars-state", [received])  # another service's group
+    with pytest.raises(ValueError, match="unknown consumer group 'state-test'"):
+        check_group("state", "state-test", [received])

@@ -47,7 +47,7 @@ dispatch: mars.v1.Dispatch
 judge: mars.v1.Judge
 {{- end -}}
 
-{{/* The stage consumer groups (mars.consumer_groups in the code; tests/chart checks the two agree):
+{{/* The stage consumer groups (mars.topology in the code; tests/chart checks the two agree):
      service -> group -> topics. KEDA scales each stage on these groups' lag. */}}
 {{- define "mars.consumerGroups" -}}
 state:

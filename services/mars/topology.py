@@ -1,0 +1,174 @@
+"""The deployment's topology in one declarative place: every service with its settings model, its schema,
+its Kafka consumer groups (topics it reads), its gRPC service and the callers that may use each method.
+
+The local launcher (mars_stack), `mars migrate`, the replay presets, the chaos harness, `mars deploy status`,
+the chart tests (KEDA triggers) and the identity interceptor all read this table; each StageConsumer checks
+its subscriptions against its group here. Services are named by module path, never imported, so the core
+stays below the services (`.importlinter`). Group and topic names are before the run's topic prefix.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from mars.config import (
+    TOPIC_DEAD_LETTER,
+    TOPIC_FEEDBACK,
+    TOPIC_GENERATED,
+    TOPIC_JUDGED,
+    TOPIC_RECEIVED,
+    TOPIC_ROUTED,
+    TOPIC_STATE,
+    TOPIC_VIEW,
+    ServiceSettings,
+)
+
+
+@dataclass(frozen=True)
+class ConsumerGroup:
+    name: str
+    service: str
+    topics: tuple[str, ...]
+
+
+STATE = ConsumerGroup("mars-state", "state", (TOPIC_RECEIVED,))
+#: Views read the state topic, and the received topic to start the query's embedding early.
+MEMORY_VIEW = ConsumerGroup("mars-memory-view", "memory", (TOPIC_STATE, TOPIC_RECEIVED))
+MEMORY_WRITER = ConsumerGroup("mars-memory-writer", "memory", (TOPIC_GENERATED,))
+ROUTER = ConsumerGroup("mars-router", "router", (TOPIC_VIEW,))
+ROUTER_UPDATES = ConsumerGroup("mars-router-updates", "router", (TOPIC_JUDGED,))
+DISPATCH = ConsumerGroup("mars-dispatch", "dispatch", (TOPIC_ROUTED,))
+JUDGE = ConsumerGroup("mars-judge", "judge", (TOPIC_GENERATED, TOPIC_FEEDBACK))
+INGRESS_OUTCOMES = ConsumerGroup("mars-ingress-outcomes", "ingress", (TOPIC_GENERATED, TOPIC_DEAD_LETTER))
+
+#: Every stage group, in pipeline order. (Each ingress replica's reply reader is a broadcast reader with no
+#: group and no lag to scale on.)
+STAGE_GROUPS: tuple[ConsumerGroup, ...] = (
+    STATE,
+    MEMORY_VIEW,
+    ROUTER,
+    DISPATCH,
+    MEMORY_WRITER,
+    JUDGE,
+    ROUTER_UPDATES,
+    INGRESS_OUTCOMES,
+)
+
+
+def _allow(*callers: str) -> frozenset[str]:
+    return frozenset(callers)
+
+
+@dataclass(frozen=True)
+class ServiceSpec:
+    """One service of the deployment."""
+
+    name: str
+    #: "module:Class" of its settings model (MARS_* variables).
+    settings: str
+    #: Module whose MIGRATIONS are the tables the service owns (None: only the shared stage ledger).
+    schema: str | None
+    #: Full name of the gRPC service it serves (readiness asks for it by name).
+    grpc_service: str
+    groups: tuple[ConsumerGroup, ...]
+    #: Method name -> the caller identities allowed (mars.identity). Empty for the ingress, whose callers
+    #: are tenants with API keys (mars.auth), not services.
+    permissions: Mapping[str, frozenset[str]] = field(default_factory=dict)
+
+    @property
+    def package(self) -> str:
+        return f"mars_{self.name}"
+
+    def settings_class(self) -> type[ServiceSettings]:
+        module, _, name = self.settings.partition(":")
+        cls: type[ServiceSettings] = getattr(importlib.import_module(module), name)
+        return cls
+
+    def migrations(self) -> Sequence[str]:
+        """The DDL the service applies at start (besides the shared ledger, which `db.migrate` adds)."""
+        if self.schema is None:
+            return ()
+        return tuple(importlib.import_module(self.schema).MIGRATIONS)
+
+
+#: Every service, in the order the local stack starts them.
+SERVICES: tuple[ServiceSpec, ...] = (
+    ServiceSpec(
+        "state",
+        "mars_state.settings:StateSettings",
+        "mars_state.schema",
+        "mars.v1.StateEstimator",
+        (STATE,),
+        {"Estimate": _allow("operator", "replay")},
+    ),
+    ServiceSpec(
+        "memory",
+        "mars_memory.settings:MemorySettings",
+        "mars_memory.schema",
+        "mars.v1.Memory",
+        (MEMORY_VIEW, MEMORY_WRITER),
+        {"BuildView": _allow("operator", "replay"), "DescribeIndex": _allow("operator", "replay", "chaos")},
+    ),
+    ServiceSpec(
+        "router",
+        "mars_router.settings:RouterSettings",
+        "mars_router.schema",
+        "mars.v1.Router",
+        (ROUTER, ROUTER_UPDATES),
+        {
+            "Route": _allow("operator", "replay"),
+            "GetPolicy": _allow("operator", "replay", "deploy"),
+            "ResetPolicy": _allow("operator"),
+        },
+    ),
+    ServiceSpec(
+        "dispatch",
+        "mars_dispatch.settings:DispatchSettings",
+        None,
+        "mars.v1.Dispatch",
+        (DISPATCH,),
+        {"Generate": _allow("operator", "replay"), "ListModels": _allow("operator", "replay", "deploy")},
+    ),
+    ServiceSpec(
+        "judge",
+        "mars_judge.settings:JudgeSettings",
+        "mars_judge.schema",
+        "mars.v1.Judge",
+        (JUDGE,),
+        {"Score": _allow("operator", "replay")},
+    ),
+    ServiceSpec(
+        "ingress",
+        "mars_ingress.settings:IngressSettings",
+        "mars_ingress.schema",
+        "mars.v1.Ingress",
+        (INGRESS_OUTCOMES,),
+    ),
+)
+NAMES: tuple[str, ...] = tuple(s.name for s in SERVICES)
+_BY_NAME = {s.name: s for s in SERVICES}
+_GROUPS = {g.name: g for s in SERVICES for g in s.groups}
+
+
+def service(name: str) -> ServiceSpec:
+    try:
+        return _BY_NAME[name]
+    except KeyError:
+        raise ValueError(f"unknown service {name!r}; known: {', '.join(NAMES)}") from None
+
+
+def group(name: str) -> ConsumerGroup:
+    try:
+        return _GROUPS[name]
+    except KeyError:
+        raise ValueError(f"unknown consumer group {name!r}; known: {', '.join(_GROUPS)}") from None
+
+
+#: Who may call what, by full gRPC method name; a method missing here is refused to everyone.
+PERMISSIONS: Mapping[str, frozenset[str]] = {
+    f"/{s.grpc_service}/{method}": callers for s in SERVICES for method, callers in s.permissions.items()
+}
+#: The stage services: every RPC on them needs a caller identity (health and reflection aside).
+INTERNAL_SERVICES = frozenset(s.grpc_service for s in SERVICES if s.permissions)

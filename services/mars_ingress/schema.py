@@ -1,0 +1,36 @@
+"""The ingress service's schema: the tables it owns, applied at its start and by `mars migrate` (a Helm hook)."""
+
+from __future__ import annotations
+
+from mars import auth
+
+MIGRATIONS = [
+    """
+    CREATE TABLE IF NOT EXISTS ingress_user_seq (
+        tenant TEXT NOT NULL, user_id TEXT NOT NULL, last_seq BIGINT NOT NULL,
+        PRIMARY KEY (tenant, user_id)
+    )
+    """,
+    # Every accepted turn is recorded with its outcome, so no turn is ever silently dropped.
+    """
+    CREATE TABLE IF NOT EXISTS ingress_turns (
+        turn_id TEXT PRIMARY KEY, tenant TEXT NOT NULL, user_id TEXT NOT NULL, session_id TEXT NOT NULL,
+        seq BIGINT NOT NULL, status TEXT NOT NULL, error TEXT,
+        created_at TIMESTAMPTZ NOT NULL DEFAULT now(), finished_at TIMESTAMPTZ
+    )
+    """,
+    # When the caller stops waiting: a turn still PENDING past it lost its waiting replica (the reaper).
+    "ALTER TABLE ingress_turns ADD COLUMN IF NOT EXISTS deadline_at TIMESTAMPTZ",
+    "CREATE INDEX IF NOT EXISTS ingress_turns_pending ON ingress_turns (deadline_at) WHERE status = 'PENDING'",
+    # The turn's received event (an outbox): a turn whose replica died before publishing it is sent again.
+    "ALTER TABLE ingress_turns ADD COLUMN IF NOT EXISTS received BYTEA",
+    "ALTER TABLE ingress_turns ADD COLUMN IF NOT EXISTS republished_at TIMESTAMPTZ",
+    # A tenant's turns of today, for the daily spend limit (mars.quota.SPENT_TODAY_SQL).
+    "CREATE INDEX IF NOT EXISTS ingress_turns_tenant_day ON ingress_turns (tenant, created_at)",
+    # A user turn's content digest in its session (mars.history.text_digest): a turn's earlier messages
+    # (TurnRequest.history) that MARS holds already are found by it and not stored again.
+    "ALTER TABLE ingress_turns ADD COLUMN IF NOT EXISTS text_digest TEXT",
+    "CREATE INDEX IF NOT EXISTS ingress_turns_text_digest ON ingress_turns (tenant, user_id, text_digest)",
+    # The API keys (mars.auth): applied with the ingress's schema, by the service and by `mars migrate`.
+    *auth.MIGRATIONS,
+]

@@ -1,0 +1,45 @@
+"""The ingress service's settings (MARS_* variables): one typed model, read only here."""
+
+from __future__ import annotations
+
+from mars.config import (
+    ServiceSettings,
+)
+from mars.quota import TenantLimits
+from pydantic import Field
+
+
+class IngressSettings(ServiceSettings):
+    max_text_chars: int = 8000
+    #: How long a call waits for its answer before DEADLINE_EXCEEDED (the turn stays recorded).
+    turn_timeout_s: float = 180.0
+    #: Seconds past its deadline after which a turn still PENDING (its waiting replica died before the
+    #: answer came) is marked TIMEOUT by whichever replica sweeps first.
+    orphan_grace_s: float = 5.0
+    orphan_sweep_every_s: float = 2.0
+    #: A PENDING turn that no state replica has taken after this long is published again from the outbox
+    #: (its replica may have died before publishing it); duplicates are harmless (effects by turn_id).
+    republish_after_s: float = 10.0
+    #: Every call must carry a tenant API key (`authorization: Bearer <key>`, see mars.auth); false lets
+    #: anyone act as any tenant named in the request (a closed test network only).
+    auth_required: bool = True
+    #: How long a verified (or refused) key is remembered per process: a revoked key keeps working for at
+    #: most this long; 0 looks every call up in Postgres.
+    auth_cache_ttl_s: float = Field(default=5.0, ge=0)
+    #: Per-tenant rate limits (mars.quota), 0 = unlimited: turns per second with a burst (0: max(1, rate)),
+    #: text tokens per minute (the request text, by the packing estimator), and USD per UTC day (the judged
+    #: generator + controller + judge cost of the tenant's turns).
+    quota_turns_per_s: float = Field(default=0.0, ge=0)
+    quota_turn_burst: float = Field(default=0.0, ge=0)
+    quota_tokens_per_min: float = Field(default=0.0, ge=0)
+    quota_usd_per_day: float = Field(default=0.0, ge=0)
+    #: Per-tenant overrides of the four limits above, as JSON: {"acme": {"turns_per_s": 5, "usd_per_day": 20}}
+    #: (an overridden tenant gets exactly what is given; fields left out are unlimited).
+    quota_tenants: dict[str, TenantLimits] = Field(default_factory=dict)
+    #: Ingress replicas sharing the limits: buckets are per process, so each enforces 1/N of each rate.
+    quota_replicas: int = Field(default=1, ge=1)
+    #: How long a tenant's spend today is cached before Postgres is asked again.
+    quota_spend_cache_s: float = Field(default=5.0, ge=0)
+    #: ImportHistory with wait: the longest it waits for the memory service to store the pairs when the
+    #: call itself has no deadline.
+    import_wait_s: float = Field(default=600.0, gt=0)

@@ -1,0 +1,46 @@
+"""The router service's settings (MARS_* variables): one typed model, read only here."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from mars.config import ServiceSettings
+
+
+class RouterSettings(ServiceSettings):
+    model_pool: str = "config/models.local.yaml"
+    alpha: float = 0.8
+    ridge: float = 1.0
+    #: The paper keeps one policy per user; tenant or global share learning across users.
+    policy_scope: Literal["user", "tenant", "global"] = "user"
+    #: A new user policy copies its tenant policy's matrices ("tenant:<tenant>") when one exists.
+    warm_start_from_tenant: bool = False
+    #: linucb (the paper's), thompson, eps-greedy, random, fixed:<arm>, query-linucb (LinUCB over the query
+    #: embedding without session state: the no-QTM / MetaLLM-style baseline), or cascade (cheapest arm
+    #: first, escalating by price while the answer's mean token log-probability is below cascade_min_logprob).
+    routing_policy: str = "linucb"
+    cascade_min_logprob: float = -1.0
+    epsilon: float = 0.1
+    thompson_v: float = 0.3
+    #: Seed of the stochastic policies (thompson, eps-greedy, random). Set, each turn draws from its own
+    #: generator seeded by (seed, user_id, seq), so a re-drive of the same log with the same configuration
+    #: and seed makes the same decisions whatever the process, restart or interleaving of users. Unset
+    #: (default): draws come from OS entropy. Keyed on (user_id, seq), not turn_id, because ingress mints
+    #: a fresh turn_id for every re-driven turn while a user's seq repeats (also under --tenant-suffix).
+    routing_seed: int | None = None
+    #: Session affinity: UCB points an arm other than the session's previous one loses (0 = off).
+    switch_penalty: float = 0.0
+    #: Arm used when a policy's matrices fail the sanity check (default: the pool's first arm).
+    default_arm: str | None = None
+    #: Rewards outside this range are rejected (utility is in [0, 1]; cost only lowers it).
+    min_reward: float = -1000.0
+    max_reward: float = 1.0
+    #: Attempts at an optimistic policy update before the reward is handed back for redelivery.
+    update_attempts: int = 50
+    #: Online updates (Eq. 11). False freezes every policy as it is (the paper's "No online update"
+    #: diagnostic): routing uses the current matrices, judged rewards and corrections are checked and
+    #: recorded in the ledger with applied = false, and A, b and the version stay unchanged. Recording
+    #: them means turning updates back on starts learning from the next judged turn: a redelivered or
+    #: replayed reward from the frozen period is a ledger duplicate, never applied late to a policy that
+    #: did not choose by it, and the reward stays visible to whoever reads the ledger.
+    policy_updates: bool = True

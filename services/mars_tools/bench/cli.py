@@ -1,0 +1,167 @@
+"""`mars bench ...`: retrieval benchmarks over real data (RealMem) with progress bars."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
+
+from mars_tools.bench.policies import POLICIES, CachingEmbedder, make_retriever
+from mars_tools.bench.realmem import (
+    Prediction,
+    evaluate,
+    format_table,
+    load_selected_personas,
+    replay,
+    write_predictions,
+)
+
+
+def add_realmem_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser(
+        "realmem",
+        help="replay RealMem personas through the memory write path and score session retrieval",
+        description="Replays each persona file in list order; at every scored query retrieves from earlier "
+        "sessions only (../shared/bench/realmem/PROTOCOL.md), writes one JSON line per query and prints "
+        "per-persona, macro and pooled recall_any / recall_all / ndcg_any at 5, 10 and 20.",
+    )
+    p.add_argument("--data", required=True, help="folder holding *_dialogues_256k.json")
+    p.add_argument(
+        "--personas", nargs="*", help="only these personas (file name before _dialogues_256k.json)"
+    )
+    p.add_argument(
+        "--policy", default="mars", choices=[*POLICIES, "all"], help="memory policy (default mars)"
+    )
+    p.add_argument(
+        "--pred", required=True, help="predictions JSON lines to write (per policy with --policy all)"
+    )
+    p.add_argument("--out", help="write all results as JSON here")
+    p.add_argument("--cache-dir", help="cache chunk embeddings here (speeds up re-runs)")
+    p.add_argument("--k", type=int, default=20, help="ids retrieved per query (default 20)")
+    p.add_argument(
+        "--query-max-tokens",
+        type=int,
+        default=128,
+        help="query window of the embedder (default 128; chunks use 256)",
+    )
+    p.add_argument(
+        "--embedding-backend",
+        default="auto",
+        choices=["auto", "onnx", "torch"],
+        help="embedder runtime (default auto)",
+    )
+    p.set_defaults(func=cmd_realmem)
+    # Registered beside `realmem` (mars_tools/cli.py adds the bench parsers): same data, an honest figure.
+    from mars_tools.bench.realmem_lopo import add_realmem_lopo_parser
+
+    add_realmem_lopo_parser(sub)
+
+
+def cmd_realmem(args: argparse.Namespace) -> int:
+    console = Console()
+    try:
+        personas = load_selected_personas(args.data, args.personas)
+    except ValueError as exc:
+        console.print(f"[red]{exc}[/]")
+        return 2
+    policies = list(POLICIES) if args.policy == "all" else [args.policy]
+    embedder = None
+    query_embedder = None
+    if any(p in ("mars", "hybrid", "semantic") for p in policies):
+        from mars.retrieval.embedder import load_embedder
+
+        embedder = CachingEmbedder(load_embedder(backend=args.embedding_backend), args.cache_dir)
+        query_embedder = load_embedder(backend=args.embedding_backend, max_seq_length=args.query_max_tokens)
+    console.print(
+        f"{len(personas)} personas, {sum(len(p.queries) for p in personas)} scored queries; policies: {', '.join(policies)}"
+    )
+    report: dict[str, object] = {}
+    for policy in policies:
+        preds: list[Prediction] = []
+        latencies: list[float] = []
+        with Progress(
+            TextColumn(f"[bold]{policy}[/] {{task.description}}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=console,
+        ) as progress:
+            for persona in personas:
+                task = progress.add_task(persona.name, total=len(persona.sessions))
+                retriever = make_retriever(policy, embedder, query_embedder)
+                timed = _Timed(retriever, latencies)
+                advance = functools.partial(_advance, progress, task)
+                preds += replay(persona, timed, args.k, progress=advance)
+        if embedder is not None:
+            embedder.save()
+        pred_path = Path(args.pred) if len(policies) == 1 else Path(args.pred).with_suffix(f".{policy}.jsonl")
+        write_predictions(pred_path, preds)
+        results = evaluate(personas, preds)
+        console.print(format_table(results, f"policy {policy}"), soft_wrap=True)
+        latencies.sort()
+        p50 = latencies[len(latencies) // 2] * 1000 if latencies else 0.0
+        p99 = latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))] * 1000 if latencies else 0.0
+        console.print(
+            f"retrieval latency per query: p50 {p50:.1f} ms, p99 {p99:.1f} ms; predictions in {pred_path}"
+        )
+        report[policy] = {
+            "macro": results.macro.values,
+            "pooled": results.pooled.values,
+            "per_persona": {k: v.values for k, v in results.per_persona.items()},
+            "latency_ms": {"p50": p50, "p99": p99},
+        }
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=2))
+        console.print(f"results written to {args.out}")
+    return 0
+
+
+def _advance(progress: Progress, task: TaskID, sessions_done: int) -> None:
+    progress.update(task, completed=sessions_done)
+
+
+class _Timed:
+    """Measures each retrieve call (the answer-path cost of a view's history search)."""
+
+    def __init__(self, inner: object, sink: list[float]) -> None:
+        self._inner = inner
+        self._sink = sink
+
+    def add_session(self, session: object) -> None:
+        self._inner.add_session(session)  # type: ignore[attr-defined]
+
+    def prepare(self, query: object) -> None:
+        from mars_tools.bench.realmem import prepare_for
+
+        prepare_for(self._inner, query)  # type: ignore[arg-type]
+
+    def retrieve(self, query: object, k: int) -> list[str]:
+        t0 = time.perf_counter()
+        out: list[str] = self._inner.retrieve(query, k)  # type: ignore[attr-defined]
+        self._sink.append(time.perf_counter() - t0)
+        return out
+
+
+def add_bench_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """`mars bench` and its benchmarks."""
+    from mars_tools.bench.dispatch import add_dispatch_parser
+    from mars_tools.bench.locomo import add_locomo_parser
+    from mars_tools.bench.memory_load import add_memory_load_parser
+    from mars_tools.bench.ope import add_ope_parser
+    from mars_tools.bench.replay import add_replay_bench_parser
+    from mars_tools.bench.router_sim import add_router_parser
+
+    bench = sub.add_parser("bench", help="benchmarks over real data (retrieval)")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    add_realmem_parser(bench_sub)
+    add_memory_load_parser(bench_sub)
+    add_locomo_parser(bench_sub)
+    add_router_parser(bench_sub)
+    add_dispatch_parser(bench_sub)
+    add_ope_parser(bench_sub)
+    add_replay_bench_parser(bench_sub)
