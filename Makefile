@@ -100,9 +100,11 @@ image: install proto
 test-image: install proto kafka
 	$(if $(IMAGE),MARS_IMAGE=$(IMAGE)) $(PY) -m pytest -q tests/image
 
+# ruff, mypy, and the import contracts of .importlinter (layers, a pure domain, no cycles).
 lint: install proto
 	$(VENV)/bin/ruff check services infra tests load-tests
 	$(VENV)/bin/mypy services/mars services/mars_* infra/mars_stack
+	$(VENV)/bin/lint-imports --no-cache
 
 clean:
 	rm -rf services/mars/v1 .pytest_cache .mypy_cache .ruff_cache

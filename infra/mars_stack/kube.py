@@ -18,7 +18,6 @@ import signal
 import ssl
 import subprocess
 import tempfile
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -469,16 +468,4 @@ def stop_processes(procs: list[subprocess.Popen[bytes]], timeout_s: float = 15.0
 
 def wait_for(check: Callable[[], Any], timeout_s: float, what: str) -> Any:
     """Poll `check` until it returns something truthy (returned), or ClusterError after `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    last_error: Exception | None = None
-    while time.monotonic() < deadline:
-        try:
-            result = check()
-            if result:
-                return result
-        except Exception as exc:  # the API may refuse while a controller catches up
-            last_error = exc
-        time.sleep(0.25)
-    raise ClusterError(
-        f"timed out after {timeout_s}s waiting for {what}" + (f": {last_error}" if last_error else "")
-    )
+    return wait_until(check, timeout_s, what, every_s=0.25, error=ClusterError)

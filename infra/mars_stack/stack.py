@@ -61,25 +61,34 @@ def free_port() -> int:
 
 
 def wait_until(
-    check: Callable[[], bool],
+    check: Callable[[], Any],
     timeout_s: float,
     what: str,
     proc: subprocess.Popen[bytes] | None = None,
     log: Path | None = None,
-) -> None:
+    *,
+    every_s: float = 0.1,
+    error: type[Exception] = StackError,
+) -> Any:
+    """Poll `check` until it returns something truthy, and return that. A check that raises counts as not
+    ready yet (a server still starting refuses connections, an API server's controllers catch up); the last
+    such error goes into the timeout's message. `proc` exiting first, or the timeout, raises `error`."""
     deadline = time.monotonic() + timeout_s
+    last_error: Exception | None = None
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
             tail = log.read_text(errors="replace")[-3000:] if log and log.exists() else ""
-            raise StackError(f"{what} exited with code {proc.returncode} while starting\n{tail}")
+            raise error(f"{what} exited with code {proc.returncode} while starting\n{tail}")
         try:
-            if check():
-                return
-        except Exception:
-            pass
-        time.sleep(0.1)
+            result = check()
+            if result:
+                return result
+        except Exception as exc:  # not ready yet: kept for the timeout's message
+            last_error = exc
+        time.sleep(every_s)
     tail = log.read_text(errors="replace")[-3000:] if log and log.exists() else ""
-    raise StackError(f"{what} was not ready after {timeout_s}s\n{tail}")
+    because = f" (last check failed: {last_error!r})" if last_error is not None else ""
+    raise error(f"{what} was not ready after {timeout_s}s{because}\n{tail}")
 
 
 def tcp_open(port: int) -> bool:

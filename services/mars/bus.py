@@ -396,6 +396,14 @@ class _PartitionTrack:
         return self.next_fetch
 
 
+class _Undeliverable(Exception):
+    """A record no handler gets: dead-lettered with its kind, or ("forgotten") skipped."""
+
+    def __init__(self, kind: str, reason: str, turn_id: str) -> None:
+        super().__init__(reason)
+        self.kind, self.reason, self.turn_id = kind, reason, turn_id
+
+
 def check_group(service: str, group_id: str, subscriptions: Sequence[Subscription]) -> None:
     """A stage group reads exactly the topics the topology gives it, in the service it names: a handler
     added or dropped in one place and not the other fails at start, not as lag nobody scales on."""
@@ -697,6 +705,25 @@ class StageConsumer:
 
     async def _handle(self, record: ConsumerRecord[Any, Any]) -> None:
         sub = self._subs[record.topic]
+        try:
+            event, turn_id = await self._decode(record, sub)
+        except _Undeliverable as exc:
+            if exc.kind == "forgotten":
+                # The user was forgotten: the event's text is gone with the key, and nothing is left to do.
+                log.info("turn %s on %s skipped: its user was forgotten", exc.turn_id, record.topic)
+                self._timed(record.topic, "forgotten", time.perf_counter())
+            else:
+                await self._dead_letter(record, exc.reason, exc.turn_id, exc.kind)
+            return
+        tp = TopicPartition(record.topic, record.partition)
+        first_delivery.set(
+            record.offset >= self._fresh_from.get(tp, math.inf)
+            and not any(k == RESENT_HEADER for k, _ in record.headers or ())
+        )
+        await self._run_handler(record, sub, event, turn_id)
+
+    async def _decode(self, record: ConsumerRecord[Any, Any], sub: Subscription) -> tuple[Message, str]:
+        """The record's event, checked and unsealed, and its turn id; _Undeliverable says why not."""
         turn_id = ""
         kind = "undecodable"  # what the check that fails found wrong (mars.dead_letters reason_kind)
         try:
@@ -729,19 +756,15 @@ class StageConsumer:
                 kind = "oversized_text"
                 raise PoisonEvent(oversized)
         except PoisonEvent as exc:
-            await self._dead_letter(record, str(exc), turn_id, kind)
-            return
-        except Forgotten:
-            # The user was forgotten: the event's text is gone with the key, and nothing is left to do.
-            log.info("turn %s on %s skipped: its user was forgotten", turn_id, record.topic)
-            self._timed(record.topic, "forgotten", time.perf_counter())
-            return
+            raise _Undeliverable(kind, str(exc), turn_id) from exc
+        except Forgotten as exc:
+            raise _Undeliverable("forgotten", "", turn_id) from exc
+        return event, turn_id
 
-        tp = TopicPartition(record.topic, record.partition)
-        first_delivery.set(
-            record.offset >= self._fresh_from.get(tp, math.inf)
-            and not any(k == RESENT_HEADER for k, _ in record.headers or ())
-        )
+    async def _run_handler(
+        self, record: ConsumerRecord[Any, Any], sub: Subscription, event: Message, turn_id: str
+    ) -> None:
+        """The handler, up to handler_attempts times; what fails for good is dead-lettered with its kind."""
         parent = context_from_headers(record.headers)
         attempts = max(1, self._settings.handler_attempts)
         for attempt in range(1, attempts + 1):

@@ -10,7 +10,6 @@ The key travels as gRPC metadata `authorization: Bearer <key>` (see mars.auth). 
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -84,11 +83,6 @@ def aio_ingress_channel(target: str, api_key: str, options: Options | None = Non
     """An asyncio channel to the ingress at `target` that sends `api_key` with every call (TLS as above)."""
     interceptors: list[Any] = [_AioUnaryUnary(api_key), _AioStreamStream(api_key)] if api_key else []
     return tls.aio_channel(target, options=options, interceptors=interceptors)
-
-
-def env_api_key() -> str:
-    """$MARS_API_KEY (the local stack writes it to stack.env), or ""."""
-    return os.environ.get("MARS_API_KEY", "")
 
 
 class TenantKeys:

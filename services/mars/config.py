@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal, Self
+from typing import Any, ClassVar, Literal, Self
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -149,6 +151,25 @@ class ServiceSettings(BaseSettings):
         env_file=os.environ.get("MARS_ENV_FILE"),
         extra="ignore",
     )
+    #: Field -> the environment variable it was read from before a rename: still read for one release,
+    #: with a warning, where the new name is not set.
+    renamed_from: ClassVar[Mapping[str, str]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _read_old_names(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        for field_name, old in cls.renamed_from.items():
+            if field_name not in data and old in os.environ:
+                warnings.warn(
+                    f"{old} is deprecated for {cls.__name__}: set MARS_{field_name.upper()} (read from {old} "
+                    "for this release only)",
+                    FutureWarning,
+                    stacklevel=2,
+                )
+                data = {**data, field_name: os.environ[old]}
+        return data
 
     kafka_bootstrap: str = "127.0.0.1:9092"
     #: How clients reach the brokers (Kafka's own names): TLS with SSL/SASL_SSL, SASL logins with SASL_*.

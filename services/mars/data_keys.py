@@ -92,10 +92,6 @@ class Forgotten(Exception):
         self.key_id = key_id
 
 
-class MissingMasterKey(Exception):
-    """A sealed event reached a process that was given no master key."""
-
-
 def master_keys(settings: ServiceSettings) -> MasterKeys | None:
     """The current master key with the previous one (MARS_PREVIOUS_MASTER_KEY_FILE) when rotating; None
     without a master key. ValueError names the variable when a key is malformed or its file unreadable."""

@@ -21,7 +21,7 @@ RECORDED_TEXT_FACTOR = 4
 #: ControllerUsage.backend of an imported turn's state: no controller saw it.
 IMPORTED_BACKEND = "imported"
 #: User turns of the last imported thread written as the state service's active context (it keeps its
-#: own MARS_CONTEXT_TURNS of them).
+#: own MARS_STATE_CONTEXT_TURNS of them).
 CONTEXT_TURNS = 20
 
 #: The state service's active context of a user (its table, mars_state MIGRATIONS), advanced only by a

@@ -12,6 +12,10 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 _ENV_REF = re.compile(r"\$\{([A-Z0-9_]+)(?::-([^}]*))?\}")
 
 
+#: The tokenizers a pool may name (mars.tokens loads them).
+TOKENIZER_KINDS = ("gguf", "hf")
+
+
 class ModelSpec(BaseModel):
     """One arm of the router: an OpenAI-compatible endpoint with its budget and prices."""
 
@@ -38,6 +42,10 @@ class ModelSpec(BaseModel):
     def _budget_positive(self) -> ModelSpec:
         if self.context_window - self.output_reserve - self.safety_margin <= 0:
             raise ValueError(f"{self.name}: context_window must exceed output_reserve + safety_margin")
+        if self.tokenizer and self.tokenizer.partition(":")[0] not in TOKENIZER_KINDS:
+            raise ValueError(
+                f"{self.name}: tokenizer {self.tokenizer!r} is not gguf:<path> or hf:<tokenizer.json>"
+            )
         return self
 
     @property

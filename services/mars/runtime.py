@@ -11,7 +11,7 @@ import signal
 import threading
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -73,18 +73,30 @@ def check_ids(**ids: str) -> None:
             raise InvalidRequest(problem)
 
 
-def check_finite(**values: float) -> None:
-    import math
+class RpcRefusal(Exception):
+    """A call that ends with a status for the caller. The message is what the caller sees (short, no
+    internals); `detail` is what the log and the records get (defaults to the message); `trailing` goes
+    out as trailing metadata (e.g. retry-after-ms)."""
 
-    for name, value in values.items():
-        if not math.isfinite(value):
-            raise InvalidRequest(f"{name} must be a finite number, got {value}")
+    def __init__(
+        self,
+        code: grpc.StatusCode,
+        message: str,
+        detail: str = "",
+        trailing: tuple[tuple[str, str], ...] = (),
+    ) -> None:
+        super().__init__(message)
+        self.code = code
+        self.detail = detail or message
+        self.trailing = trailing
 
 
 def rpc_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The status and a plain message (never a stack trace) for an exception out of an RPC handler."""
     import psycopg
 
+    if isinstance(exc, RpcRefusal):
+        return exc.code, str(exc)
     if isinstance(exc, InvalidRequest | PoisonEvent):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
     if isinstance(exc, psycopg.DataError | psycopg.errors.ProgramLimitExceeded):
@@ -93,7 +105,11 @@ def rpc_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
             f"the request holds data the database refuses ({type(exc).__name__})",
         )
     if is_transient(exc):
-        return grpc.StatusCode.UNAVAILABLE, f"temporarily unavailable ({type(exc).__name__}); try again"
+        return (
+            grpc.StatusCode.UNAVAILABLE,
+            f"MARS is briefly unavailable ({type(exc).__name__}: its database or broker may be restarting); "
+            "retry",
+        )
     if isinstance(exc, TimeoutError):
         return grpc.StatusCode.DEADLINE_EXCEEDED, "the request timed out inside the service"
     return grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__}); the service log has the details"
@@ -118,15 +134,25 @@ def rpc_errors(method: UnaryMethod[_Servicer, _Request, _Reply]) -> UnaryMethod[
         except (grpc.aio.AbortError, asyncio.CancelledError):
             raise
         except Exception as exc:
-            code, message = rpc_status(exc)
-            if code == grpc.StatusCode.INTERNAL:
-                log.exception("%s failed", method.__qualname__)
-            else:
-                log.info("%s: %s: %s", method.__qualname__, code.name, message)
-            await context.abort(code, message[:2000])
+            await abort_rpc(context, exc, method.__qualname__)
             raise  # not reached: abort raises
 
     return guarded
+
+
+async def abort_rpc(context: grpc.aio.ServicerContext, exc: Exception, where: str) -> NoReturn:
+    """End the call with rpc_status's status for `exc` (and a refusal's trailing metadata); the exception
+    is logged here, never sent."""
+    code, message = rpc_status(exc)
+    if code == grpc.StatusCode.INTERNAL:
+        log.exception("%s failed", where)
+    elif code == grpc.StatusCode.UNAVAILABLE:
+        log.warning("%s: %s: %r", where, code.name, exc)
+    else:
+        log.info("%s: %s: %s", where, code.name, message)
+    trailing = exc.trailing if isinstance(exc, RpcRefusal) else ()
+    await context.abort(code, message[:2000], trailing_metadata=trailing)
+    raise AssertionError("unreachable: context.abort raises")
 
 
 def configure_logging(level: str, name: str) -> None:
@@ -144,6 +170,53 @@ async def serve(name: str, settings: ServiceSettings, build: Builder, migrations
     except ValueError as exc:  # found at start, with the variable to fix
         raise SystemExit(f"{name}: {exc}") from exc
     telemetry = setup_telemetry(name, settings)
+    ctx = await _open_context(name, settings, migrations, master)
+    parts = await build(ctx)
+    grpc_parts = await _start_grpc(name, settings, parts)
+    for consumer in parts.consumers:
+        await consumer.start()
+    await asyncio.gather(*(c.wait_assigned() for c in parts.consumers))
+    await _set_health(grpc_parts.health_servicer, grpc_parts.names, health_pb2.HealthCheckResponse.SERVING)
+    for component, ok in parts.health.items():
+        status = health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING
+        await grpc_parts.health_servicer.set(component, status)
+    probes_task = asyncio.create_task(_poll_health(grpc_parts.health_servicer, parts.health_probes))
+    background = [asyncio.create_task(loop_fn()) for loop_fn in parts.background]
+    log.info(
+        "%s serving gRPC on %s:%d with %d consumer(s)",
+        name,
+        settings.grpc_host,
+        grpc_parts.port,
+        len(parts.consumers),
+    )
+    crashed = await _until_stopped(name, parts)
+
+    log.info("%s stopping", name)
+    # A stop that hangs (a broker gone while leaving the group, a backlog of spans) must not keep the
+    # process alive: after this long it exits hard, and what it did not commit is redelivered.
+    watchdog = threading.Timer(STOP_DEADLINE_S, _exit_now, args=(name,))
+    watchdog.daemon = True
+    watchdog.start()
+    probes_task.cancel()
+    for task in background:
+        task.cancel()
+    await _set_health(grpc_parts.health_servicer, grpc_parts.names, health_pb2.HealthCheckResponse.NOT_SERVING)
+    for consumer in parts.consumers:
+        await consumer.stop()
+    await grpc_parts.stop()
+    for hook in parts.on_stop:
+        await hook()
+    await ctx.producer.stop()
+    await ctx.pool.close()
+    telemetry.shutdown()
+    if crashed:
+        raise SystemExit(1)
+
+
+async def _open_context(
+    name: str, settings: ServiceSettings, migrations: Sequence[str], master: Any
+) -> ServiceContext:
+    """Topics ensured, the producer started, Postgres migrated, and the data keyring when there is a key."""
     ensured = await ensure_topics(
         kafka_client_options(settings),
         settings.kafka_partitions,
@@ -164,9 +237,26 @@ async def serve(name: str, settings: ServiceSettings, build: Builder, migrations
             "a user cannot make their past events unreadable",
             name,
         )
-    ctx = ServiceContext(name=name, settings=settings, producer=producer, pool=pool)
-    parts = await build(ctx)
+    return ServiceContext(name=name, settings=settings, producer=producer, pool=pool)
 
+
+@dataclass
+class _Serving:
+    server: grpc.aio.Server
+    #: Health alone, in plaintext, on a port of its own (None without MARS_HEALTH_PORT).
+    health_server: grpc.aio.Server | None
+    health_servicer: health.aio.HealthServicer
+    names: list[str]
+    port: int
+
+    async def stop(self) -> None:
+        await self.server.stop(grace=2)
+        if self.health_server is not None:
+            await self.health_server.stop(None)
+
+
+async def _start_grpc(name: str, settings: ServiceSettings, parts: ServiceParts) -> _Serving:
+    """The gRPC server (and the health-only one), started NOT_SERVING until the consumers are assigned."""
     server, health_servicer = grpc_server(name, settings, parts.bindings)
     names = [b.full_name for b in parts.bindings]
     port = tls.add_port(server, f"{settings.grpc_host}:{settings.grpc_port}", settings)
@@ -178,23 +268,17 @@ async def serve(name: str, settings: ServiceSettings, build: Builder, migrations
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, health_server)
         health_server.add_insecure_port(f"{settings.grpc_host}:{settings.health_port}")
         await health_server.start()
-    for svc in ["", *names]:
-        await health_servicer.set(svc, health_pb2.HealthCheckResponse.NOT_SERVING)
+    await _set_health(health_servicer, names, health_pb2.HealthCheckResponse.NOT_SERVING)
+    return _Serving(server, health_server, health_servicer, names, port)
 
-    for consumer in parts.consumers:
-        await consumer.start()
-    await asyncio.gather(*(c.wait_assigned() for c in parts.consumers))
-    for svc in ["", *names]:
-        await health_servicer.set(svc, health_pb2.HealthCheckResponse.SERVING)
-    for component, ok in parts.health.items():
-        status = health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING
-        await health_servicer.set(component, status)
-    probes_task = asyncio.create_task(_poll_health(health_servicer, parts.health_probes))
-    background = [asyncio.create_task(loop_fn()) for loop_fn in parts.background]
-    log.info(
-        "%s serving gRPC on %s:%d with %d consumer(s)", name, settings.grpc_host, port, len(parts.consumers)
-    )
 
+async def _set_health(servicer: health.aio.HealthServicer, names: Sequence[str], status: Any) -> None:
+    for svc in ["", *names]:
+        await servicer.set(svc, status)
+
+
+async def _until_stopped(name: str, parts: ServiceParts) -> bool:
+    """Wait for SIGTERM/SIGINT or a consumer that stopped for good; True for the latter (a crash)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -206,30 +290,7 @@ async def serve(name: str, settings: ServiceSettings, build: Builder, migrations
     if crashed:
         # A consumer that stopped for good must take the process down, so an orchestrator restarts it.
         log.error("%s: a consumer stopped unexpectedly: %r", name, crashed[0].exception())
-
-    log.info("%s stopping", name)
-    # A stop that hangs (a broker gone while leaving the group, a backlog of spans) must not keep the
-    # process alive: after this long it exits hard, and what it did not commit is redelivered.
-    watchdog = threading.Timer(STOP_DEADLINE_S, _exit_now, args=(name,))
-    watchdog.daemon = True
-    watchdog.start()
-    probes_task.cancel()
-    for task in background:
-        task.cancel()
-    for svc in ["", *names]:
-        await health_servicer.set(svc, health_pb2.HealthCheckResponse.NOT_SERVING)
-    for consumer in parts.consumers:
-        await consumer.stop()
-    await server.stop(grace=2)
-    if health_server is not None:
-        await health_server.stop(None)
-    for hook in parts.on_stop:
-        await hook()
-    await producer.stop()
-    await pool.close()
-    telemetry.shutdown()
-    if crashed:
-        raise SystemExit(1)
+    return bool(crashed)
 
 
 STOP_DEADLINE_S = 20.0
@@ -278,8 +339,10 @@ async def _poll_health(
         for component, probe in probes.items():
             try:
                 ok = bool(probe())
-            except Exception:
+            except Exception as exc:
                 ok = False
+                if last.get(component, True):  # logged when it turns, not every second
+                    log.warning("health probe %s failed: %r", component, exc)
             if last.get(component) != ok:
                 last[component] = ok
                 status = (

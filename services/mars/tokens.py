@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from mars.domain.text import estimate_tokens
+from mars.pool import TOKENIZER_KINDS
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,9 @@ def _load_exact(spec: str | None) -> TokenCounter:
     if not spec:
         return estimate_tokens
     kind, _, path = spec.partition(":")
+    if kind not in TOKENIZER_KINDS:
+        # A misconfigured pool is refused when it loads (mars.pool); anything else naming one is refused here.
+        raise ValueError(f"unknown tokenizer kind {kind!r} in {spec!r} (use gguf:<path> or hf:<tokenizer.json>)")
     if not path:
         return estimate_tokens  # e.g. gguf:${MARS_LOCAL_GGUF:-} outside the local stack
     try:
@@ -58,14 +62,12 @@ def _load_exact(spec: str | None) -> TokenCounter:
             vocab = Llama(model_path=path, vocab_only=True, verbose=False)
             _vocabularies.append(vocab)
             return lambda text: len(vocab.tokenize(text.encode("utf-8"), add_bos=False, special=False))
-        if kind == "hf":
-            from tokenizers import Tokenizer
+        from tokenizers import Tokenizer  # hf
 
-            tok = Tokenizer.from_file(path)
-            tok.no_padding()  # count the text, not a padded window
-            tok.no_truncation()
-            return lambda text: len(tok.encode(text, add_special_tokens=False).ids)
-        raise ValueError(f"unknown tokenizer kind {kind!r} (use gguf:<path> or hf:<tokenizer.json>)")
-    except Exception as exc:
+        tok = Tokenizer.from_file(path)
+        tok.no_padding()  # count the text, not a padded window
+        tok.no_truncation()
+        return lambda text: len(tok.encode(text, add_special_tokens=False).ids)
+    except Exception as exc:  # a missing or unreadable file: the estimate never packs past the budget
         log.error("tokenizer %s unavailable (%s); packing with the conservative estimate", spec, exc)
         return estimate_tokens

@@ -250,6 +250,16 @@ def create_app(settings: GatewaySettings, arms: list[str]) -> FastAPI:
     )
     app.add_middleware(Edge, limit=settings.max_body_bytes)
 
+    _add_error_handlers(app)
+    _add_health_routes(app, gateway)
+    _add_openai_routes(app, gateway, settings)
+    _add_feedback_route(app, gateway)
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error as OpenAI's error body, never a stack trace."""
+
     @app.exception_handler(GatewayError)
     async def _gateway_error(_: Request, exc: GatewayError) -> JSONResponse:
         return exc.response()
@@ -272,6 +282,8 @@ def create_app(settings: GatewaySettings, arms: list[str]) -> FastAPI:
             500, "internal error in the MARS gateway", "server_error", "internal_error"
         ).response()
 
+
+def _add_health_routes(app: FastAPI, gateway: Gateway) -> None:
     @app.get("/healthz", response_model=Health, tags=["health"])
     async def healthz() -> Health:
         """The process is up."""
@@ -292,6 +304,8 @@ def create_app(settings: GatewaySettings, arms: list[str]) -> FastAPI:
             detail = f"ingress unreachable: {exc.code().name}"
         return JSONResponse(Health(status="unavailable", detail=detail).model_dump(), status_code=503)
 
+
+def _add_openai_routes(app: FastAPI, gateway: Gateway, settings: GatewaySettings) -> None:
     @app.get("/v1/models", response_model=ModelList, tags=["openai"])
     async def models(http: Request, key: Annotated[str, Depends(api_key)]) -> ModelList:
         """`mars` (MARS routes each turn) and the pool's arms (the `model` a completion may name). The key
@@ -356,6 +370,8 @@ def create_app(settings: GatewaySettings, arms: list[str]) -> FastAPI:
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
 
+
+def _add_feedback_route(app: FastAPI, gateway: Gateway) -> None:
     @app.post("/v1/feedback", response_model=FeedbackResult, tags=["mars"])
     async def feedback(
         http: Request,
@@ -380,8 +396,6 @@ def create_app(settings: GatewaySettings, arms: list[str]) -> FastAPI:
             http, lambda: gateway.ingress().SubmitFeedback(request, metadata=metadata, timeout=30)
         )
         return FeedbackResult(accepted=reply.accepted)
-
-    return app
 
 
 def _event(payload: Any) -> bytes:

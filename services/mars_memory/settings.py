@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Mapping
+from typing import ClassVar, Literal
 
 from mars.config import ServiceSettings
 from pydantic import Field, field_validator
@@ -11,6 +12,9 @@ MEMORY_ROLES = ("views", "writer")
 
 
 class MemorySettings(ServiceSettings):
+    #: MARS_CONTEXT_TURNS meant this here and the controller's context in state (MARS_STATE_CONTEXT_TURNS).
+    renamed_from: ClassVar[Mapping[str, str]] = {"memory_context_turns": "MARS_CONTEXT_TURNS"}
+
     #: Longest a view waits for turn n-1 to be applied before it is built and flagged possibly_stale.
     read_your_writes_wait_s: float = 10.0
     #: Sessions in the view's logged ranking (CandidateView.ranking, what `mars eval realmem` scores). It is
@@ -42,7 +46,7 @@ class MemorySettings(ServiceSettings):
     #: OpenMP threads per CPU FAISS search (see mars.retrieval.dense.set_cpu_threads).
     faiss_threads: int = 1
     #: The conversation's recent user turns used as secondary queries by the mars policy.
-    context_turns: int = 3
+    memory_context_turns: int = 3
     #: Overrides of the policy's fusion settings (HybridConfig field names), e.g.
     #: MARS_FUSION='{"fusion": "weighted", "dense_weight": 2.0, "recency_weight": 0.5}'.
     fusion: dict[str, float | str] = Field(default_factory=dict)

@@ -20,6 +20,7 @@ from mars.domain.memory_policy import (
     session_ranking,
 )
 from mars.domain.thread_state import (
+    ThreadState,
     fold_turn,
     new_thread,
     render_active_state,
@@ -348,7 +349,7 @@ class MemoryStore:
             own = sorted(
                 (r for r in index.records.values() if r.session_id == session_id), key=lambda r: r.seq
             )
-            context = [r.user_text for r in own[-self._settings.context_turns :]]
+            context = [r.user_text for r in own[-self._settings.memory_context_turns :]]
         depth = self._settings.view_ranking_depth
         return index.sessions.rank_groups(text, context, depth, cfg, {session_id})
 
@@ -357,7 +358,7 @@ class MemoryStore:
         cfg = self._config
         if self._settings.view_policy != "mars":
             return cfg, []
-        context = [r.user_text for r in thread[-self._settings.context_turns :]]
+        context = [r.user_text for r in thread[-self._settings.memory_context_turns :]]
         return state_conditioned(cfg, controls.prefer_recent), context
 
     def _rank(
@@ -390,55 +391,7 @@ class MemoryStore:
             if existing is not None:
                 out.record_id, out.thread_id, out.stored = existing[0], existing[1], True
             elif event.status == ev.OK and turn.options.get("remember") != "false":
-                cur = await conn.execute(
-                    "SELECT thread_id, state, title FROM memory_threads "
-                    "WHERE tenant = %s AND user_id = %s AND status = 'ACTIVE'",
-                    (turn.tenant, turn.user_id),
-                )
-                active = await cur.fetchone()
-                thread_state = new_thread(query)
-                if active is None or event.state.action == ev.NEW_TOPIC:
-                    if active is not None:
-                        await conn.execute(
-                            "UPDATE memory_threads SET status = 'ARCHIVED' WHERE thread_id = %s", (active[0],)
-                        )
-                        out.archived_previous_thread = True
-                    out.thread_id = uuid.uuid4().hex
-                    await conn.execute(
-                        "INSERT INTO memory_threads (thread_id, tenant, user_id, status, opened_seq, title) "
-                        "VALUES (%s, %s, %s, 'ACTIVE', %s, %s)",
-                        (out.thread_id, turn.tenant, turn.user_id, turn.seq, query[:200]),
-                    )
-                else:
-                    out.thread_id = active[0]
-                    thread_state = thread_from_json(active[1]) if active[1] else new_thread(str(active[2]))
-                thread_state = fold_turn(thread_state, turn.seq, query, answer, event.state)
-                await conn.execute(
-                    "UPDATE memory_threads SET state = %s WHERE thread_id = %s",
-                    (Jsonb(thread_to_json(thread_state)), out.thread_id),
-                )
-                out.record_id = uuid.uuid4().hex
-                record = MemoryRecord(out.record_id, turn.session_id, turn.turn_id, turn.seq, query, answer)
-                vectors = await asyncio.to_thread(self._embed_record, record)
-                await conn.execute(
-                    "INSERT INTO memory_records (record_id, turn_id, tenant, user_id, session_id, thread_id, seq, "
-                    "user_text, assistant_text, embedding, embedding_model) "
-                    "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
-                    (
-                        out.record_id,
-                        turn.turn_id,
-                        turn.tenant,
-                        turn.user_id,
-                        turn.session_id,
-                        out.thread_id,
-                        turn.seq,
-                        query,
-                        answer,
-                        _blob(vectors),
-                        self._model_name if vectors is not None else None,
-                    ),
-                )
-                out.stored = True
+                await self._store_pair(conn, event, out, query, answer)
             # A failed (or remember=false) turn stores nothing but still advances seq, so turn n+1 never
             # waits for it.
             await conn.execute(
@@ -453,6 +406,70 @@ class MemoryStore:
         async with self._applied:
             self._applied.notify_all()
         return out
+
+    async def _active_thread(
+        self, conn: AsyncConnection, event: ev.Generated, out: ev.MemoryCommitted, query: str
+    ) -> ThreadState:
+        """The thread the turn goes to (a new one on NEW_TOPIC or when none is active), its id in `out`."""
+        turn = event.turn
+        cur = await conn.execute(
+            "SELECT thread_id, state, title FROM memory_threads "
+            "WHERE tenant = %s AND user_id = %s AND status = 'ACTIVE'",
+            (turn.tenant, turn.user_id),
+        )
+        active = await cur.fetchone()
+        thread_state = new_thread(query)
+        if active is None or event.state.action == ev.NEW_TOPIC:
+            if active is not None:
+                await conn.execute(
+                    "UPDATE memory_threads SET status = 'ARCHIVED' WHERE thread_id = %s", (active[0],)
+                )
+                out.archived_previous_thread = True
+            out.thread_id = uuid.uuid4().hex
+            await conn.execute(
+                "INSERT INTO memory_threads (thread_id, tenant, user_id, status, opened_seq, title) "
+                "VALUES (%s, %s, %s, 'ACTIVE', %s, %s)",
+                (out.thread_id, turn.tenant, turn.user_id, turn.seq, query[:200]),
+            )
+        else:
+            out.thread_id = active[0]
+            thread_state = thread_from_json(active[1]) if active[1] else new_thread(str(active[2]))
+        return thread_state
+
+    async def _store_pair(
+        self, conn: AsyncConnection, event: ev.Generated, out: ev.MemoryCommitted, query: str, answer: str
+    ) -> None:
+        """The pair as a record of its thread, the thread's state folded with it (in the caller's
+        transaction)."""
+        turn = event.turn
+        thread_state = await self._active_thread(conn, event, out, query)
+        thread_state = fold_turn(thread_state, turn.seq, query, answer, event.state)
+        await conn.execute(
+            "UPDATE memory_threads SET state = %s WHERE thread_id = %s",
+            (Jsonb(thread_to_json(thread_state)), out.thread_id),
+        )
+        out.record_id = uuid.uuid4().hex
+        record = MemoryRecord(out.record_id, turn.session_id, turn.turn_id, turn.seq, query, answer)
+        vectors = await asyncio.to_thread(self._embed_record, record)
+        await conn.execute(
+            "INSERT INTO memory_records (record_id, turn_id, tenant, user_id, session_id, thread_id, seq, "
+            "user_text, assistant_text, embedding, embedding_model) "
+            "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
+            (
+                out.record_id,
+                turn.turn_id,
+                turn.tenant,
+                turn.user_id,
+                turn.session_id,
+                out.thread_id,
+                turn.seq,
+                query,
+                answer,
+                _blob(vectors),
+                self._model_name if vectors is not None else None,
+            ),
+        )
+        out.stored = True
 
     async def _query_vector(self, text: str) -> None:
         """Put the query's vector in the query cache, or wait for the computation already under way."""

@@ -99,7 +99,7 @@ class StateStage:
             )
             row = await cur.fetchone()
         # An imported history may leave more turns than this service's context holds.
-        recent: list[str] = list(row[0])[-self._settings.context_turns :] if row else []
+        recent: list[str] = list(row[0])[-self._settings.state_context_turns :] if row else []
         depth = int(row[1]) if row else 0
         # The first turn of a session after earlier ones (a row from before the column: not known).
         opens_session = row is not None and row[3] is not None and row[3] != turn.session_id
@@ -110,7 +110,7 @@ class StateStage:
         depth += 1
         state.thread_depth = depth
         # Postgres refuses NUL in text (and in JSONB strings): the context keeps the text without it.
-        recent = [*recent, pg_text(event.text)][-self._settings.context_turns :]
+        recent = [*recent, pg_text(event.text)][-self._settings.state_context_turns :]
         async with self._pool.connection() as conn:
             # Guarded by seq so a redelivered older turn cannot roll the context back.
             await conn.execute(

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import ClassVar
+
 from mars.config import ServiceSettings
 from pydantic import Field
 
 
 class StateSettings(ServiceSettings):
+    #: MARS_CONTEXT_TURNS meant this here and the secondary queries in memory (MARS_MEMORY_CONTEXT_TURNS).
+    renamed_from: ClassVar[Mapping[str, str]] = {"state_context_turns": "MARS_CONTEXT_TURNS"}
+
     #: User turns of the active thread shown to the controller as PREVIOUS ACTIVE CONTEXT.
-    context_turns: int = 6
+    state_context_turns: int = 6
     #: QTM backend: learned (the packaged CPU model over MiniLM features, default), rules (deterministic
     #: cues), openai (any OpenAI-compatible server, e.g. vLLM with Qwen2.5-7B-Instruct), llamacpp (the local
     #: stack's server), vllm (in-process engine on a GPU node).

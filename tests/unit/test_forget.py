@@ -12,7 +12,7 @@ from mars import auth, db, forget, topology
 from mars.auth import PermissionDenied, Principal, StoredKey
 from mars.migrations import service_migrations
 from mars.retrieval.embedder import LruEmbedder
-from mars_ingress.service import InvalidTurn, admin_tenant
+from mars_ingress.admission import InvalidTurn, admin_tenant
 from mars_router.store import policy_id_for
 from mars_tools.cli import build_parser
 

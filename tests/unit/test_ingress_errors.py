@@ -1,31 +1,45 @@
-"""Errors that are not the caller's become a status and a plain message, never a stack trace."""
+"""Errors that are not the caller's become a status and a plain message, never a stack trace: the ingress
+maps them with the same rpc_status as every service."""
 
 from __future__ import annotations
 
 import grpc
 import psycopg
 from aiokafka.errors import KafkaTimeoutError
-from mars_ingress.service import unexpected_status
+from mars.runtime import rpc_status
+from mars_ingress.admission import InvalidTurn, TurnFailed, quota_failure
 
 
 def test_database_or_broker_trouble_is_unavailable_with_a_retry_hint() -> None:
     for exc in (psycopg.OperationalError("server closed the connection"), KafkaTimeoutError()):
-        code, message = unexpected_status(exc)
+        code, message = rpc_status(exc)
         assert code == grpc.StatusCode.UNAVAILABLE
         assert "retry" in message and "Traceback" not in message
 
 
 def test_anything_else_is_internal_without_details() -> None:
-    code, message = unexpected_status(ValueError("secret internals"))
+    code, message = rpc_status(ValueError("secret internals"))
     assert code == grpc.StatusCode.INTERNAL
     assert "secret internals" not in message
+
+
+def test_the_ingress_refusals_keep_their_status_and_trailing_metadata() -> None:
+    from mars.quota import Refusal
+
+    assert rpc_status(InvalidTurn("text is empty")) == (grpc.StatusCode.INVALID_ARGUMENT, "text is empty")
+    refusal = quota_failure(Refusal("turns_per_s", 0.75, "tenant acme is over 2 turns/s"))
+    assert rpc_status(refusal) == (grpc.StatusCode.RESOURCE_EXHAUSTED, "tenant acme is over 2 turns/s")
+    assert refusal.trailing == (("retry-after-ms", "750"),)
+    failed = TurnFailed(grpc.StatusCode.UNAVAILABLE, "no model could answer", detail="arm-a: 502 from 10.0.0.7")
+    assert rpc_status(failed) == (grpc.StatusCode.UNAVAILABLE, "no model could answer")
 
 
 def test_a_dead_letter_tells_the_caller_the_stage_and_a_reference_only() -> None:
     import asyncio
 
     from mars.v1 import events_pb2 as ev
-    from mars_ingress.service import IngressServicer, TurnFailed
+    from mars_ingress.admission import TurnFailed
+    from mars_ingress.service import IngressServicer
     from mars_ingress.settings import IngressSettings
 
     async def run() -> TurnFailed:

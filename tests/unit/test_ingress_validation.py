@@ -1,6 +1,6 @@
 import pytest
 from mars.v1 import services_pb2 as svc
-from mars_ingress.service import InvalidTurn, validate_turn
+from mars_ingress.admission import InvalidTurn, validate_turn
 
 
 def req(**kw: object) -> svc.TurnRequest:

@@ -4,6 +4,7 @@ and presets, files and --set items resolve (or are refused) with clear messages.
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import pytest
@@ -90,3 +91,23 @@ def test_bad_overrides_are_refused(sets: list[str], message: str) -> None:
 def test_missing_config_file_is_named(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="no config file at"):
         presets.resolve([str(tmp_path / "missing.yaml")], [])
+
+
+def test_context_turns_has_a_name_per_service_and_the_old_one_still_works_with_a_warning(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from mars_memory.settings import MemorySettings
+    from mars_state.settings import StateSettings
+
+    fields = presets.settings_fields()
+    assert "MARS_CONTEXT_TURNS" not in fields  # one name, two meanings: gone
+    assert fields["MARS_STATE_CONTEXT_TURNS"] == ["state"]
+    assert fields["MARS_MEMORY_CONTEXT_TURNS"] == ["memory"]
+    assert (StateSettings().state_context_turns, MemorySettings().memory_context_turns) == (6, 3)
+    monkeypatch.setenv("MARS_CONTEXT_TURNS", "4")
+    with pytest.warns(FutureWarning, match="MARS_CONTEXT_TURNS is deprecated for StateSettings"):
+        assert StateSettings().state_context_turns == 4
+    monkeypatch.setenv("MARS_MEMORY_CONTEXT_TURNS", "2")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the new name wins, and warns nothing
+        assert MemorySettings().memory_context_turns == 2

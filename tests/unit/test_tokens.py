@@ -32,7 +32,12 @@ def test_hf_tokenizer_json_counts_tokens() -> None:
 def test_broken_tokenizer_falls_back_to_estimate(caplog: pytest.LogCaptureFixture) -> None:
     assert load_counter("gguf:/nonexistent/model.gguf") is estimate_tokens
     assert "conservative estimate" in caplog.text
-    assert load_counter("sentencepiece:/x") is estimate_tokens
+
+
+
+def test_an_unknown_tokenizer_kind_is_a_configuration_error() -> None:
+    with pytest.raises(ValueError, match="unknown tokenizer kind 'sentencepiece'"):
+        load_counter("sentencepiece:/x")
 
 
 def test_packing_with_a_real_tokenizer_stays_in_budget() -> None:
@@ -75,3 +80,20 @@ def test_gguf_vocabulary_is_freed_before_interpreter_exit() -> None:
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert "Exception ignored" not in run.stderr, run.stderr
+
+
+def test_a_pool_naming_an_unknown_tokenizer_kind_is_refused_when_it_loads() -> None:
+    from mars.pool import ModelSpec
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match=r"is not gguf:<path> or hf:<tokenizer\.json>"):
+        ModelSpec(
+            name="a",
+            base_url="http://x",
+            context_window=4096,
+            output_reserve=512,
+            safety_margin=64,
+            input_price_per_m=0.1,
+            output_price_per_m=0.2,
+            tokenizer="sentencepiece:/x",
+        )

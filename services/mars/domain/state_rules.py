@@ -83,25 +83,32 @@ def _nearest_top_k(value: Any) -> tuple[int, bool]:
     return best, True
 
 
+# Returns Any: proto enum fields are typed per enum in the stubs, but they accept their int values.
+def _enum_field(raw: Mapping[str, Any], key: str, enum: Any, default: int, clamped: list[str]) -> Any:
+    val = _enum_value(enum, raw.get(key))
+    if val is None:
+        clamped.append(key)
+        return default
+    return val
+
+
 def clamp_state(raw: Mapping[str, Any]) -> ev.SessionState:
     """Validate a raw controller dict into a SessionState, replacing bad fields with conservative values."""
     st = ev.SessionState()
     clamped: list[str] = []
-
-    # Returns Any: proto enum fields are typed per enum in the stubs, but they accept their int values.
-    def enum_field(key: str, enum: Any, default: int) -> Any:
-        val = _enum_value(enum, raw.get(key))
-        if val is None:
-            clamped.append(key)
-            return default
-        return val
-
-    st.action = enum_field("action", ev.Action, DEFAULT_ACTION)
-    st.query_type = enum_field("query_type", ev.QueryType, DEFAULT_QUERY_TYPE)
-    st.phase = enum_field("phase", ev.Phase, DEFAULT_PHASE)
-
+    st.action = _enum_field(raw, "action", ev.Action, DEFAULT_ACTION, clamped)
+    st.query_type = _enum_field(raw, "query_type", ev.QueryType, DEFAULT_QUERY_TYPE, clamped)
+    st.phase = _enum_field(raw, "phase", ev.Phase, DEFAULT_PHASE, clamped)
     tax_raw = raw.get("taxonomy")
-    tax: Mapping[str, Any] = tax_raw if isinstance(tax_raw, Mapping) else {}
+    _clamp_taxonomy(st, tax_raw if isinstance(tax_raw, Mapping) else {}, clamped)
+    _clamp_retrieval(st, raw, clamped)
+    _revision_guardrail(st, clamped)
+    # dict.fromkeys keeps first-seen order while dropping duplicates from the guardrail pass.
+    st.clamped_fields.extend(dict.fromkeys(clamped))
+    return st
+
+
+def _clamp_taxonomy(st: ev.SessionState, tax: Mapping[str, Any], clamped: list[str]) -> None:
     need = _as_flag(tax.get("need_memory"))
     if need is None:
         clamped.append("taxonomy.need_memory")
@@ -123,6 +130,9 @@ def clamp_state(raw: Mapping[str, Any]) -> ev.SessionState:
     else:
         clamped.append("taxonomy.risk_flags")
 
+
+def _clamp_retrieval(st: ev.SessionState, raw: Mapping[str, Any], clamped: list[str]) -> None:
+    """Lens, top-k, recency, scope, and the lens's confidence and reason."""
     lens = _as_number(raw.get("lens_recommendation"))
     if lens not in ALLOWED_LENS:
         clamped.append("lens_recommendation")
@@ -140,7 +150,7 @@ def clamp_state(raw: Mapping[str, Any]) -> ev.SessionState:
         recent = DEFAULT_PREFER_RECENT
     st.prefer_recent = recent
 
-    st.retrieval_scope = enum_field("retrieval_scope", ev.RetrievalScope, DEFAULT_SCOPE)
+    st.retrieval_scope = _enum_field(raw, "retrieval_scope", ev.RetrievalScope, DEFAULT_SCOPE, clamped)
 
     conf = _as_number(raw.get("lens_confidence"))
     if conf is None:
@@ -158,6 +168,8 @@ def clamp_state(raw: Mapping[str, Any]) -> ev.SessionState:
         clamped.append("lens_reason")
         st.lens_reason = DEFAULT_REASON
 
+
+def _revision_guardrail(st: ev.SessionState, clamped: list[str]) -> None:
     # Guardrail (Fig. 3 note): a revision/verification turn that claims a topic switch is far more likely
     # a continuation the controller mis-segmented; dropping the thread would make the model restart the
     # artifact.
@@ -173,10 +185,6 @@ def clamp_state(raw: Mapping[str, Any]) -> ev.SessionState:
         if st.taxonomy.memory_span == ev.NONE:
             st.taxonomy.memory_span = ev.ACTIVE_THREAD
             clamped.append("taxonomy.memory_span")
-
-    # dict.fromkeys keeps first-seen order while dropping duplicates from the guardrail pass.
-    st.clamped_fields.extend(dict.fromkeys(clamped))
-    return st
 
 
 # ---- Rule-based estimator -----------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from mars.v1 import events_pb2 as ev
 
 #: The labelled set kept in the repository.
 DEFAULT_LABELS = Path(__file__).resolve().parent / "labels" / "turns.jsonl"
-#: Earlier user turns shown as active context (the state service's default MARS_CONTEXT_TURNS).
+#: Earlier user turns shown as active context (the state service's default MARS_STATE_CONTEXT_TURNS).
 CONTEXT_TURNS = 6
 
 #: Field -> the allowed gold values (Table 5).

@@ -197,13 +197,22 @@ def add_deploy_parser(sub: argparse._SubParsersAction) -> argparse._SubParsersAc
     )
     deploy_sub = deploy.add_subparsers(dest="deploy_cmd", required=True)
 
-    def release_args(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--release", default="mars", help="the Helm release name (default mars)")
-        p.add_argument(
-            "--namespace", "-n", help="its namespace (default: the kube context's namespace, else default)"
-        )
-        p.add_argument("--context", help="kubeconfig context (default: the current one)")
+    _add_status_parser(deploy_sub)
+    _add_replay_job_parser(deploy_sub)
+    return deploy_sub
 
+
+def _release_args(p: argparse.ArgumentParser) -> None:
+    """--release, --namespace and --context: which release, where."""
+    p.add_argument("--release", default="mars", help="the Helm release name (default mars)")
+    p.add_argument(
+        "--namespace", "-n", help="its namespace (default: the kube context's namespace, else default)"
+    )
+    p.add_argument("--context", help="kubeconfig context (default: the current one)")
+
+
+
+def _add_status_parser(deploy_sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = deploy_sub.add_parser(
         "status",
         help="each workload's ready/desired replicas and each stage consumer group's lag",
@@ -216,7 +225,7 @@ def add_deploy_parser(sub: argparse._SubParsersAction) -> argparse._SubParsersAc
         "when every workload is ready, 3 when one is not (or none was found), 2 when the cluster could not "
         "be asked. Lag does not change the exit code.",
     )
-    release_args(p)
+    _release_args(p)
     p.add_argument("--bootstrap", help="Kafka bootstrap servers for the lag (default: MARS_KAFKA_BOOTSTRAP)")
     p.add_argument("--topic-prefix", help="the release's topic prefix (default: MARS_TOPIC_PREFIX)")
     p.add_argument("--no-lag", action="store_true", help="skip the lag (Kafka not reachable from here)")
@@ -228,6 +237,8 @@ def add_deploy_parser(sub: argparse._SubParsersAction) -> argparse._SubParsersAc
     )
     p.set_defaults(func=cmd_status)
 
+
+def _add_replay_job_parser(deploy_sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = deploy_sub.add_parser(
         "replay-job",
         help="a Job that runs `mars replay ...` beside the release (prints its YAML; --apply creates it)",
@@ -240,7 +251,7 @@ def add_deploy_parser(sub: argparse._SubParsersAction) -> argparse._SubParsersAc
         "is in the Job's log; files must go to a --pvc (mounted at /data) to outlive the pod. Example: "
         "mars deploy replay-job --image reg/mars:1.0 --pvc replay-data -- export --out /data/log.jsonl",
     )
-    release_args(p)
+    _release_args(p)
     p.add_argument("--image", required=True, help="the MARS image (the release's, e.g. registry/mars:0.1.0)")
     p.add_argument(
         "--apply", action="store_true", help="create the Job in the cluster instead of printing it"
@@ -288,4 +299,3 @@ def add_deploy_parser(sub: argparse._SubParsersAction) -> argparse._SubParsersAc
         help="arguments of `mars replay` after --, e.g. -- read --since-ms 1700000000000 (default: read)",
     )
     p.set_defaults(func=cmd_replay_job)
-    return deploy_sub

@@ -107,15 +107,8 @@ def _secret_env(name: str, secret: str, key: str) -> dict[str, Any]:
     return {"name": name, "valueFrom": {"secretKeyRef": {"name": secret, "key": key, "optional": True}}}
 
 
-def replay_job_manifest(job: ReplayJob, now: datetime) -> dict[str, Any]:
-    """The batch/v1 Job that runs `mars replay <replay_args>` once (no restarts by default: a failed
-    read is reported, not repeated)."""
-    if not job.replay_args:
-        raise ValueError("no replay command given (e.g. read, export --out /data/log.jsonl)")
-    name = job.job_name(now)
-    if len(name) > MAX_JOB_NAME:
-        raise ValueError(f"Job name {name!r} is {len(name)} characters; Kubernetes allows {MAX_JOB_NAME}")
-    secrets = job.kafka_password_secret or f"{job.fullname}-secrets"
+def _volumes(job: ReplayJob) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
+    """The pod's volumes, the container's mounts, and the identity settings that go with its mount."""
     volumes: list[dict[str, Any]] = [
         {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}},
         {"name": "pool", "configMap": {"name": f"{job.fullname}-model-pool", "optional": True}},
@@ -144,6 +137,12 @@ def replay_job_manifest(job: ReplayJob, now: datetime) -> dict[str, Any]:
             {"name": "MARS_IDENTITY_CERT_FILE", "value": f"{IDENTITY_DIR}/tls.crt"},
             {"name": "MARS_IDENTITY_KEY_FILE", "value": f"{IDENTITY_DIR}/tls.key"},
         ]
+    return volumes, mounts, identity_env
+
+
+def _container(
+    job: ReplayJob, secrets: str, mounts: list[dict[str, Any]], identity_env: list[dict[str, Any]]
+) -> dict[str, Any]:
     container: dict[str, Any] = {
         "name": "replay",
         "image": job.image,
@@ -171,6 +170,20 @@ def replay_job_manifest(job: ReplayJob, now: datetime) -> dict[str, Any]:
         },
         "volumeMounts": mounts,
     }
+    return container
+
+
+def replay_job_manifest(job: ReplayJob, now: datetime) -> dict[str, Any]:
+    """The batch/v1 Job that runs `mars replay <replay_args>` once (no restarts by default: a failed
+    read is reported, not repeated)."""
+    if not job.replay_args:
+        raise ValueError("no replay command given (e.g. read, export --out /data/log.jsonl)")
+    name = job.job_name(now)
+    if len(name) > MAX_JOB_NAME:
+        raise ValueError(f"Job name {name!r} is {len(name)} characters; Kubernetes allows {MAX_JOB_NAME}")
+    secrets = job.kafka_password_secret or f"{job.fullname}-secrets"
+    volumes, mounts, identity_env = _volumes(job)
+    container = _container(job, secrets, mounts, identity_env)
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",
         # Replay reads Kafka (and Postgres), never the Kubernetes API.

@@ -222,104 +222,128 @@ def _write_traces(folder: Path, name: str, builder: TraceBuilder) -> None:
             fh.write(json.dumps(trace.to_dict()) + "\n")
 
 
-def cmd_run(args: argparse.Namespace) -> int:
-    console = Console(soft_wrap=True, stderr=True)
-    path = Path(args.file)
-    if not path.is_file():
-        console.print(f"[red]no log file at {path}[/]")
-        return 2
+def _run_settings(args: argparse.Namespace, console: Console) -> tuple[dict[str, str], list[str]] | None:
+    """The run's overrides and their labels, or None after printing why the arguments do not go together."""
     if args.strict and args.ingress and not args.router:
         console.print("[red]--strict with --ingress needs --router (to see each reward reach the policy)[/]")
-        return 2
+        return None
     try:
         overrides, labels = presets.resolve(args.config or [], args.set or [])
         _check_fixed_arm(overrides, args.model_pool)
     except ValueError as exc:
         console.print(f"[red]{exc}[/]")
-        return 2
+        return None
     if args.ingress and overrides:
         console.print(
             "[red]--config/--set configure the pipeline replay run starts itself; "
             "a running pipeline (--ingress) keeps its own configuration[/]"
         )
-        return 2
+        return None
+    return overrides, labels
+
+
+@dataclass
+class _Recorded:
+    turns: list[RecordedTurn]
+    #: The recorded traces of those turns, to compare the re-driven ones with.
+    original: TraceBuilder
+    counts: Counter[str]
+
+
+def _read_recorded(path: Path, limit: int | None, console: Console) -> _Recorded | None:
     counts: Counter[str] = Counter()
     with path.open(errors="replace") as fh:
         records = list(records_from_lines(fh, counts))
     keyring = data_keys.tool_keyring(lambda msg: console.print(f"[yellow]{msg}[/]"))
     turns = recorded_turns(records, counts, keyring)
-    if args.limit:
-        turns = turns[: args.limit]
+    if limit:
+        turns = turns[:limit]
     if not turns:
         console.print(f"[red]no complete recorded turns in {path}[/] ({dict(counts)})")
-        return 2
+        return None
     original = TraceBuilder(keyring)
     for r in records:
         original.add(r)
-    original = only(original, [t.turn_id for t in turns])
+    return _Recorded(turns, only(original, [t.turn_id for t in turns]), counts)
 
-    def drive(
-        ingress: str, router: str | None, suffix: str, keys: TenantKeys, identity: CallerIdentity | None = None
-    ) -> list[dict[str, Any]]:
-        with Progress(console=console, transient=True) as progress:
-            task = progress.add_task("re-driving", total=len(turns))
-            return redrive(
-                turns,
-                ingress,
-                suffix,
-                router if args.strict else None,
-                args.reward_timeout_s,
-                lambda: progress.advance(task),
-                keys,
-                identity,
-            )
 
-    redriven: TraceBuilder | None = None
-    if args.ingress:
-        prefix = args.topic_prefix or ""
-        suffix = args.tenant_suffix or f"-replay-{int(time.time())}"
-        # The renamed tenants are new: a key for each is created in the pipeline's Postgres when we can
-        # reach it, else the one --api-key is sent for all (the ingress refuses tenants it is not for).
-        keys = TenantKeys(args.api_key or "", args.postgres_dsn or "", label="mars replay run")
-        rows = drive(args.ingress, args.router, suffix, keys)
-        if args.bootstrap:
-            redriven = read_back(args.bootstrap, prefix, [r["turn_id"] for r in rows if "turn_id" in r])
-    else:
-        # A stack of its own: fresh memory, policies and topics, so the tenants keep their names.
-        prefix = args.topic_prefix or f"replay-{int(time.time())}."
-        suffix = args.tenant_suffix or ""
-        try:
-            stack = _start_stack(overrides, prefix, args.model_pool, console)
-        except Exception as exc:
-            console.print(f"[red]the replay stack did not start: {exc}[/]")
-            return 1
-        try:
-            keys = TenantKeys(postgres_dsn=stack.env["MARS_POSTGRES_DSN"], label="mars replay run")
-            rows = drive(stack.addr("ingress"), stack.addr("router"), suffix, keys, stack.caller("replay"))
-            redriven = read_back(
-                stack.env["MARS_KAFKA_BOOTSTRAP"], prefix, [r["turn_id"] for r in rows if "turn_id" in r]
-            )
-        finally:
-            console.print("stopping the replay stack")
-            stack.stop()
-    done = [r for r in rows if "error" not in r]
-    same = sum(r["arm"] == r["recorded_arm"] for r in done)
-    label = " + ".join(labels) or "same configuration"
-    summary: dict[str, Any] = {
-        "turns": len(rows),
-        "answered": len(done),
-        "errors": len(rows) - len(done),
-        "same_decision_as_recorded": same / len(done) if done else 0.0,
-        "tenant_suffix": suffix,
-        "topic_prefix": prefix,
-        "config": label,
-        "overrides": overrides,
-        "log": dict(counts),
-    }
+def _drive(
+    args: argparse.Namespace,
+    console: Console,
+    turns: list[RecordedTurn],
+    target: tuple[str, str | None],
+    suffix: str,
+    keys: TenantKeys,
+    identity: CallerIdentity | None = None,
+) -> list[dict[str, Any]]:
+    ingress, router = target
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("re-driving", total=len(turns))
+        return redrive(
+            turns,
+            ingress,
+            suffix,
+            router if args.strict else None,
+            args.reward_timeout_s,
+            lambda: progress.advance(task),
+            keys,
+            identity,
+        )
+
+
+def _drive_running(
+    args: argparse.Namespace, console: Console, turns: list[RecordedTurn]
+) -> tuple[list[dict[str, Any]], TraceBuilder | None, str, str]:
+    """Re-drive through a running pipeline (--ingress): rows, the re-driven traces, tenant suffix, prefix."""
+    prefix = args.topic_prefix or ""
+    suffix = args.tenant_suffix or f"-replay-{int(time.time())}"
+    # The renamed tenants are new: a key for each is created in the pipeline's Postgres when we can
+    # reach it, else the one --api-key is sent for all (the ingress refuses tenants it is not for).
+    keys = TenantKeys(args.api_key or "", args.postgres_dsn or "", label="mars replay run")
+    rows = _drive(args, console, turns, (args.ingress, args.router), suffix, keys)
+    redriven = None
+    if args.bootstrap:
+        redriven = read_back(args.bootstrap, prefix, [r["turn_id"] for r in rows if "turn_id" in r])
+    return rows, redriven, suffix, prefix
+
+
+def _drive_own_stack(
+    args: argparse.Namespace, console: Console, turns: list[RecordedTurn], overrides: dict[str, str]
+) -> tuple[list[dict[str, Any]], TraceBuilder | None, str, str] | None:
+    """Re-drive through a stack of its own: fresh memory, policies and topics, so the tenants keep their
+    names. None after printing why the stack did not start."""
+    prefix = args.topic_prefix or f"replay-{int(time.time())}."
+    suffix = args.tenant_suffix or ""
+    try:
+        stack = _start_stack(overrides, prefix, args.model_pool, console)
+    except Exception as exc:
+        console.print(f"[red]the replay stack did not start: {exc}[/]")
+        return None
+    try:
+        keys = TenantKeys(postgres_dsn=stack.env["MARS_POSTGRES_DSN"], label="mars replay run")
+        target = (stack.addr("ingress"), stack.addr("router"))
+        rows = _drive(args, console, turns, target, suffix, keys, stack.caller("replay"))
+        redriven = read_back(
+            stack.env["MARS_KAFKA_BOOTSTRAP"], prefix, [r["turn_id"] for r in rows if "turn_id" in r]
+        )
+    finally:
+        console.print("stopping the replay stack")
+        stack.stop()
+    return rows, redriven, suffix, prefix
+
+
+def _report(
+    args: argparse.Namespace,
+    console: Console,
+    summary: dict[str, Any],
+    rows: list[dict[str, Any]],
+    original: TraceBuilder,
+    redriven: TraceBuilder | None,
+) -> None:
     if args.out:
         Path(args.out).write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     if redriven is not None:
-        Console(soft_wrap=True).print(comparison_table(original, redriven, label))
+        Console(soft_wrap=True).print(comparison_table(original, redriven, summary["config"]))
         if args.summary:
             full = dict(summary, recorded=summarize(original), redriven=summarize(redriven))
             Path(args.summary).write_text(json.dumps(full, indent=2))
@@ -327,6 +351,43 @@ def cmd_run(args: argparse.Namespace) -> int:
             _write_traces(Path(args.traces), "recorded", original)
             _write_traces(Path(args.traces), "redriven", redriven)
     console.print(json.dumps(summary, indent=2))
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    console = Console(soft_wrap=True, stderr=True)
+    path = Path(args.file)
+    if not path.is_file():
+        console.print(f"[red]no log file at {path}[/]")
+        return 2
+    chosen = _run_settings(args, console)
+    if chosen is None:
+        return 2
+    overrides, labels = chosen
+    recorded = _read_recorded(path, args.limit, console)
+    if recorded is None:
+        return 2
+    if args.ingress:
+        driven = _drive_running(args, console, recorded.turns)
+    else:
+        started = _drive_own_stack(args, console, recorded.turns, overrides)
+        if started is None:
+            return 1
+        driven = started
+    rows, redriven, suffix, prefix = driven
+    done = [r for r in rows if "error" not in r]
+    same = sum(r["arm"] == r["recorded_arm"] for r in done)
+    summary: dict[str, Any] = {
+        "turns": len(rows),
+        "answered": len(done),
+        "errors": len(rows) - len(done),
+        "same_decision_as_recorded": same / len(done) if done else 0.0,
+        "tenant_suffix": suffix,
+        "topic_prefix": prefix,
+        "config": " + ".join(labels) or "same configuration",
+        "overrides": overrides,
+        "log": dict(recorded.counts),
+    }
+    _report(args, console, summary, rows, recorded.original, redriven)
     return 0 if not summary["errors"] else 1
 
 

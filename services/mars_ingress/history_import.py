@@ -1,0 +1,153 @@
+"""History import at the ingress: a user's recorded turn pairs (mars.history) take seqs, are recorded as
+IMPORTED and are published as imported generated events, which the memory writer stores through its normal
+commit. Used by ImportHistory and by a turn that brings earlier messages MARS does not hold."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+
+from mars import history
+from mars.bus import EventProducer
+from mars.config import SCHEMA_VERSION, TOPIC_GENERATED
+from mars.db import pg_text
+from mars.v1 import events_pb2 as ev
+from mars.v1 import services_pb2 as svc
+from psycopg.types.json import Jsonb
+from psycopg_pool import AsyncConnectionPool
+
+from mars_ingress.admission import Admission
+from mars_ingress.settings import IngressSettings
+
+
+class HistoryImport:
+    def __init__(
+        self, settings: IngressSettings, producer: EventProducer, pool: AsyncConnectionPool, admission: Admission
+    ) -> None:
+        self._settings = settings
+        self._producer = producer
+        self._pool = pool
+        self._admission = admission
+
+    async def publish(
+        self, tenant: str, user_id: str, pairs: list[history.ImportedPair], seqs: list[int]
+    ) -> None:
+        """Each recorded pair as an imported generated event. Every pair is published, the ones recorded
+        before too: a call that failed after recording is simply made again (the memory writer stores each
+        turn id once)."""
+        data_key_id = await self._producer.data_key_for(tenant, user_id)
+        depths = history.thread_depths(pairs)
+        for pair, seq, depth in zip(pairs, seqs, depths, strict=True):
+            envelope = ev.TurnEnvelope(
+                turn_id=pair.turn_id,
+                tenant=tenant,
+                user_id=user_id,
+                session_id=pair.session_id,
+                seq=seq,
+                received_at_ms=int(time.time() * 1000),
+                schema_version=SCHEMA_VERSION,
+                data_key_id=data_key_id,
+            )
+            event = ev.Generated(
+                turn=envelope,
+                status=ev.OK,
+                model=history.IMPORTED_BACKEND,
+                text=pair.assistant_text,
+                query=pair.user_text,
+                state=history.imported_state(pair, depth),
+                imported=True,
+            )
+            await self._producer.publish(TOPIC_GENERATED, event, envelope)
+
+    async def import_unheld(self, req: svc.TurnRequest) -> int:
+        """A turn's earlier messages (`history`) that MARS does not hold in the turn's session, imported
+        before the turn takes its seq (so its view, which waits for earlier seqs, sees them). How many."""
+        session = req.session_id or "default"
+        digests = [history.text_digest(req.tenant, req.user_id, session, t.user_text) for t in req.history]
+        async with self._pool.connection() as conn:
+            cur = await conn.execute(
+                "SELECT text_digest, count(*) FROM ingress_turns WHERE tenant = %s AND user_id = %s "
+                "AND text_digest = ANY(%s) AND status <> 'FAILED' GROUP BY text_digest",
+                (req.tenant, req.user_id, digests),
+            )
+            held = Counter({str(d): int(n) for d, n in await cur.fetchall()})
+        turns = history.unheld_turns(session, req.history, digests, held)
+        if not turns:
+            return 0
+        pairs = history.check_history(req.tenant, req.user_id, turns, self._settings.max_text_chars)
+        self._admission.charge_imported(req.tenant, pairs)
+        seqs, _ = await self.record(req.tenant, req.user_id, pairs)
+        await self.publish(req.tenant, req.user_id, pairs, seqs)
+        return len(pairs)
+
+    async def record(
+        self, tenant: str, user_id: str, pairs: list[history.ImportedPair]
+    ) -> tuple[list[int], int]:
+        """Each pair's seq (a pair imported before keeps its own) and how many are new. New pairs take the
+        next seqs of the user and are recorded as IMPORTED in one transaction, and the state service's
+        active context becomes the thread they leave active (unless a later turn moved it on)."""
+        turn_ids = [p.turn_id for p in pairs]
+        async with self._pool.connection() as conn, conn.transaction():
+            cur = await conn.execute(
+                "SELECT turn_id, seq FROM ingress_turns WHERE turn_id = ANY(%s)", (turn_ids,)
+            )
+            known = {str(tid): int(seq) for tid, seq in await cur.fetchall()}
+            new = [p for p in pairs if p.turn_id not in known]
+            if new:
+                cur = await conn.execute(
+                    """
+                    INSERT INTO ingress_user_seq (tenant, user_id, last_seq) VALUES (%s, %s, %s)
+                    ON CONFLICT (tenant, user_id) DO UPDATE SET last_seq = ingress_user_seq.last_seq + %s
+                    RETURNING last_seq
+                    """,
+                    (tenant, user_id, len(new), len(new)),
+                )
+                row = await cur.fetchone()
+                assert row is not None
+                first = int(row[0]) - len(new) + 1
+                for offset, pair in enumerate(new):
+                    known[pair.turn_id] = first + offset
+                async with conn.cursor() as many:
+                    await many.executemany(
+                        "INSERT INTO ingress_turns (turn_id, tenant, user_id, session_id, seq, status, "
+                        "finished_at, text_digest) VALUES (%s, %s, %s, %s, %s, 'IMPORTED', now(), %s)",
+                        [
+                            (
+                                p.turn_id,
+                                tenant,
+                                user_id,
+                                p.session_id,
+                                known[p.turn_id],
+                                history.text_digest(tenant, user_id, p.session_id, p.user_text),
+                            )
+                            for p in new
+                        ],
+                    )
+                recent, depth = history.last_thread_context(pairs)
+                await conn.execute(
+                    history.UPSERT_STATE_CONTEXT_SQL,
+                    (
+                        tenant,
+                        user_id,
+                        Jsonb([pg_text(t) for t in recent]),
+                        depth,
+                        max(known.values()),
+                        pairs[-1].session_id,
+                    ),
+                )
+        return [known[t] for t in turn_ids], len(new)
+
+    async def wait_stored(self, turn_ids: list[str], wait_s: float) -> int:
+        """How many of `turn_ids` the memory service has stored, once all are or when `wait_s` ran out."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            async with self._pool.connection() as conn:
+                cur = await conn.execute(
+                    "SELECT count(*) FROM memory_records WHERE turn_id = ANY(%s)", (turn_ids,)
+                )
+                row = await cur.fetchone()
+            stored = int(row[0]) if row else 0
+            if stored >= len(turn_ids) or time.monotonic() >= deadline:
+                return stored
+            await asyncio.sleep(0.2)
