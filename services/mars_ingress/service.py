@@ -311,7 +311,7 @@ class IngressServicer(svc_grpc.IngressServicer):
         return svc.FeedbackReply(accepted=True)
 
     async def _publish_feedback(self, request: svc.FeedbackRequest, rating: float) -> None:
-        row = await self._turns.owner_of(request.turn_id)
+        row = await self.turns.owner_of(request.turn_id)
         if row is None or (row[2], row[3]) != (request.tenant, request.user_id):
             # Someone else's turn reads as no turn at all: a different answer would tell a caller which
             # (content-hash) turn ids exist in other tenants.

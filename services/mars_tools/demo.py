@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
 import grpc
+from aiokafka.errors import KafkaError
 from mars.client import ingress_channel
 from mars.v1 import events_pb2 as ev
 from mars.v1 import services_pb2 as svc
 from mars.v1 import services_pb2_grpc as svc_grpc
 from rich.console import Console
 from rich.table import Table
+
+log = logging.getLogger(__name__)
 
 DEMO: list[tuple[str, str, str]] = [
     ("alice", "s1", "I'm planning a 5-day trip to Kyoto in April. Can you sketch an itinerary?"),
@@ -105,19 +109,32 @@ def render(rows: list[DemoRow], console: Console, rewards: dict[str, float] | No
         )
 
 
-def ledger_rewards(dsn: str, turn_ids: list[str], wait_s: float = 30.0) -> dict[str, float]:
-    """Rewards arrive after the answer (learning path); poll the router's ledger for a while."""
-    import psycopg
+def judged_rewards(
+    bootstrap: str, turn_ids: list[str], since_ms: int, prefix: str = "", wait_s: float = 30.0
+) -> dict[str, float]:
+    """Each turn's reward (Eq. 17) from its judged event on Kafka: rewards arrive after the answer, on the
+    learning path, so the judged topic is read until every turn has one or `wait_s` ran out. The events are
+    the judge's public output; the router's ledger is the router's own table."""
+    import asyncio
+
+    from mars.config import TOPIC_JUDGED
+
+    from mars_tools.replay.readers import read_topics
+
+    wanted = set(turn_ids)
+    found: dict[str, float] = {}
+
+    async def read() -> None:
+        async for record in read_topics(bootstrap, (TOPIC_JUDGED,), since_ms=since_ms, idle_s=1.0, prefix=prefix):
+            judged = ev.Judged.FromString(record.value)
+            if judged.turn.turn_id in wanted:
+                found[judged.turn.turn_id] = judged.reward
 
     deadline = time.monotonic() + wait_s
-    found: dict[str, float] = {}
-    while time.monotonic() < deadline:
-        with psycopg.connect(dsn) as conn:
-            rows = conn.execute(
-                "SELECT turn_id, reward FROM router_ledger WHERE turn_id = ANY(%s)", (turn_ids,)
-            )
-            found = {r[0]: float(r[1]) for r in rows}
-        if len(found) == len(turn_ids):
+    while time.monotonic() < deadline and len(found) < len(wanted):
+        try:
+            asyncio.run(read())
+        except (OSError, KafkaError) as exc:  # rewards are extra: the table goes out without them
+            log.warning("rewards not read from %s: %r", bootstrap, exc)
             break
-        time.sleep(0.2)
     return found

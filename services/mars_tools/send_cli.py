@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 
 from mars_tools.terminal import console
 
@@ -36,12 +37,12 @@ def caller_args(p: argparse.ArgumentParser, default_tenant: str) -> None:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from mars_tools.demo import ledger_rewards, play, render
+    from mars_tools.demo import judged_rewards, play, render
 
+    started_ms = int(time.time() * 1000)
     rows = play(args.target, tenant=tenant_of(args), max_tokens=args.max_tokens, api_key=args.api_key)
-    rewards = (
-        ledger_rewards(args.postgres_dsn, [r.reply.turn_id for r in rows if r.reply]) if args.postgres_dsn else {}
-    )
+    turn_ids = [r.reply.turn_id for r in rows if r.reply]
+    rewards = judged_rewards(args.bootstrap, turn_ids, started_ms, args.topic_prefix) if args.bootstrap else {}
     render(rows, console, rewards)
     return 0 if all(r.reply for r in rows) else 1
 
@@ -76,7 +77,15 @@ def add_demo_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p = sub.add_parser("demo", help="play the demo conversation against a running ingress")
     caller_args(p, "demo")
     p.add_argument(
-        "--postgres-dsn", default=os.environ.get("MARS_POSTGRES_DSN"), help="to show rewards (optional)"
+        "--bootstrap",
+        default=os.environ.get("MARS_KAFKA_BOOTSTRAP"),
+        help="the pipeline's Kafka, to show each turn's reward from its judged event (default: "
+        "$MARS_KAFKA_BOOTSTRAP; none: no rewards)",
+    )
+    p.add_argument(
+        "--topic-prefix",
+        default=os.environ.get("MARS_TOPIC_PREFIX", ""),
+        help="the pipeline's topic prefix (default: $MARS_TOPIC_PREFIX or none)",
     )
     p.add_argument("--max-tokens", type=int, default=48)
     p.set_defaults(func=cmd_demo)

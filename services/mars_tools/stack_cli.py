@@ -6,6 +6,7 @@ import argparse
 import os
 import signal
 import threading
+import time
 from pathlib import Path
 
 from mars_tools.terminal import console
@@ -79,9 +80,10 @@ def cmd_stack(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     stack = _start_stack(args)
     try:
-        from mars_tools.demo import ledger_rewards, play, render
+        from mars_tools.demo import judged_rewards, play, render
 
         console.print("playing the demo conversation (2 users x 2 sessions) through the gRPC ingress")
+        started_ms = int(time.time() * 1000)
         # The stack created tenant demo and its key (stack.env: MARS_TENANT, MARS_API_KEY).
         rows = play(
             stack.addr("ingress"),
@@ -89,7 +91,12 @@ def cmd_run(args: argparse.Namespace) -> int:
             max_tokens=args.max_tokens,
             api_key=stack.env.get("MARS_API_KEY", ""),
         )
-        rewards = ledger_rewards(stack.env["MARS_POSTGRES_DSN"], [r.reply.turn_id for r in rows if r.reply])
+        rewards = judged_rewards(
+            stack.env["MARS_KAFKA_BOOTSTRAP"],
+            [r.reply.turn_id for r in rows if r.reply],
+            since_ms=started_ms,
+            prefix=stack.settings.topic_prefix,
+        )
         render(rows, console, rewards)
         if args.no_serve:
             return 0 if all(r.reply for r in rows) else 1
