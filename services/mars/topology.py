@@ -18,6 +18,7 @@ from mars.config import (
     TOPIC_FEEDBACK,
     TOPIC_GENERATED,
     TOPIC_JUDGED,
+    TOPIC_MEMORY_COMMITTED,
     TOPIC_RECEIVED,
     TOPIC_ROUTED,
     TOPIC_STATE,
@@ -41,7 +42,10 @@ ROUTER = ConsumerGroup("mars-router", "router", (TOPIC_VIEW,))
 ROUTER_UPDATES = ConsumerGroup("mars-router-updates", "router", (TOPIC_JUDGED,))
 DISPATCH = ConsumerGroup("mars-dispatch", "dispatch", (TOPIC_ROUTED,))
 JUDGE = ConsumerGroup("mars-judge", "judge", (TOPIC_GENERATED, TOPIC_FEEDBACK))
-INGRESS_OUTCOMES = ConsumerGroup("mars-ingress-outcomes", "ingress", (TOPIC_GENERATED, TOPIC_DEAD_LETTER))
+#: Outcomes of turns (answered, failed) and, from memory's commits, which imported pairs are stored.
+INGRESS_OUTCOMES = ConsumerGroup(
+    "mars-ingress-outcomes", "ingress", (TOPIC_GENERATED, TOPIC_DEAD_LETTER, TOPIC_MEMORY_COMMITTED)
+)
 
 #: Every stage group, in pipeline order. (Each ingress replica's reply reader is a broadcast reader with no
 #: group and no lag to scale on.)

@@ -139,12 +139,14 @@ class HistoryImport:
         return [known[t] for t in turn_ids], len(new)
 
     async def wait_stored(self, turn_ids: list[str], wait_s: float) -> int:
-        """How many of `turn_ids` the memory service has stored, once all are or when `wait_s` ran out."""
+        """How many of `turn_ids` the memory service has stored (its commit events, recorded by the outcome
+        group), once all are or when `wait_s` ran out."""
         deadline = time.monotonic() + wait_s
         while True:
             async with self._pool.connection() as conn:
                 cur = await conn.execute(
-                    "SELECT count(*) FROM memory_records WHERE turn_id = ANY(%s)", (turn_ids,)
+                    "SELECT count(*) FROM ingress_turns WHERE turn_id = ANY(%s) AND memory_stored_at IS NOT NULL",
+                    (turn_ids,),
                 )
                 row = await cur.fetchone()
             stored = int(row[0]) if row else 0

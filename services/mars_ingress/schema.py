@@ -31,6 +31,22 @@ MIGRATIONS = [
     # (TurnRequest.history) that MARS holds already are found by it and not stored again.
     "ALTER TABLE ingress_turns ADD COLUMN IF NOT EXISTS text_digest TEXT",
     "CREATE INDEX IF NOT EXISTS ingress_turns_text_digest ON ingress_turns (tenant, user_id, text_digest)",
+    # When memory stored an imported pair (its MemoryCommitted event, which the outcome group reads): what
+    # ImportHistory's wait counts, in the ingress's own table rather than memory's. Pairs imported before
+    # the column existed were published to memory then: they are marked once, when the column is added.
+    """
+    DO $$
+    BEGIN
+        IF NOT EXISTS (
+            SELECT 1 FROM information_schema.columns
+            WHERE table_schema = current_schema() AND table_name = 'ingress_turns'
+              AND column_name = 'memory_stored_at'
+        ) THEN
+            ALTER TABLE ingress_turns ADD COLUMN memory_stored_at TIMESTAMPTZ;
+            UPDATE ingress_turns SET memory_stored_at = finished_at WHERE status = 'IMPORTED';
+        END IF;
+    END $$
+    """,
     # The API keys (mars.auth): applied with the ingress's schema, by the service and by `mars migrate`.
     *auth.MIGRATIONS,
 ]

@@ -21,6 +21,7 @@ from mars.config import (
     TOPIC_DEAD_LETTER,
     TOPIC_FEEDBACK,
     TOPIC_GENERATED,
+    TOPIC_MEMORY_COMMITTED,
     TOPIC_RECEIVED,
     TOPIC_ROUTED,
     TOPIC_STATE,
@@ -482,6 +483,7 @@ async def build(ctx: ServiceContext) -> ServiceParts:
             Subscription(
                 TOPIC_DEAD_LETTER, ev.DeadLetter, servicer.turns.record_dead_letter, requires_envelope=False
             ),
+            Subscription(TOPIC_MEMORY_COMMITTED, ev.MemoryCommitted, servicer.turns.record_stored),
         ],
     )
     return ServiceParts(

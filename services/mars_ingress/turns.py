@@ -115,6 +115,17 @@ class TurnStore:
         if letter.turn_id and self._settings.topics.base(letter.source_topic) in ANSWER_PATH_TOPICS:
             await self.record(letter.turn_id, "FAILED", f"turn failed in {letter.consumer}: {letter.reason}")
 
+    async def record_stored(self, event: ev.MemoryCommitted) -> None:
+        """Memory stored an imported pair: ImportHistory's wait counts it (turns answered live are not
+        waited on, and cost no write here)."""
+        if event.imported and event.stored:
+            async with self._pool.connection() as conn:
+                await conn.execute(
+                    "UPDATE ingress_turns SET memory_stored_at = now() "
+                    "WHERE turn_id = %s AND memory_stored_at IS NULL",
+                    (event.turn.turn_id,),
+                )
+
     async def sweep_orphans(self) -> None:
         """Turns whose waiting replica died: published again from the outbox when they never got past
         ingress and still have time, else TIMEOUT with the reason once their deadline has passed, never

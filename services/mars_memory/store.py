@@ -376,7 +376,7 @@ class MemoryStore:
     async def commit(self, event: ev.Generated) -> ev.MemoryCommitted:
         """Store the turn pair and advance the user's applied seq, in one transaction (idempotent by turn_id)."""
         turn = event.turn
-        out = ev.MemoryCommitted(turn=turn)
+        out = ev.MemoryCommitted(turn=turn, imported=event.imported)
         # Postgres refuses NUL in TEXT and JSONB: the turn is stored without it.
         query, answer = pg_text(event.query), pg_text(event.text)
         async with self._pool.connection() as conn, conn.transaction():

@@ -12,6 +12,7 @@ from mars.config import (
     MAX_TOPIC_LENGTH,
     TOPIC_DEAD_LETTER,
     TOPIC_GENERATED,
+    TOPIC_MEMORY_COMMITTED,
     TOPIC_RECEIVED,
     ServiceSettings,
     Topics,
@@ -78,13 +79,18 @@ def test_bus_subscribes_publishes_and_groups_under_the_prefix() -> None:
             [
                 Subscription(TOPIC_GENERATED, ev.Generated, handler),
                 Subscription(TOPIC_DEAD_LETTER, ev.DeadLetter, handler, requires_envelope=False),
+                Subscription(TOPIC_MEMORY_COMMITTED, ev.MemoryCommitted, handler),
             ],
         )
         return producer, consumer
 
     producer, consumer = asyncio.run(build())
     assert producer.topics.dead_letter == "run7.mars.deadletter"
-    assert set(consumer._subs) == {"run7.mars.turn.generated", "run7.mars.deadletter"}
+    assert set(consumer._subs) == {
+        "run7.mars.turn.generated",
+        "run7.mars.deadletter",
+        "run7.mars.memory.committed",
+    }
     assert consumer._group_id == "run7.mars-ingress-outcomes"
 
 
