@@ -5,13 +5,14 @@ every topic. `choose_broker` picks Kafka wherever Java >= 17 is found and Tansu 
 from __future__ import annotations
 
 import base64
-import os
 import re
 import shutil
 import subprocess
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
+
+from mars_stack.settings import launcher_settings
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 KAFKA_DIR = REPO_ROOT / "infra" / "kafka"
@@ -35,7 +36,7 @@ def kafka_version() -> str:
 
 def java_major(java: str | None = None) -> int | None:
     """The major version of `java` on PATH (or MARS_JAVA), None when there is none."""
-    java = java or os.environ.get("MARS_JAVA") or shutil.which("java")
+    java = java or launcher_settings().java or shutil.which("java")
     if not java:
         return None
     try:
@@ -51,7 +52,7 @@ def java_major(java: str | None = None) -> int | None:
 
 def choose_broker(requested: str | None = None) -> str:
     """kafka or tansu: `requested` (or MARS_BROKER) when set, else Kafka wherever Java >= 17 runs."""
-    choice = (requested or os.environ.get("MARS_BROKER") or "").strip().lower()
+    choice = (requested or launcher_settings().broker).strip().lower()
     if choice and choice not in BROKERS:
         raise ValueError(f"MARS_BROKER must be one of {', '.join(BROKERS)}, got {choice!r}")
     if choice:
@@ -61,7 +62,7 @@ def choose_broker(requested: str | None = None) -> str:
 
 
 def libs_dir() -> Path:
-    return Path(os.environ.get("MARS_KAFKA_LIBS") or DEFAULT_LIBS)
+    return Path(launcher_settings().kafka_libs or DEFAULT_LIBS)
 
 
 def ensure_kafka_libs(quiet: bool = True) -> Path:
@@ -210,12 +211,14 @@ def prepare(
             raise KafkaUnavailable(
                 f"formatting the Kafka log dir failed:\n{(done.stdout + done.stderr)[-3000:]}"
             )
-    heap = os.environ.get("MARS_KAFKA_HEAP", "512m")
+    launcher = launcher_settings()
+    heap = launcher.kafka_heap
+    jvm_opts = " ".join(LOCAL_JVM_OPTS) if launcher.kafka_jvm_opts is None else launcher.kafka_jvm_opts
     return [
         java,
         f"-Xmx{heap}",
         f"-Xms{heap}",
-        *os.environ.get("MARS_KAFKA_JVM_OPTS", " ".join(LOCAL_JVM_OPTS)).split(),
+        *jvm_opts.split(),
         "-Djava.awt.headless=true",
         f"-Dlog4j2.configurationFile={LOG4J_CONFIG}",
         "-cp",

@@ -12,7 +12,6 @@ pod Running and Ready and a Job's pod Succeeded, so Deployments become Available
 from __future__ import annotations
 
 import base64
-import os
 import shutil
 import signal
 import ssl
@@ -26,6 +25,7 @@ from typing import Any
 import yaml
 
 from mars_stack.certs import KubePKI, make_kube_pki
+from mars_stack.settings import launcher_settings
 from mars_stack.stack import free_port, wait_until
 
 K8S_DIR = Path(__file__).resolve().parents[2] / "infra" / "k8s"
@@ -165,7 +165,7 @@ class LocalCluster:
         """Stop every component (controllers first, etcd last); the workdir goes too when it was ours."""
         stop_processes([proc.popen for proc in reversed(self._procs)])
         self._procs.clear()
-        if self._own_workdir and not os.environ.get("MARS_KEEP_KUBE_WORKDIR"):
+        if self._own_workdir and not launcher_settings().keep_kube_workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
     def __enter__(self) -> LocalCluster:

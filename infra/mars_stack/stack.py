@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 from mars import topology
 
 import mars_stack.kafka as kafka
+from mars_stack.settings import launcher_settings
 
 if TYPE_CHECKING:
     import grpc
@@ -292,7 +293,7 @@ class LocalStack:
             self._terminate_all([p for p in self.procs if p.name not in infra])
             self._terminate_all([p for p in self.procs if p.name in infra])
             self.procs.clear()
-        if self._own_workdir and not os.environ.get("MARS_KEEP_STACK"):
+        if self._own_workdir and not launcher_settings().keep_stack:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
     def __enter__(self) -> LocalStack:
@@ -616,7 +617,7 @@ class LocalStack:
         self.env["MARS_API_KEY"] = key.key
 
     def _start_kafka(self) -> None:
-        java = os.environ.get("MARS_JAVA") or shutil.which("java") or "java"
+        java = launcher_settings().java or shutil.which("java") or "java"
         port, controller_port = free_port(), free_port()
         sasl_users = self.settings.kafka_sasl_users
         sasl_port = free_port() if sasl_users else None

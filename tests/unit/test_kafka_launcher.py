@@ -59,3 +59,21 @@ def test_server_properties_is_one_kraft_node_on_loopback(tmp_path: Path) -> None
 def test_cluster_ids_are_kafka_uuids_never_read_as_options() -> None:
     ids = {kafka.cluster_id() for _ in range(500)}
     assert len(ids) == 500 and all(len(i) == 22 and not i.startswith("-") for i in ids)
+
+
+def test_the_launcher_reads_its_environment_through_one_settings_model(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from mars_stack.settings import launcher_settings
+
+    for name in ("MARS_KAFKA_HEAP", "MARS_KAFKA_JVM_OPTS", "MARS_KAFKA_LIBS", "MARS_KEEP_STACK"):
+        monkeypatch.delenv(name, raising=False)
+    defaults = launcher_settings()
+    assert (defaults.kafka_heap, defaults.kafka_jvm_opts, defaults.keep_stack) == ("512m", None, False)
+    assert kafka.libs_dir() == kafka.DEFAULT_LIBS
+    monkeypatch.setenv("MARS_KAFKA_LIBS", str(tmp_path))
+    monkeypatch.setenv("MARS_KEEP_STACK", "1")
+    monkeypatch.setenv("MARS_KAFKA_JVM_OPTS", "")  # set but empty: no extra options, not the defaults
+    assert kafka.libs_dir() == tmp_path
+    assert launcher_settings().keep_stack is True
+    assert launcher_settings().kafka_jvm_opts == ""

@@ -1,0 +1,28 @@
+"""What the local launcher reads from the environment (MARS_* variables), in one typed model: the Java and
+jars of the local Apache Kafka, the broker choice, and whether work directories outlive their stack."""
+
+from __future__ import annotations
+
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class LauncherSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="MARS_", extra="ignore")
+
+    #: The java binary of the local Kafka (default: java on PATH).
+    java: str = ""
+    #: kafka or tansu (default: Kafka wherever Java >= 17 runs); `--broker` overrides it.
+    broker: str = ""
+    #: Folder of Apache Kafka's jars (default: infra/kafka/target/libs, filled by `make kafka`).
+    kafka_libs: str = ""
+    #: The local broker's JVM heap, and its other JVM options (default: mars_stack.kafka.LOCAL_JVM_OPTS).
+    kafka_heap: str = "512m"
+    kafka_jvm_opts: str | None = None
+    #: Keep a stack's (or the Kubernetes control plane's) temporary work directory after it stops.
+    keep_stack: bool = False
+    keep_kube_workdir: bool = False
+
+
+def launcher_settings() -> LauncherSettings:
+    """Read now (tests and harnesses change the environment between stacks)."""
+    return LauncherSettings()
