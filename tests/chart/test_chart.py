@@ -26,8 +26,10 @@ from mars.pool import load_pool
 from mars_stack import helm
 from mars_tools import cli
 
-SERVICES = ("ingress", "state", "memory", "router", "dispatch", "judge")
-STAGES = ("state", "memory", "router", "dispatch", "judge")
+# The chart deploys the topology's services; the stages are those with internal gRPC callers (not the
+# ingress, whose callers are tenants).
+SERVICES = topology.NAMES
+STAGES = tuple(s.name for s in topology.SERVICES if s.permissions)
 BASE: dict[str, Any] = {"kafka": {"bootstrapServers": "kafka-0.kafka:9092"}, "postgres": {"host": "pg.db"}}
 
 
