@@ -81,10 +81,6 @@ class ServiceSpec:
     #: are tenants with API keys (mars.auth), not services.
     permissions: Mapping[str, frozenset[str]] = field(default_factory=dict)
 
-    @property
-    def package(self) -> str:
-        return f"mars_{self.name}"
-
     def settings_class(self) -> type[ServiceSettings]:
         module, _, name = self.settings.partition(":")
         cls: type[ServiceSettings] = getattr(importlib.import_module(module), name)

@@ -12,7 +12,6 @@ import math
 import random
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import numpy as np
 from mars.bus import PoisonEvent
@@ -30,40 +29,9 @@ from mars.v1 import events_pb2 as ev
 from psycopg import AsyncConnection
 from psycopg_pool import AsyncConnectionPool
 
+from mars_router.settings import RouterSettings
+
 log = logging.getLogger(__name__)
-
-
-class StoreSettings(Protocol):
-    """The router settings the store reads (RouterSettings in the service module provides them)."""
-
-    @property
-    def policy_scope(self) -> str: ...
-    @property
-    def routing_policy(self) -> str: ...
-    @property
-    def alpha(self) -> float: ...
-    @property
-    def ridge(self) -> float: ...
-    @property
-    def epsilon(self) -> float: ...
-    @property
-    def thompson_v(self) -> float: ...
-    @property
-    def routing_seed(self) -> int | None: ...
-    @property
-    def warm_start_from_tenant(self) -> bool: ...
-    @property
-    def switch_penalty(self) -> float: ...
-    @property
-    def default_arm(self) -> str | None: ...
-    @property
-    def min_reward(self) -> float: ...
-    @property
-    def max_reward(self) -> float: ...
-    @property
-    def update_attempts(self) -> int: ...
-    @property
-    def policy_updates(self) -> bool: ...
 
 
 def policy_id_for(scope: str, tenant: str, user_id: str, feature_space: str = "state") -> str:
@@ -98,7 +66,7 @@ class StaleArm(Exception):
 
 
 class PolicyStore:
-    def __init__(self, pool: AsyncConnectionPool, settings: StoreSettings, arms: list[str]) -> None:
+    def __init__(self, pool: AsyncConnectionPool, settings: RouterSettings, arms: list[str]) -> None:
         self._pool = pool
         #: Policies this process has created or found (with every arm's row): not written again per turn.
         self._ensured: set[str] = set()

@@ -9,16 +9,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import sys
 from typing import Any
 
 from mars.config import ServiceSettings
 from pydantic import ValidationError
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-console = Console(width=None if sys.stdout.isatty() else 160)
+from mars_tools.terminal import console
 
 
 class SettingsError(Exception):

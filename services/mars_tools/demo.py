@@ -116,6 +116,7 @@ def judged_rewards(
     learning path, so the judged topic is read until every turn has one or `wait_s` ran out. The events are
     the judge's public output; the router's ledger is the router's own table."""
     import asyncio
+    import contextlib
 
     from mars.config import TOPIC_JUDGED
 
@@ -125,16 +126,19 @@ def judged_rewards(
     found: dict[str, float] = {}
 
     async def read() -> None:
-        async for record in read_topics(bootstrap, (TOPIC_JUDGED,), since_ms=since_ms, idle_s=1.0, prefix=prefix):
-            judged = ev.Judged.FromString(record.value)
-            if judged.turn.turn_id in wanted:
-                found[judged.turn.turn_id] = judged.reward
+        # One reader from the demo's start, until every turn has its reward or `wait_s` has passed.
+        deadline = time.monotonic() + wait_s
+        records = read_topics(bootstrap, (TOPIC_JUDGED,), since_ms=since_ms, idle_s=wait_s, prefix=prefix)
+        async with contextlib.aclosing(records):  # stops the consumer however the loop ends
+            async for record in records:
+                judged = ev.Judged.FromString(record.value)
+                if judged.turn.turn_id in wanted:
+                    found[judged.turn.turn_id] = judged.reward
+                if len(found) == len(wanted) or time.monotonic() > deadline:
+                    return
 
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline and len(found) < len(wanted):
-        try:
-            asyncio.run(read())
-        except (OSError, KafkaError) as exc:  # rewards are extra: the table goes out without them
-            log.warning("rewards not read from %s: %r", bootstrap, exc)
-            break
+    try:
+        asyncio.run(read())
+    except (OSError, KafkaError) as exc:  # rewards are extra: the table goes out without them
+        log.warning("rewards not read from %s: %r", bootstrap, exc)
     return found

@@ -11,16 +11,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import sys
 
 from mars import auth, forget
 from mars.config import TOPIC_CONTROL, ServiceSettings
-from rich.console import Console
 from rich.markup import escape
 
 from mars_tools.admin_cli import SettingsError, add_postgres_dsn_arg, load_settings
-
-console = Console(width=None if sys.stdout.isatty() else 160)
+from mars_tools.terminal import console
 
 
 async def publish_forgotten(settings: ServiceSettings, tenant: str, user_id: str, forget_id: str) -> None:

@@ -10,13 +10,11 @@ import sys
 from pathlib import Path
 
 from mars import data_keys, sealing
-from rich.console import Console
 from rich.markup import escape
 
 from mars_tools.admin_cli import SettingsError, add_postgres_dsn_arg, load_settings
 from mars_tools.private_files import open_private
-
-console = Console(width=None if sys.stdout.isatty() else 160)
+from mars_tools.terminal import console
 
 
 def cmd_master(args: argparse.Namespace) -> int:

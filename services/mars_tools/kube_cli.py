@@ -7,13 +7,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import signal
-import sys
 import threading
 
-from rich.console import Console
 from rich.markup import escape
 
-console = Console(width=None if sys.stdout.isatty() else 160)
+from mars_tools.terminal import console
 
 
 def cmd_build(args: argparse.Namespace) -> int:

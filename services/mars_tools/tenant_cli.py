@@ -7,17 +7,14 @@ ingress_api_keys; the key itself is printed once, at creation or rotation, and c
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Any
 
 from mars import auth
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
 from mars_tools.admin_cli import SettingsError, add_postgres_dsn_arg, load_settings
-
-console = Console(width=None if sys.stdout.isatty() else 160)
+from mars_tools.terminal import console
 
 
 def _connect(args: argparse.Namespace) -> Any:

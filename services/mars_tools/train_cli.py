@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -35,12 +34,10 @@ from mars.qtm.learned import (
     featurize,
     state_json,
 )
-from rich.console import Console
 from rich.progress import Progress
 
 from mars_tools.probe.qtm_labels import score
-
-console = Console(width=None if sys.stdout.isatty() else 160)
+from mars_tools.terminal import console
 
 #: The version written into the model file (shown as the state's prompt_version).
 MODEL_VERSION = "qtm-learned-v2.1"

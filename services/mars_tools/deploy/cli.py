@@ -14,10 +14,9 @@ import sys
 from datetime import UTC, datetime
 from pathlib import Path
 
-from rich.console import Console
 from rich.markup import escape
 
-console = Console(width=None if sys.stdout.isatty() else 160)
+from mars_tools.terminal import console
 
 #: Where a pod finds its own namespace.
 SA_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +28,7 @@ async def read_topics(
     on_record: Callable[[], None] = lambda: None,
     prefix: str = "",
     kafka: dict[str, Any] | None = None,
-) -> AsyncIterator[RawRecord]:
+) -> AsyncGenerator[RawRecord, None]:
     """Every record of `topics` (base names) of the run with topic prefix `prefix`, from the beginning (or
     from `since_ms`), until the log has been quiet for `idle_s`. Records carry the base topic name, so
     traces and exported files read the same whatever the prefix. End offsets are not trusted (seen wrong
