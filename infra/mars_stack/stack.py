@@ -137,7 +137,7 @@ class StackSettings:
     #: settings (MARS_TLS_CA_FILE, MARS_TLS_CLIENT_CERT_FILE / _KEY_FILE) in stack.env and `env`.
     tls: bool = False
     #: Service identities (mars.identity): a CA made in the work directory (identity/), the stage services
-    #: check every internal call against it, and each tool identity (operator, replay, chaos, deploy) gets a
+    #: check every internal call against it, each tool (operator, replay, chaos, deploy) and the ingress get a
     #: certificate (`caller`, `identity_env`; the operator's in stack.env). False: the stages answer anyone.
     identity: bool = True
     #: The OpenAI-compatible HTTP gateway (mars_gateway) in front of the ingress, at ports["gateway"]
@@ -541,14 +541,14 @@ class LocalStack:
 
     def _local_identities(self) -> None:
         """The identity CA the stage services trust (MARS_IDENTITY_CA_FILE) and a certificate per tool."""
-        from mars.identity import TOOL_IDENTITIES
+        from mars.identity import IDENTITIES
 
         from mars_stack.certs import make_identities
 
         if not self.settings.identity:
             self.env["MARS_IDENTITY_REQUIRED"] = "false"
             return
-        self.identities = make_identities(self.workdir / "identity", TOOL_IDENTITIES)
+        self.identities = make_identities(self.workdir / "identity", IDENTITIES)
         self.env["MARS_IDENTITY_CA_FILE"] = str(self.identities.ca)
 
     def identity_env(self, name: str = "operator") -> dict[str, str]:
@@ -776,6 +776,7 @@ class LocalStack:
                 env["MARS_HEALTH_PORT"] = str(self.health_ports[name])
             if self.broker == "kafka":
                 env["MARS_KAFKA_GROUP_INSTANCE_ID"] = name
+            env.update(self._caller_env(service))
             env.update(self.settings.service_env.get(service, {}))
             env.update(self.settings.service_env.get(name, {}))  # per replica ("memory-2") beats per service
             env.pop("MARS_ENV_FILE", None)
@@ -794,6 +795,13 @@ class LocalStack:
                 proc.popen,
                 proc.log,
             )
+
+    def _caller_env(self, service: str) -> dict[str, str]:
+        """What a service that calls another gets: the ingress, its identity and the state service's address
+        (history imports hand their context over, StateEstimator.ImportContext)."""
+        if service != "ingress" or "state" not in self.settings.services:
+            return {}
+        return {**self.identity_env("ingress"), "MARS_STATE_ADDR": self.addr("state")}
 
     def _start_gateway(self) -> None:
         """The HTTP gateway, a caller of the (first) ingress like any client: the callers' TLS settings."""

@@ -143,14 +143,39 @@ def kafka_security_problems(
     return problems
 
 
-class ServiceSettings(BaseSettings):
-    """Connection and runtime settings every MARS service needs."""
+class CallerSettings(BaseSettings):
+    """What any MARS caller of a MARS gRPC service needs (a tool, the gateway, or a service calling another):
+    the TLS it speaks (mars.tls.ClientTls) and the service identity it presents (mars.identity)."""
 
     model_config = SettingsConfigDict(
         env_prefix="MARS_",
         env_file=os.environ.get("MARS_ENV_FILE"),
         extra="ignore",
     )
+    #: The CA (PEM) that signed the services' certificates; with a client certificate and key for mutual
+    #: TLS. All empty: calls in plaintext.
+    tls_ca_file: str = ""
+    tls_client_cert_file: str = ""
+    tls_client_key_file: str = ""
+    #: This caller's service identity: a certificate (its common name is the caller's name) and key signed
+    #: by the identity CA; both empty: calls carry none (a stage service refuses them).
+    identity_cert_file: str = ""
+    identity_key_file: str = ""
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Self:
+        """The caller settings of `env` alone (MARS_* names), or of this process (None: its environment and
+        MARS_ENV_FILE, like any settings model)."""
+        if env is None:
+            return cls()
+        return cls.model_validate(
+            {name: env[f"MARS_{name.upper()}"] for name in cls.model_fields if f"MARS_{name.upper()}" in env}
+        )
+
+
+class ServiceSettings(CallerSettings):
+    """Connection and runtime settings every MARS service needs (and, as a caller of another, its TLS and
+    identity)."""
     #: Field -> the environment variable it was read from before a rename: still read for one release,
     #: with a warning, where the new name is not set.
     renamed_from: ClassVar[Mapping[str, str]] = {}

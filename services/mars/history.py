@@ -24,18 +24,6 @@ IMPORTED_BACKEND = "imported"
 #: own MARS_STATE_CONTEXT_TURNS of them).
 CONTEXT_TURNS = 20
 
-#: The state service's active context of a user (its table, mars_state MIGRATIONS), advanced only by a
-#: newer seq: the state stage after each turn, and an import for the thread its last pairs left active.
-UPSERT_STATE_CONTEXT_SQL = """
-    INSERT INTO state_context (tenant, user_id, recent_texts, thread_depth, last_seq, session_id)
-    VALUES (%s, %s, %s, %s, %s, %s)
-    ON CONFLICT (tenant, user_id) DO UPDATE
-    SET recent_texts = EXCLUDED.recent_texts, thread_depth = EXCLUDED.thread_depth,
-        last_seq = EXCLUDED.last_seq, session_id = EXCLUDED.session_id
-    WHERE state_context.last_seq < EXCLUDED.last_seq
-"""
-
-
 class InvalidHistory(ValueError):
     """A request that imports nothing: the message says which pair and why."""
 

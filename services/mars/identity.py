@@ -23,7 +23,6 @@ import base64
 import binascii
 import json
 import logging
-import os
 import threading
 import time
 from collections import OrderedDict
@@ -38,6 +37,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, padding, rsa
 from cryptography.x509.oid import NameOID
 
+from mars.config import CallerSettings
 from mars.tls import read_pem
 from mars.topology import INTERNAL_SERVICES, PERMISSIONS
 
@@ -51,10 +51,16 @@ TOKEN_LIFETIME_S = 300.0
 MAX_TOKEN_LIFETIME_S = 900.0
 CLOCK_SKEW_S = 30.0
 
-#: The identities that tools and people hold (the services themselves call no stage over gRPC: turns move
-#: over Kafka). operator: a person's diagnostics (`mars` against a stack, the tests); replay: `mars replay
-#: redrive` and the replay Job; chaos: the chaos harness; deploy: `mars deploy`.
+#: The identities that tools and people hold. operator: a person's diagnostics (`mars` against a stack, the
+#: tests); replay: `mars replay redrive` and the replay Job; chaos: the chaos harness; deploy: `mars deploy`.
 TOOL_IDENTITIES = ("operator", "replay", "chaos", "deploy")
+#: The services that call another over gRPC (turns move over Kafka; these calls are the exceptions):
+#: ingress: a history import hands the state service the context it leaves (StateEstimator.ImportContext).
+SERVICE_IDENTITIES = ("ingress",)
+#: Every identity a deployment mints.
+IDENTITIES = TOOL_IDENTITIES + SERVICE_IDENTITIES
+
+
 class IdentityError(ValueError):
     """A token that proves nothing: missing, malformed, forged, expired, or for another service."""
 
@@ -133,15 +139,19 @@ class CallerIdentity:
         return cls(name, cert.public_bytes(serialization.Encoding.DER), key)
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> CallerIdentity | None:
+    def from_settings(cls, settings: CallerSettings) -> CallerIdentity | None:
         """The identity in MARS_IDENTITY_CERT_FILE and MARS_IDENTITY_KEY_FILE, or None when neither is set."""
-        env = os.environ if env is None else env
-        cert, key = env.get("MARS_IDENTITY_CERT_FILE", ""), env.get("MARS_IDENTITY_KEY_FILE", "")
+        cert, key = settings.identity_cert_file, settings.identity_key_file
         if not cert and not key:
             return None
         if not (cert and key):
             raise IdentityConfigError("MARS_IDENTITY_CERT_FILE and MARS_IDENTITY_KEY_FILE go together")
         return cls.from_files(cert, key)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> CallerIdentity | None:
+        """`from_settings` of the caller settings in `env` (None: of this process)."""
+        return cls.from_settings(CallerSettings.from_env(env))
 
     def token(self, audience: str) -> str:
         now = self.clock()

@@ -9,7 +9,6 @@ ca.crt), and are read once at start: rotating them means restarting the pods.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +16,7 @@ from typing import Any
 
 import grpc
 
-from mars.config import ServiceSettings
+from mars.config import CallerSettings, ServiceSettings
 
 
 class TlsConfigError(ValueError):
@@ -69,13 +68,13 @@ class ClientTls:
     key_file: str = ""
 
     @classmethod
+    def from_settings(cls, settings: CallerSettings) -> ClientTls:
+        return cls(settings.tls_ca_file, settings.tls_client_cert_file, settings.tls_client_key_file)
+
+    @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> ClientTls:
-        env = os.environ if env is None else env
-        return cls(
-            env.get("MARS_TLS_CA_FILE", ""),
-            env.get("MARS_TLS_CLIENT_CERT_FILE", ""),
-            env.get("MARS_TLS_CLIENT_KEY_FILE", ""),
-        )
+        """The MARS_TLS_* caller settings of `env` (None: of this process)."""
+        return cls.from_settings(CallerSettings.from_env(env))
 
     @property
     def enabled(self) -> bool:

@@ -101,7 +101,8 @@ SERVICES: tuple[ServiceSpec, ...] = (
         "mars_state.schema",
         "mars.v1.StateEstimator",
         (STATE,),
-        {"Estimate": _allow("operator", "replay")},
+        # ImportContext: the ingress hands over the context a history import leaves (state owns the table).
+        {"Estimate": _allow("operator", "replay"), "ImportContext": _allow("ingress")},
     ),
     ServiceSpec(
         "memory",

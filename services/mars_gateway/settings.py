@@ -2,28 +2,20 @@
 
 from __future__ import annotations
 
-import os
-
+from mars.config import CallerSettings
 from mars.tls import ClientTls
 from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
-class GatewaySettings(BaseSettings):
-    model_config = SettingsConfigDict(
-        env_prefix="MARS_", env_file=os.environ.get("MARS_ENV_FILE"), extra="ignore"
-    )
+class GatewaySettings(CallerSettings):
+    """The gateway calls the ingress as any client does: its TLS settings are the caller's (MARS_TLS_CA_FILE,
+    MARS_TLS_CLIENT_CERT_FILE / _KEY_FILE, in CallerSettings)."""
 
     #: Where the gateway serves HTTP.
     http_host: str = "127.0.0.1"
     http_port: int = Field(default=8080, ge=0, le=65535)
     #: The gRPC ingress it forwards to.
     ingress_addr: str = "127.0.0.1:50051"
-    #: The ingress serves TLS: the CA to trust (PEM), and for mutual TLS this caller's certificate and key;
-    #: all empty calls in plaintext (the same variables every MARS caller reads, mars.tls.ClientTls).
-    tls_ca_file: str = ""
-    tls_client_cert_file: str = ""
-    tls_client_key_file: str = ""
     #: The model pool, for GET /v1/models (the arms); the same file as the router's and dispatch's.
     model_pool: str = "config/models.local.yaml"
     #: How long a completion waits for its answer (the ingress's own bound, MARS_TURN_TIMEOUT_S, also holds).
@@ -38,4 +30,4 @@ class GatewaySettings(BaseSettings):
     uvloop: bool = True
 
     def client_tls(self) -> ClientTls:
-        return ClientTls(self.tls_ca_file, self.tls_client_cert_file, self.tls_client_key_file)
+        return ClientTls.from_settings(self)

@@ -1,6 +1,7 @@
-"""History import at the ingress: a user's recorded turn pairs (mars.history) take seqs, are recorded as
-IMPORTED and are published as imported generated events, which the memory writer stores through its normal
-commit. Used by ImportHistory and by a turn that brings earlier messages MARS does not hold."""
+"""History import at the ingress: a user's recorded turn pairs (mars.history) take seqs and are recorded as
+IMPORTED, the context they leave active goes to the state service (its table, through its RPC), and they
+are published as imported generated events, which the memory writer stores through its normal commit. Used
+by ImportHistory and by a turn that brings earlier messages MARS does not hold."""
 
 from __future__ import annotations
 
@@ -11,24 +12,39 @@ from collections import Counter
 from mars import history
 from mars.bus import EventProducer
 from mars.config import SCHEMA_VERSION, TOPIC_GENERATED
-from mars.db import pg_text
 from mars.v1 import events_pb2 as ev
 from mars.v1 import services_pb2 as svc
-from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
 from mars_ingress.admission import Admission
 from mars_ingress.settings import IngressSettings
+from mars_ingress.state_context import StateContextClient
 
 
 class HistoryImport:
     def __init__(
-        self, settings: IngressSettings, producer: EventProducer, pool: AsyncConnectionPool, admission: Admission
+        self,
+        settings: IngressSettings,
+        producer: EventProducer,
+        pool: AsyncConnectionPool,
+        admission: Admission,
+        state: StateContextClient,
     ) -> None:
         self._settings = settings
         self._producer = producer
         self._pool = pool
         self._admission = admission
+        self._state = state
+
+    async def import_pairs(
+        self, tenant: str, user_id: str, pairs: list[history.ImportedPair]
+    ) -> tuple[list[int], int]:
+        """Record the pairs, hand their context to the state service, publish them: each pair's seq and how
+        many are new. Every step is safe to make again, so a failed call is simply made again."""
+        seqs, fresh = await self.record(tenant, user_id, pairs)
+        await self._state.hand_over(tenant, user_id, pairs, max(seqs))
+        await self.publish(tenant, user_id, pairs, seqs)
+        return seqs, fresh
 
     async def publish(
         self, tenant: str, user_id: str, pairs: list[history.ImportedPair], seqs: list[int]
@@ -77,16 +93,14 @@ class HistoryImport:
             return 0
         pairs = history.check_history(req.tenant, req.user_id, turns, self._settings.max_text_chars)
         self._admission.charge_imported(req.tenant, pairs)
-        seqs, _ = await self.record(req.tenant, req.user_id, pairs)
-        await self.publish(req.tenant, req.user_id, pairs, seqs)
+        await self.import_pairs(req.tenant, req.user_id, pairs)
         return len(pairs)
 
     async def record(
         self, tenant: str, user_id: str, pairs: list[history.ImportedPair]
     ) -> tuple[list[int], int]:
         """Each pair's seq (a pair imported before keeps its own) and how many are new. New pairs take the
-        next seqs of the user and are recorded as IMPORTED in one transaction, and the state service's
-        active context becomes the thread they leave active (unless a later turn moved it on)."""
+        next seqs of the user and are recorded as IMPORTED in one transaction."""
         turn_ids = [p.turn_id for p in pairs]
         async with self._pool.connection() as conn, conn.transaction():
             cur = await conn.execute(
@@ -124,18 +138,6 @@ class HistoryImport:
                             for p in new
                         ],
                     )
-                recent, depth = history.last_thread_context(pairs)
-                await conn.execute(
-                    history.UPSERT_STATE_CONTEXT_SQL,
-                    (
-                        tenant,
-                        user_id,
-                        Jsonb([pg_text(t) for t in recent]),
-                        depth,
-                        max(known.values()),
-                        pairs[-1].session_id,
-                    ),
-                )
         return [known[t] for t in turn_ids], len(new)
 
     async def wait_stored(self, turn_ids: list[str], wait_s: float) -> int:

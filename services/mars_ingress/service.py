@@ -49,6 +49,7 @@ from mars_ingress.admission import (
 from mars_ingress.history_import import HistoryImport
 from mars_ingress.schema import MIGRATIONS
 from mars_ingress.settings import IngressSettings
+from mars_ingress.state_context import StateContextClient
 from mars_ingress.turns import TurnStore
 
 log = logging.getLogger(__name__)
@@ -81,7 +82,8 @@ class IngressServicer(svc_grpc.IngressServicer):
         self._tracer = trace.get_tracer("mars.ingress")
         self._admission = Admission(settings, pool)
         self.turns = TurnStore(settings, producer, pool)
-        self._imports = HistoryImport(settings, producer, pool, self._admission)
+        self.state = StateContextClient(settings)
+        self._imports = HistoryImport(settings, producer, pool, self._admission, self.state)
         self._pool = pool
 
     # --- reply correlation -------------------------------------------------------------------
@@ -405,8 +407,7 @@ class IngressServicer(svc_grpc.IngressServicer):
         except Exception as exc:
             await abort_rpc(context, exc, "Ingress.ImportHistory")
         try:
-            seqs, fresh = await self._imports.record(request.tenant, request.user_id, pairs)
-            await self._imports.publish(request.tenant, request.user_id, pairs, seqs)
+            seqs, fresh = await self._imports.import_pairs(request.tenant, request.user_id, pairs)
             if request.wait:  # the wait reads Postgres too: its failures get the same plain status
                 remaining = context.time_remaining()
                 wait_s = self._settings.import_wait_s if remaining is None else max(0.0, remaining - 0.5)
@@ -490,6 +491,7 @@ async def build(ctx: ServiceContext) -> ServiceParts:
         bindings=[GrpcBinding(svc_grpc.add_IngressServicer_to_server, servicer, "mars.v1.Ingress")],
         consumers=[replies, outcomes],
         background=[servicer.turns.sweep_orphans],
+        on_stop=[servicer.state.aclose],
     )
 
 

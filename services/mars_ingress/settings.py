@@ -43,3 +43,7 @@ class IngressSettings(ServiceSettings):
     #: ImportHistory with wait: the longest it waits for the memory service to store the pairs when the
     #: call itself has no deadline.
     import_wait_s: float = Field(default=600.0, gt=0)
+    #: The state service (host:port), which takes the context a history import leaves active
+    #: (StateEstimator.ImportContext, with this service's identity, MARS_IDENTITY_CERT_FILE / _KEY_FILE);
+    #: empty: imports leave the controller's context as it is (a warning at start).
+    state_addr: str = ""

@@ -29,7 +29,6 @@ FINISH_SQL = (
 )
 
 
-
 class TurnStore:
     def __init__(self, settings: IngressSettings, producer: EventProducer, pool: AsyncConnectionPool) -> None:
         self._settings = settings

@@ -13,8 +13,6 @@ import grpc
 from mars import topology
 from mars.bus import EventProducer, StageConsumer, StageOutput, Subscription, control_reader
 from mars.config import STATE_STAGE, TOPIC_RECEIVED, TOPIC_STATE
-from mars.db import pg_text
-from mars.history import UPSERT_STATE_CONTEXT_SQL
 from mars.llm_json import TokenPrices, endpoint_url
 from mars.qtm.controllers import make_controller
 from mars.qtm.guard import GuardedEstimator
@@ -23,9 +21,9 @@ from mars.runtime import GrpcBinding, ServiceContext, ServiceParts, rpc_errors, 
 from mars.v1 import events_pb2 as ev
 from mars.v1 import services_pb2 as svc
 from mars.v1 import services_pb2_grpc as svc_grpc
-from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
+from mars_state.context import ContextStore
 from mars_state.schema import MIGRATIONS
 from mars_state.settings import StateSettings
 
@@ -61,8 +59,10 @@ def make_estimator(settings: StateSettings) -> GuardedEstimator:
 
 
 class StateEstimatorServicer(svc_grpc.StateEstimatorServicer):
-    def __init__(self, estimator: GuardedEstimator) -> None:
+    def __init__(self, settings: StateSettings, estimator: GuardedEstimator, contexts: ContextStore) -> None:
+        self._settings = settings
         self._estimator = estimator
+        self._contexts = contexts
 
     @rpc_errors
     async def Estimate(
@@ -71,6 +71,27 @@ class StateEstimatorServicer(svc_grpc.StateEstimatorServicer):
         if not request.text.strip():
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "text is empty")
         return await self._estimator.estimate(request.text, list(request.active_context))
+
+    @rpc_errors
+    async def ImportContext(
+        self, request: svc.ImportContextRequest, context: grpc.aio.ServicerContext
+    ) -> svc.ImportContextReply:
+        """The context a history import leaves active (the ingress, after recording the pairs' seqs)."""
+        if not (request.tenant and request.user_id):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "tenant and user_id are required")
+        if request.last_seq < 1 or request.thread_depth < 0:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "last_seq must be at least 1 and thread_depth not negative"
+            )
+        applied = await self._contexts.save(
+            request.tenant,
+            request.user_id,
+            list(request.recent_texts)[-self._settings.state_context_turns :],
+            request.thread_depth,
+            request.last_seq,
+            request.session_id,
+        )
+        return svc.ImportContextReply(applied=applied)
 
 
 class StateStage:
@@ -83,43 +104,38 @@ class StateStage:
     ) -> None:
         self._settings = settings
         self._estimator = estimator
-        self._pool = pool
+        self._contexts = ContextStore(pool)
         self._out = StageOutput(pool, producer, STAGE, TOPIC_STATE)
+
+    @property
+    def contexts(self) -> ContextStore:
+        return self._contexts
 
     async def on_received(self, event: ev.TurnReceived) -> None:
         turn = event.turn
         started = time.perf_counter()
         if await self._out.done(turn.turn_id):
             return
-        async with self._pool.connection() as conn:
-            cur = await conn.execute(
-                "SELECT recent_texts, thread_depth, last_seq, session_id FROM state_context "
-                "WHERE tenant = %s AND user_id = %s",
-                (turn.tenant, turn.user_id),
-            )
-            row = await cur.fetchone()
+        active = await self._contexts.load(turn.tenant, turn.user_id)
         # An imported history may leave more turns than this service's context holds.
-        recent: list[str] = list(row[0])[-self._settings.state_context_turns :] if row else []
-        depth = int(row[1]) if row else 0
+        recent = active.recent[-self._settings.state_context_turns :] if active else []
+        depth = active.thread_depth if active else 0
         # The first turn of a session after earlier ones (a row from before the column: not known).
-        opens_session = row is not None and row[3] is not None and row[3] != turn.session_id
+        opens_session = (
+            active is not None and active.session_id is not None and active.session_id != turn.session_id
+        )
         # No connection is held across the controller call (it may take up to the deadline).
         state = await self._estimator.estimate(event.text, recent, opens_session)
         if state.action == ev.NEW_TOPIC:
             recent, depth = [], 0
         depth += 1
         state.thread_depth = depth
-        # Postgres refuses NUL in text (and in JSONB strings): the context keeps the text without it.
-        recent = [*recent, pg_text(event.text)][-self._settings.state_context_turns :]
-        async with self._pool.connection() as conn:
-            # Guarded by seq so a redelivered older turn cannot roll the context back.
-            await conn.execute(
-                UPSERT_STATE_CONTEXT_SQL,
-                (turn.tenant, turn.user_id, Jsonb(recent), depth, turn.seq, turn.session_id),
-            )
-            out = ev.StateEstimated(
-                turn=turn, text=event.text, state=state, latency_ms=(time.perf_counter() - started) * 1000
-            )
+        recent = [*recent, event.text][-self._settings.state_context_turns :]
+        # Guarded by seq so a redelivered older turn cannot roll the context back.
+        await self._contexts.save(turn.tenant, turn.user_id, recent, depth, turn.seq, turn.session_id)
+        out = ev.StateEstimated(
+            turn=turn, text=event.text, state=state, latency_ms=(time.perf_counter() - started) * 1000
+        )
         await self._out.emit(out, turn)
 
     async def on_forgotten(self, event: ev.UserForgotten) -> None:
@@ -145,7 +161,7 @@ async def build(ctx: ServiceContext) -> ServiceParts:
         bindings=[
             GrpcBinding(
                 svc_grpc.add_StateEstimatorServicer_to_server,
-                StateEstimatorServicer(estimator),
+                StateEstimatorServicer(settings, estimator, stage.contexts),
                 "mars.v1.StateEstimator",
             )
         ],

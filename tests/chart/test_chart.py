@@ -21,7 +21,7 @@ import yaml
 from crd_schemas import CRD_SCHEMAS
 from mars import topology
 from mars.config import ServiceSettings
-from mars.identity import TOOL_IDENTITIES
+from mars.identity import IDENTITIES, SERVICE_IDENTITIES
 from mars.pool import load_pool
 from mars_stack import helm
 from mars_tools import cli
@@ -335,7 +335,7 @@ def test_passwords_come_from_secrets_never_from_config_maps() -> None:
         "mars-secrets",
         "mars-secrets-api-keys",
         "mars-identity-ca",
-        *(f"mars-identity-{tool}" for tool in TOOL_IDENTITIES),
+        *(f"mars-identity-{name}" for name in IDENTITIES),
     }
 
 
@@ -532,6 +532,15 @@ def test_network_policies_let_each_service_be_reached_by_its_callers_only() -> N
     expected |= {("migrate", s, "grpc") for s in STAGES}  # tool pods (hook and replay Jobs)
     expected |= {("prometheus", s, "metrics") for s in (*SERVICES, "gateway")}
     expected |= {(s, "vllm", "http") for s in ("state", "dispatch", "judge")}
+    # Services that call another (the topology's permissions name them): the ingress calls state.
+    expected |= {
+        (caller, spec.name, "grpc")
+        for spec in topology.SERVICES
+        for callers in spec.permissions.values()
+        for caller in callers
+        if caller in SERVICE_IDENTITIES
+    }
+    assert ("ingress", "state", "grpc") in expected
     assert allowed == expected
     # Default values: the ingress takes calls from its own namespace, not from others.
     default = render(BASE)
@@ -717,7 +726,7 @@ def test_the_chart_mints_identities_the_stage_services_verify(tmp_path: Any) -> 
     ca_pem = base64.b64decode(secrets["mars-identity-ca"]["data"]["ca.crt"])
     assert set(secrets["mars-identity-ca"]["data"]) == {"ca.crt"}, "the CA's key is never stored"
     verifier = IdentityVerifier(ca_pem)
-    for tool in TOOL_IDENTITIES:
+    for tool in IDENTITIES:
         secret = secrets[f"mars-identity-{tool}"]
         assert secret["type"] == "kubernetes.io/tls"
         for key in ("tls.crt", "tls.key"):
@@ -733,7 +742,15 @@ def test_the_chart_mints_identities_the_stage_services_verify(tmp_path: Any) -> 
         volume = {v["name"]: v for v in pod["volumes"]}["identity-ca"]["secret"]
         assert volume == {"secretName": "mars-identity-ca", "items": [{"key": "ca.crt", "path": "ca.crt"}]}
         mounted = {v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v}
-        assert {m for m in mounted if "-identity-" in m} == {"mars-identity-ca"}, "no tool's key in a service"
+        # A service holds its own identity's key when it calls another (the ingress), never a tool's.
+        own = {f"mars-identity-{service}"} if service in SERVICE_IDENTITIES else set()
+        assert {m for m in mounted if "-identity-" in m} == {"mars-identity-ca", *own}, service
+    ingress = helm.service_env(objects, "ingress")
+    assert ingress["MARS_STATE_ADDR"] == "mars-state:50052"
+    assert (ingress["MARS_IDENTITY_CERT_FILE"], ingress["MARS_IDENTITY_KEY_FILE"]) == (
+        "/etc/mars/identity/tls.crt",
+        "/etc/mars/identity/tls.key",
+    )
     off = render(merged(BASE, {"identity": {"enabled": False}}))
     assert helm.service_env(off, "memory")["MARS_IDENTITY_REQUIRED"] == "false"
     assert not [s for s in helm.find(off, "Secret") if "identity" in s["metadata"]["name"]]

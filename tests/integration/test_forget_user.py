@@ -523,6 +523,15 @@ def test_import_history_is_idempotent_isolated_per_user_and_never_judged(stack: 
         stack, "SELECT DISTINCT status FROM ingress_turns WHERE turn_id = ANY(%s)", (list(first.turn_ids),)
     )
     assert statuses == [("IMPORTED",)]
+    # The state service (the table's owner, through ImportContext) keeps the thread the import left
+    # active: the bread pair, at the last imported seq.
+    context = query(
+        stack,
+        "SELECT recent_texts, thread_depth, last_seq, session_id FROM state_context "
+        "WHERE tenant = %s AND user_id = %s",
+        (TENANT, "hist1"),
+    )
+    assert context == [([HISTORY[2][1]], 1, 3, "bread")]
 
     # Again, the same pairs (keys derived from their texts): nothing new, same turn ids and seqs.
     again = admin.ImportHistory(

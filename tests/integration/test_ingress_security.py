@@ -296,6 +296,12 @@ def test_keys_made_here_are_the_tenants(stack: LocalStack) -> None:
 
 STAGE_CALLS = [
     ("state", svc_grpc.StateEstimatorStub, "Estimate", svc.EstimateRequest(text="hello")),
+    (
+        "state",
+        svc_grpc.StateEstimatorStub,
+        "ImportContext",
+        svc.ImportContextRequest(tenant="demo", user_id="u1", recent_texts=["x"], thread_depth=1, last_seq=1),
+    ),
     ("memory", svc_grpc.MemoryStub, "BuildView", svc.BuildViewRequest(tenant="demo", user_id="u1", text="x")),
     ("memory", svc_grpc.MemoryStub, "DescribeIndex", svc.DescribeIndexRequest(tenant="demo", user_id="u1")),
     ("router", svc_grpc.RouterStub, "Route", svc.RouteRequest(tenant="demo", user_id="u1")),
@@ -341,6 +347,7 @@ def test_a_stage_refuses_callers_without_a_service_identity(
 
 def test_a_stage_answers_the_operator_and_keeps_health_open(stack: LocalStack) -> None:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from mars.identity import with_identity
 
     with stack.channel("router") as channel:
         policy = svc_grpc.RouterStub(channel).GetPolicy(svc.PolicyRequest(tenant="demo", user_id="u1"), timeout=30)
@@ -357,6 +364,18 @@ def test_a_stage_answers_the_operator_and_keeps_health_open(stack: LocalStack) -
                 svc.PolicyRequest(tenant="demo", user_id="u1"), metadata=[("x-mars-identity", token)], timeout=30
             )
     assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED and "not mars.v1.Router" in info.value.details()
+    # Only the ingress hands over an imported context (state owns the table); the operator may not.
+    handover = svc.ImportContextRequest(
+        tenant="demo", user_id="ctx-probe", recent_texts=["a"], thread_depth=1, last_seq=1
+    )
+    with grpc.insecure_channel(stack.addr("state")) as plain:
+        as_operator = with_identity(plain, operator)
+        denied = stage_call(as_operator, svc_grpc.StateEstimatorStub, "ImportContext", handover)
+        assert denied == grpc.StatusCode.PERMISSION_DENIED
+        as_ingress = with_identity(plain, stack.caller("ingress"))
+        assert svc_grpc.StateEstimatorStub(as_ingress).ImportContext(handover, timeout=30).applied
+        # The same seq again (a call made again) keeps what is there.
+        assert not svc_grpc.StateEstimatorStub(as_ingress).ImportContext(handover, timeout=30).applied
     for service in ("state", "memory", "router", "dispatch", "judge", "ingress"):
         with grpc.insecure_channel(stack.addr(service)) as plain:
             reply = health_pb2_grpc.HealthStub(plain).Check(health_pb2.HealthCheckRequest(), timeout=10)

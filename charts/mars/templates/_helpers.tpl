@@ -91,12 +91,14 @@ judge:
 {{- printf "%s-identity-ca" (include "mars.fullname" .) -}}
 {{- end -}}
 
-{{/* The tools that hold a service identity (mars.identity.TOOL_IDENTITIES). */}}
-{{- define "mars.identityTools" -}}
+{{/* Who holds a service identity (mars.identity.IDENTITIES): the tools, and the ingress (which hands a
+     history import's context to the state service). */}}
+{{- define "mars.identities" -}}
 - operator
 - replay
 - chaos
 - deploy
+- ingress
 {{- end -}}
 
 {{/* The Secret holding the master key that wraps users' data keys (eventSealing). */}}
