@@ -168,9 +168,10 @@ class CallerSettings(BaseSettings):
         MARS_ENV_FILE, like any settings model)."""
         if env is None:
             return cls()
-        return cls.model_validate(
-            {name: env[f"MARS_{name.upper()}"] for name in cls.model_fields if f"MARS_{name.upper()}" in env}
-        )
+        # `env` alone: no env file, and a prefix no variable of this process carries.
+        init: dict[str, Any] = {"_env_file": None, "_env_prefix": "MARS_GIVEN_MAPPING_ONLY__"}
+        init |= {name: env[f"MARS_{name.upper()}"] for name in cls.model_fields if f"MARS_{name.upper()}" in env}
+        return cls(**init)
 
 
 class ServiceSettings(CallerSettings):

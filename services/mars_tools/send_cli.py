@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import os
 import time
 
+from mars_tools.settings import ToolSettings
 from mars_tools.terminal import console
 
 
@@ -16,20 +16,21 @@ def tenant_of(args: argparse.Namespace) -> str:
 
 def caller_args(p: argparse.ArgumentParser, default_tenant: str) -> None:
     """--target, --api-key and --tenant, from the environment the local stack writes (stack.env)."""
+    defaults = ToolSettings()
     p.add_argument(
         "--target",
-        default=os.environ.get("MARS_INGRESS_ADDR", "127.0.0.1:50051"),
+        default=defaults.ingress_addr,
         help="ingress host:port",
     )
     p.add_argument(
         "--api-key",
-        default=os.environ.get("MARS_API_KEY", ""),
+        default=defaults.api_key,
         help="the tenant's API key, sent as 'authorization: Bearer <key>' (default: $MARS_API_KEY, which "
         "the local stack writes to stack.env; `mars tenant create` issues keys)",
     )
     p.add_argument(
         "--tenant",
-        default=os.environ.get("MARS_TENANT", ""),
+        default=defaults.tenant,
         help="tenant to send as; must be the key's (default: $MARS_TENANT, else the key's tenant, "
         f"else {default_tenant} when no key is sent)",
     )
@@ -76,15 +77,16 @@ def cmd_send(args: argparse.Namespace) -> int:
 def add_demo_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("demo", help="play the demo conversation against a running ingress")
     caller_args(p, "demo")
+    defaults = ToolSettings()
     p.add_argument(
         "--bootstrap",
-        default=os.environ.get("MARS_KAFKA_BOOTSTRAP"),
+        default=defaults.kafka_bootstrap or None,
         help="the pipeline's Kafka, to show each turn's reward from its judged event (default: "
         "$MARS_KAFKA_BOOTSTRAP; none: no rewards)",
     )
     p.add_argument(
         "--topic-prefix",
-        default=os.environ.get("MARS_TOPIC_PREFIX", ""),
+        default=defaults.topic_prefix,
         help="the pipeline's topic prefix (default: $MARS_TOPIC_PREFIX or none)",
     )
     p.add_argument("--max-tokens", type=int, default=48)

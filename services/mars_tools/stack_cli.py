@@ -9,6 +9,7 @@ import threading
 import time
 from pathlib import Path
 
+from mars_tools.settings import ToolSettings
 from mars_tools.terminal import console
 
 
@@ -113,22 +114,24 @@ def _service_count(text: str) -> tuple[str, int]:
     return name.strip(), int(count)
 
 
-
 def stack_args(p: argparse.ArgumentParser) -> None:
     """The flags `mars run` and `mars stack` share."""
+    from mars_stack.settings import LauncherSettings
+
+    defaults, launcher = ToolSettings(), LauncherSettings()
     p.add_argument("--workdir", help="folder for data and logs (default: a new temporary folder)")
     p.add_argument(
         "--partitions", type=int, default=3, help="partition count shared by all topics (default 3)"
     )
     p.add_argument(
         "--model-pool",
-        default=os.environ.get("MARS_MODEL_POOL", "config/models.local.yaml"),
+        default=defaults.model_pool or "config/models.local.yaml",
         help="model pool YAML (default: config/models.local.yaml, the local SmolLM2 arms)",
     )
     p.add_argument(
         "--broker",
         choices=("kafka", "tansu"),
-        default=os.environ.get("MARS_BROKER") or None,
+        default=launcher.broker or None,
         help="kafka (Apache Kafka, KRaft, on the local Java) or tansu; default: kafka wherever Java >= 17 "
         "is found, tansu otherwise",
     )
@@ -147,7 +150,7 @@ def stack_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--topic-prefix",
-        default=os.environ.get("MARS_TOPIC_PREFIX", ""),
+        default=defaults.topic_prefix,
         help="put in front of every topic name, e.g. run7. (default: none)",
     )
     p.add_argument(

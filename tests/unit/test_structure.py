@@ -115,3 +115,38 @@ def test_mars_migrate_help_loads_no_model_runtime() -> None:
     imported = {line.split("|")[-1].strip().split(".")[0] for line in run.stderr.splitlines() if "|" in line}
     assert {"mars", "mars_tools", "pydantic"} <= imported  # the import log was read
     assert not imported & {"faiss", "torch", "onnxruntime", "sentence_transformers", "transformers"}
+
+
+def _environment_reads(tree: ast.AST) -> list[str]:
+    """MARS_* names a module reads straight from os.environ (os.environ.get / [...] / os.getenv)."""
+    found = []
+    for node in ast.walk(tree):
+        key: ast.expr | None = None
+        if isinstance(node, ast.Call) and node.args:
+            func = ast.unparse(node.func)
+            if func in ("os.environ.get", "os.getenv"):
+                key = node.args[0]
+        elif isinstance(node, ast.Subscript) and ast.unparse(node.value) == "os.environ":
+            key = node.slice
+        if isinstance(key, ast.Constant) and isinstance(key.value, str) and key.value.startswith("MARS_"):
+            found.append(key.value)
+    return found
+
+
+def test_the_environment_reader_finds_direct_reads() -> None:
+    tree = ast.parse('import os\na = os.environ.get("MARS_X", "")\nb = os.environ["MARS_Y"]\nc = os.getenv("HOME")')
+    assert _environment_reads(tree) == ["MARS_X", "MARS_Y"]
+
+
+def test_mars_settings_are_read_only_through_the_settings_classes() -> None:
+    """No module reads a MARS_* variable itself: services, tools and launchers take them from their typed
+    settings models (pydantic-settings). The one exception is the env-file switch of the models themselves."""
+    allowed = {("services/mars/config.py", "MARS_ENV_FILE")}
+    reads = []
+    for folder in ("services", "infra"):
+        for path in sorted((REPO / folder).rglob("*.py")):
+            rel = str(path.relative_to(REPO))
+            if "/v1/" in rel:
+                continue
+            reads += [(rel, name) for name in _environment_reads(ast.parse(path.read_text()))]
+    assert [r for r in reads if r not in allowed] == []

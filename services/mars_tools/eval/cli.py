@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -14,35 +13,37 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from mars_tools.eval.driver import PipelineTarget
 from mars_tools.replay.readers import topic_prefix_arg
+from mars_tools.settings import ToolSettings
 
 
 def _common(p: argparse.ArgumentParser) -> None:
+    defaults = ToolSettings()
     p.add_argument(
         "--ingress",
-        default=os.environ.get("MARS_INGRESS_ADDR", "127.0.0.1:50051"),
+        default=defaults.ingress_addr,
         help="the pipeline's ingress HOST:PORT (default: $MARS_INGRESS_ADDR or 127.0.0.1:50051)",
     )
     p.add_argument(
         "--bootstrap",
-        default=os.environ.get("MARS_KAFKA_BOOTSTRAP", "127.0.0.1:9092"),
+        default=defaults.kafka_bootstrap or "127.0.0.1:9092",
         help="its Kafka bootstrap servers, to read the logged views back",
     )
     p.add_argument(
         "--topic-prefix",
         type=topic_prefix_arg,
-        default=os.environ.get("MARS_TOPIC_PREFIX", ""),
+        default=defaults.topic_prefix,
         help="the pipeline's topic prefix (default: $MARS_TOPIC_PREFIX or none)",
     )
     p.add_argument("--tenant", help="tenant to send the turns as (default: eval-<unix time>, a fresh memory)")
     p.add_argument(
         "--postgres-dsn",
-        default=os.environ.get("MARS_POSTGRES_DSN"),
+        default=defaults.postgres_dsn or None,
         help="the pipeline's Postgres: an API key for the tenant is created there (default: "
         "$MARS_POSTGRES_DSN; without it --api-key is sent)",
     )
     p.add_argument(
         "--api-key",
-        default=os.environ.get("MARS_API_KEY", ""),
+        default=defaults.api_key,
         help="without --postgres-dsn: the tenant's API key (default: $MARS_API_KEY); the tenant then "
         "defaults to $MARS_TENANT, the key's",
     )
@@ -87,7 +88,7 @@ def _target(args: argparse.Namespace) -> PipelineTarget:
         # An admin key: importing recorded history (mars eval realmem's default) takes one.
         api_key = mint_key(args.postgres_dsn, tenant, admin=True, label="mars eval").key
     else:
-        tenant = args.tenant or os.environ.get("MARS_TENANT") or f"eval-{int(time.time())}"
+        tenant = args.tenant or ToolSettings().tenant or f"eval-{int(time.time())}"
         api_key = args.api_key
     options = {} if args.max_tokens is None else {"max_tokens": str(args.max_tokens)}
     if args.view_tokens is not None:

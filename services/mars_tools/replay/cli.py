@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import time
 from collections import Counter
 from pathlib import Path
@@ -15,6 +14,7 @@ from rich.console import Console
 from mars_tools.private_files import open_private
 from mars_tools.replay.readers import load_traces, read_topics, topic_prefix_arg
 from mars_tools.replay.traces import summarize
+from mars_tools.settings import ToolSettings
 
 
 def _print_summary(console: Console, summary: dict[str, object], seconds: float) -> None:
@@ -76,9 +76,10 @@ def add_replay_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     replay_sub = replay.add_subparsers(dest="replay_cmd", required=True)
 
     def common(p: argparse.ArgumentParser) -> None:
+        defaults = ToolSettings()
         p.add_argument(
             "--bootstrap",
-            default=os.environ.get("MARS_KAFKA_BOOTSTRAP", "127.0.0.1:9092"),
+            default=defaults.kafka_bootstrap or "127.0.0.1:9092",
             help="Kafka bootstrap servers (default: MARS_KAFKA_BOOTSTRAP, else 127.0.0.1:9092); SASL and TLS "
             "come from the MARS_KAFKA_SECURITY_PROTOCOL/SASL_*/SSL_* variables",
         )
@@ -87,7 +88,7 @@ def add_replay_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
         p.add_argument(
             "--topic-prefix",
             type=topic_prefix_arg,
-            default=os.environ.get("MARS_TOPIC_PREFIX", ""),
+            default=defaults.topic_prefix,
             help="read the run whose topics carry this prefix (default: MARS_TOPIC_PREFIX, e.g. run7.)",
         )
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -45,6 +44,7 @@ from mars_tools.replay import presets
 from mars_tools.replay.compare import comparison_table, only, read_back
 from mars_tools.replay.readers import topic_prefix_arg
 from mars_tools.replay.traces import RawRecord, TraceBuilder, records_from_lines, summarize
+from mars_tools.settings import ToolSettings
 
 
 @dataclass(frozen=True)
@@ -392,6 +392,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def add_run_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    defaults = ToolSettings()
     p = sub.add_parser(
         "run",
         help="re-drive recorded turns through a pipeline with another configuration; compare the two runs",
@@ -413,7 +414,7 @@ def add_run_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
     )
     p.add_argument(
         "--model-pool",
-        default=os.environ.get("MARS_MODEL_POOL"),
+        default=defaults.model_pool or None,
         help="model pool of the replay stack (default: $MARS_MODEL_POOL or config/models.local.yaml)",
     )
     p.add_argument(
@@ -427,13 +428,13 @@ def add_run_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
     p.add_argument("--bootstrap", help="with --ingress: its Kafka bootstrap servers, to compare the runs")
     p.add_argument(
         "--postgres-dsn",
-        default=os.environ.get("MARS_POSTGRES_DSN"),
+        default=defaults.postgres_dsn or None,
         help="with --ingress: its Postgres, where an API key is created for each re-driven tenant "
         "(default: $MARS_POSTGRES_DSN)",
     )
     p.add_argument(
         "--api-key",
-        default=os.environ.get("MARS_API_KEY"),
+        default=defaults.api_key or None,
         help="with --ingress and no --postgres-dsn: the API key sent for every turn; it must be the "
         "re-driven tenant's (default: $MARS_API_KEY)",
     )
