@@ -35,8 +35,8 @@ class ConsumerGroup:
 
 
 STATE = ConsumerGroup("mars-state", "state", (TOPIC_RECEIVED,))
-#: Views read the state topic, and the received topic to start the query's embedding early.
-MEMORY_VIEW = ConsumerGroup("mars-memory-view", "memory", (TOPIC_STATE, TOPIC_RECEIVED))
+#: Views read the state topic (whose events carry the turn's embedding when the controller made one).
+MEMORY_VIEW = ConsumerGroup("mars-memory-view", "memory", (TOPIC_STATE,))
 MEMORY_WRITER = ConsumerGroup("mars-memory-writer", "memory", (TOPIC_GENERATED,))
 ROUTER = ConsumerGroup("mars-router", "router", (TOPIC_VIEW,))
 ROUTER_UPDATES = ConsumerGroup("mars-router-updates", "router", (TOPIC_JUDGED,))

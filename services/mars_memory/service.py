@@ -15,7 +15,6 @@ from mars.bus import EventProducer, StageConsumer, StageOutput, Subscription, co
 from mars.config import (
     TOPIC_GENERATED,
     TOPIC_MEMORY_COMMITTED,
-    TOPIC_RECEIVED,
     TOPIC_STATE,
     TOPIC_VIEW,
 )
@@ -44,15 +43,12 @@ class MemoryStage:
         self._views = StageOutput(pool, producer, VIEW_STAGE, TOPIC_VIEW)
         self._commits = StageOutput(pool, producer, COMMIT_STAGE, TOPIC_MEMORY_COMMITTED)
 
-    async def on_received(self, event: ev.TurnReceived) -> None:
-        turn = event.turn
-        await self._store.prefetch_query(turn.tenant, turn.user_id, event.text)
-
     async def on_state(self, event: ev.StateEstimated) -> None:
         turn = event.turn
         started = time.perf_counter()
         if await self._views.done(turn.turn_id):
             return
+        self._store.accept_query_embedding(event.text, event.text_embedder, event.text_embedding)
         view, fresh = await self._store.view_after(
             turn.tenant,
             turn.user_id,
@@ -136,12 +132,8 @@ async def build(ctx: ServiceContext) -> ServiceParts:
         ctx.producer,
         "memory",
         topology.MEMORY_VIEW.name,
-        [
-            Subscription(TOPIC_STATE, ev.StateEstimated, stage.on_state),
-            # The query's embedding starts while the state stage works (the same partition index of both
-            # topics comes to this replica: stage consumers use the range assignor).
-            Subscription(TOPIC_RECEIVED, ev.TurnReceived, stage.on_received),
-        ],
+        # The query's vector comes with the state event when the controller embedded the turn.
+        [Subscription(TOPIC_STATE, ev.StateEstimated, stage.on_state)],
     )
     writer = StageConsumer(
         settings,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 import uuid
 from typing import Any
@@ -27,7 +28,8 @@ from mars.domain.thread_state import (
     thread_from_json,
     thread_to_json,
 )
-from mars.retrieval.embedder import Embedder, LruEmbedder, split_sessions
+from mars.domain.vectors import decode_vector
+from mars.retrieval.embedder import Embedder, LruEmbedder, embedder_tag, split_sessions
 from mars.retrieval.hybrid import (
     POLICY_CONFIGS,
     HybridConfig,
@@ -43,6 +45,8 @@ from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
 from mars_memory.settings import MemorySettings
+
+log = logging.getLogger(__name__)
 
 RECORD_COLUMNS = (
     "record_id, session_id, turn_id, seq, user_text, assistant_text, thread_id, embedding, embedding_model, "
@@ -124,9 +128,7 @@ class MemoryStore:
         if embedder is not None:
             self._embedder, queries = split_sessions(embedder)
             self._query_embedder = LruEmbedder(queries)
-        self._model_name = settings.embedding_model or "all-MiniLM-L6-v2"
-        if settings.embedding_precision != "fp32":
-            self._model_name += f":{settings.embedding_precision}"
+        self._model_name = embedder_tag(settings.embedding_model, settings.embedding_precision)
         self._applied = asyncio.Condition()
         self._indexes: dict[tuple[str, str], UserIndex] = {}
         #: Query embeddings being computed, by text: a view awaits the one its prefetch started.
@@ -485,13 +487,26 @@ class MemoryStore:
             pending = task
         await asyncio.shield(pending)
 
-    async def prefetch_query(self, tenant: str, user_id: str, text: str) -> None:
-        """Embed a turn's query as soon as it is received, while the state stage works on it: its view
-        then finds the vector ready. Only for users this replica holds history of (a first turn retrieves
-        nothing, and another replica's users would be embedded twice)."""
-        index = self._indexes.get((tenant, user_id))
-        if index is not None and index.records:
-            await self._query_vector(text)
+    def accept_query_embedding(self, text: str, tag: str, encoded: str) -> bool:
+        """Hold the state controller's embedding of the turn's text as the query's vector, so each turn is
+        embedded once. False where it cannot serve here (none given, another model, a bad vector): the
+        view then embeds the text itself."""
+        if not encoded or self._query_embedder is None:
+            return False
+        if tag != self._model_name:
+            log.debug("turn embedding of %s, not %s: embedded again here", tag, self._model_name)
+            return False
+        try:
+            vector = decode_vector(encoded)
+        except ValueError as exc:
+            log.warning("turn embedding not used (%s): embedded again here", exc)
+            return False
+        if vector.shape[0] != self._query_embedder.dim:
+            dims = (vector.shape[0], self._query_embedder.dim)
+            log.warning("turn embedding of %d dimensions, not %d: embedded again here", *dims)
+            return False
+        self._query_embedder.put(text, vector)
+        return True
 
     def query_embedding(self, text: str) -> list[float]:
         """The query's vector (cached: a view that retrieved already embedded it), [] without an embedder."""

@@ -13,10 +13,11 @@ import grpc
 from mars import topology
 from mars.bus import EventProducer, StageConsumer, StageOutput, Subscription, control_reader
 from mars.config import STATE_STAGE, TOPIC_RECEIVED, TOPIC_STATE
+from mars.domain.vectors import encode_vector
 from mars.llm_json import TokenPrices, endpoint_url
 from mars.qtm.controllers import make_controller
 from mars.qtm.guard import GuardedEstimator
-from mars.qtm.learned import ModelFileError
+from mars.qtm.learned import LearnedController, ModelFileError
 from mars.runtime import GrpcBinding, ServiceContext, ServiceParts, rpc_errors, run
 from mars.v1 import events_pb2 as ev
 from mars.v1 import services_pb2 as svc
@@ -131,12 +132,27 @@ class StateStage:
         depth += 1
         state.thread_depth = depth
         recent = [*recent, event.text][-self._settings.state_context_turns :]
+        tag, vector = self._text_embedding(event.text)
         # Guarded by seq so a redelivered older turn cannot roll the context back.
         await self._contexts.save(turn.tenant, turn.user_id, recent, depth, turn.seq, turn.session_id)
         out = ev.StateEstimated(
-            turn=turn, text=event.text, state=state, latency_ms=(time.perf_counter() - started) * 1000
+            turn=turn,
+            text=event.text,
+            state=state,
+            latency_ms=(time.perf_counter() - started) * 1000,
+            text_embedding=vector,
+            text_embedder=tag,
         )
         await self._out.emit(out, turn)
+
+    def _text_embedding(self, text: str) -> tuple[str, str]:
+        """(embedder tag, encoded vector) of the turn's text when the controller embedded it, else ("", "")."""
+        controller = self._estimator.controller
+        if isinstance(controller, LearnedController):
+            vector = controller.cached_embedding(text)
+            if vector is not None:
+                return controller.embedder_tag, encode_vector(vector)
+        return "", ""
 
     async def on_forgotten(self, event: ev.UserForgotten) -> None:
         """Every replica: the forgotten user's context row is deleted already; their texts may still key

@@ -115,3 +115,22 @@ def test_router_flags_recent_revisions_of_the_session(
     assert flagged >= 3
     phases = [r.state.phase for r in by_session["s1"]]
     assert ev.REVISE in phases and ev.SYNTHESIZE in phases
+
+
+def test_each_turn_is_embedded_once_and_its_vector_travels_sealed_on_the_state_event(
+    stack: LocalStack, turns: dict[str, tuple[ev.ViewBuilt, ev.Routed]]
+) -> None:
+    """The learned controller's embedding of the turn rides on the state event (opened here with the data
+    keys, as memory opens it), made by the model memory runs: memory takes it instead of embedding again."""
+    import numpy as np
+    from mars.config import TOPIC_STATE
+    from mars.domain.vectors import decode_vector
+    from mars.retrieval.embedder import embedder_tag, load_embedder
+
+    states = [s for s in read_events(stack, TOPIC_STATE, ev.StateEstimated) if s.turn.turn_id in turns]
+    assert len(states) == len(turns)
+    embedder = load_embedder()
+    for state in states:
+        assert state.text_embedder == embedder_tag(None)
+        vector = decode_vector(state.text_embedding)
+        assert np.allclose(vector, embedder.encode([state.text])[0], atol=1e-4), state.text

@@ -53,7 +53,7 @@ judge: mars.v1.Judge
 state:
   mars-state: [mars.turn.received]
 memory:
-  mars-memory-view: [mars.turn.state, mars.turn.received]
+  mars-memory-view: [mars.turn.state]
   mars-memory-writer: [mars.turn.generated]
 router:
   mars-router: [mars.turn.view]

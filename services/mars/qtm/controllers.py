@@ -188,11 +188,11 @@ def make_controller(
         from pathlib import Path
 
         from mars.qtm.learned import DEFAULT_MODEL, LearnedController, LearnedModel
-        from mars.retrieval.embedder import LruEmbedder, load_embedder
+        from mars.retrieval.embedder import LruEmbedder, embedder_tag, load_embedder
 
         learned = LearnedModel.load(Path(model) if model else DEFAULT_MODEL)
         cache = LruEmbedder(load_embedder(cache_dir=embedding_cache_dir))
-        return LearnedController(learned, cache.encode, cache.clear)
+        return LearnedController(learned, cache.encode, cache.clear, cache.cached, embedder_tag(None))
     template = PromptTemplate.load(prompt)
     if backend == "vllm":
         if not model:

@@ -333,11 +333,26 @@ class LearnedController:
     name = "learned"
     calls_llm = False
 
-    def __init__(self, model: LearnedModel, embed: Embed, forget: Callable[[], int] = lambda: 0) -> None:
+    def __init__(
+        self,
+        model: LearnedModel,
+        embed: Embed,
+        forget: Callable[[], int] = lambda: 0,
+        cached: Callable[[str], np.ndarray | None] = lambda _text: None,
+        embedder_tag: str = "",
+    ) -> None:
         self.model = model
         self.prompt_version = str(model.meta.get("version", "learned"))
         self._embed = embed
         self._forget = forget
+        self._cached = cached
+        #: The tag of the embedder's vectors (mars.retrieval.embedder.embedder_tag).
+        self.embedder_tag = embedder_tag
+
+    def cached_embedding(self, text: str) -> np.ndarray | None:
+        """The turn's embedding if the controller computed it (nothing is computed here): handed on so the
+        memory service does not embed the same text again."""
+        return self._cached(text)
 
     def forget_cached(self) -> int:
         """Drop the cached embeddings of turns (keyed by their text): a user was forgotten."""

@@ -75,6 +75,18 @@ class SentenceTransformerEmbedder:
         return np.ascontiguousarray(out, dtype=np.float32)
 
 
+#: The name vectors of the default model are tagged with (stored chunks, the state controller's turn
+#: embeddings): vectors of two tags are never compared.
+DEFAULT_MODEL_NAME = "all-MiniLM-L6-v2"
+
+
+def embedder_tag(model: str | None, precision: str = "fp32") -> str:
+    """The tag of an embedder's vectors: its model (default: DEFAULT_MODEL_NAME) and a precision other than
+    fp32 (ONNX and torch runs of one model agree to float rounding and share a tag)."""
+    name = model or DEFAULT_MODEL_NAME
+    return name if precision == "fp32" else f"{name}:{precision}"
+
+
 class LruEmbedder:
     """Keeps the most recent texts' vectors: a conversation's earlier turns are embedded once, not at
     every later query that uses them as context."""
@@ -103,6 +115,19 @@ class LruEmbedder:
             held = len(self._cache)
             self._cache.clear()
             return held
+
+    def cached(self, text: str) -> np.ndarray | None:
+        """The text's vector if it is held (nothing is computed)."""
+        with self._lock:
+            return self._cache.get(text)
+
+    def put(self, text: str, vector: np.ndarray) -> None:
+        """Hold a vector another process computed for `text` with the same model (the state controller's)."""
+        with self._lock:
+            self._cache[text] = vector
+            self._cache.move_to_end(text)
+            while len(self._cache) > self._size:
+                self._cache.popitem(last=False)
 
     def encode(self, texts: Sequence[str]) -> np.ndarray:
         with self._lock:
