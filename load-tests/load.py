@@ -34,6 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 LITELLM_VENV = REPO / "load-tests" / ".venv-litellm"
 MASTER_KEY = "sk-mars-load-" + "0" * 32
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # decompose.py beside this file
+import cpu_profile  # noqa: E402
 import decompose  # noqa: E402
 
 TENANT = "load"
@@ -246,9 +247,14 @@ async def run_rates(
                             f"[load] {system}: waited {waited:.0f}s for the last rate's backlog", flush=True
                         )
                 since = time.time()
+                spies = []
+                if args.profile and system == "mars" and rate == args.profile_rate:
+                    spies = cpu_profile.start(sessions[system], args.seconds, args.profile, f"{rate:g}")
                 cpu0, own0 = decompose.cpu_seconds(sessions[system]), time.process_time()
                 samples, elapsed = await open_loop(sender, rate, args.seconds, args.users, seed=k + 1)
                 cpu1, own1 = decompose.cpu_seconds(sessions[system]), time.process_time()
+                for spy in spies:
+                    await asyncio.to_thread(spy.wait, 60)
                 if system == "mars":
                     windows.append((rate, since, time.time()))  # the next rate starts after this
                 row = summarise(rate, args.seconds, samples, elapsed)
@@ -342,6 +348,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--plot", type=Path, help="write a PNG of overhead against offered load")
     parser.add_argument(
+        "--profile",
+        type=Path,
+        metavar="DIR",
+        help="record every MARS service with py-spy during one rate (--profile-rate) into DIR and print "
+        "where each spends its CPU (load-tests/cpu_profile.py)",
+    )
+    parser.add_argument(
+        "--profile-rate", type=float, help="the rate to profile (default: the first of --rates)"
+    )
+    parser.add_argument(
         "--service-env",
         action="append",
         default=[],
@@ -355,6 +371,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--rates must be numbers separated by commas, got {args.rates!r}")
     if not rates or any(r <= 0 for r in rates) or args.seconds <= 0:
         parser.error("rates and --seconds must be positive")
+    if args.profile_rate is None:
+        args.profile_rate = rates[0]
+    elif args.profile_rate not in rates:
+        parser.error(f"--profile-rate {args.profile_rate:g} is not one of --rates")
+    if args.profile and not cpu_profile.PY_SPY.exists():
+        parser.error(f"--profile needs py-spy ({cpu_profile.PY_SPY}): make install")
     service_env = {}
     for item in args.service_env:
         key, sep, value = item.partition("=")
@@ -437,6 +459,12 @@ def main(argv: list[str] | None = None) -> int:
         if out[system]:
             print_table(system, [Row(**r) for r in out[system]])
     decompose.print_decomposition(out.get("decomposition", []), out.get("floor"))
+    if args.profile:
+        label = f"{args.profile_rate:g}"
+        out["profile"] = cpu_profile.summarise_folder(args.profile, label)
+        row = next((r for r in out["mars"] if r["rate"] == args.profile_rate), {})
+        print(f"\n[load] where the services spend their CPU at {label}/s (py-spy, busy samples):")
+        cpu_profile.print_summary(out["profile"], row.get("cpu_ms_per_turn", {}))
     if args.plot:
         plot(out, args.plot)
     if args.json:
