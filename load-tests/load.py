@@ -36,6 +36,7 @@ MASTER_KEY = "sk-mars-load-" + "0" * 32
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # decompose.py beside this file
 import cpu_profile  # noqa: E402
 import decompose  # noqa: E402
+import pg_statements  # noqa: E402
 
 TENANT = "load"
 WORDS = "ferry budget hotel museum recipe garden invoice violin passport bicycle concert telescope".split()
@@ -65,6 +66,8 @@ class Row:
     #: CPU ms per turn sent, per process of the system (and the load generator), and cores busy in all.
     cpu_ms_per_turn: dict[str, float] = field(default_factory=dict)
     cores_busy: float = 0.0
+    #: Postgres statements per turn, by the service owning each statement's table (MARS only).
+    pg_statements: dict[str, Any] = field(default_factory=dict)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -250,6 +253,8 @@ async def run_rates(
                 spies = []
                 if args.profile and system == "mars" and rate == args.profile_rate:
                     spies = cpu_profile.start(sessions[system], args.seconds, args.profile, f"{rate:g}")
+                if system == "mars" and args.postgres_dsn:
+                    await asyncio.to_thread(pg_statements.reset, args.postgres_dsn)
                 cpu0, own0 = decompose.cpu_seconds(sessions[system]), time.process_time()
                 samples, elapsed = await open_loop(sender, rate, args.seconds, args.users, seed=k + 1)
                 cpu1, own1 = decompose.cpu_seconds(sessions[system]), time.process_time()
@@ -262,6 +267,10 @@ async def run_rates(
                 row.cpu_ms_per_turn = {n: 1000 * (cpu1[n] - cpu0[n]) / turns for n in cpu0}
                 row.cpu_ms_per_turn["load generator"] = 1000 * (own1 - own0) / turns
                 row.cores_busy = (sum(cpu1.values()) - sum(cpu0.values()) + own1 - own0) / elapsed
+                if system == "mars" and args.postgres_dsn:
+                    row.pg_statements = await asyncio.to_thread(
+                        pg_statements.per_turn, args.postgres_dsn, len(samples)
+                    )
                 out[system].append(row.__dict__)
                 print(
                     f"[load] {system} {rate:g}/s: p50 {row.e2e_p50_ms:.1f} ms, {row.errors} errors",
@@ -403,6 +412,7 @@ def main(argv: list[str] | None = None) -> int:
             llm="standin",
             standin_latency_ms=args.latency_ms,
             trace_dir=trace_dir,
+            postgres_settings=pg_statements.SERVER_SETTINGS,
             extra_env={
                 "MARS_TURN_TIMEOUT_S": str(args.timeout_s),
                 "MARS_TRACE_BATCH": "true",
@@ -417,6 +427,8 @@ def main(argv: list[str] | None = None) -> int:
 
         # The turns' tenant and its key (with MARS_AUTH_REQUIRED=false the ingress ignores it).
         args.api_key = mint_key(stack.env["MARS_POSTGRES_DSN"], TENANT, label="load harness").key
+        args.postgres_dsn = stack.env["MARS_POSTGRES_DSN"]
+        pg_statements.enable(args.postgres_dsn)
         litellm_url = ""
         if not args.no_litellm:
             litellm, litellm_url = start_litellm(stack.env["MARS_LOCAL_LLM_URL"], stack.workdir)
@@ -459,6 +471,9 @@ def main(argv: list[str] | None = None) -> int:
         if out[system]:
             print_table(system, [Row(**r) for r in out[system]])
     decompose.print_decomposition(out.get("decomposition", []), out.get("floor"))
+    for r in out["mars"]:
+        if r.get("pg_statements"):
+            pg_statements.print_report(r["pg_statements"], r["rate"])
     if args.profile:
         label = f"{args.profile_rate:g}"
         out["profile"] = cpu_profile.summarise_folder(args.profile, label)

@@ -111,6 +111,8 @@ class StackSettings:
     extra_env: dict[str, str] = field(default_factory=dict)
     #: Per-service extra environment (e.g. a test's deliberately failing model pool for dispatch).
     service_env: dict[str, dict[str, str]] = field(default_factory=dict)
+    #: Extra Postgres server settings (`-c name=value`), e.g. the load harness's pg_stat_statements.
+    postgres_settings: dict[str, str] = field(default_factory=dict)
     trace_dir: Path | None = None
     #: MARS_TOPIC_PREFIX of every service ("" = the plain topic names): the run's topics and groups.
     topic_prefix: str = ""
@@ -501,6 +503,7 @@ class LocalStack:
                 "synchronous_commit=on",
                 "-c",
                 "max_connections=200",
+                *(arg for k, v in self.settings.postgres_settings.items() for arg in ("-c", f"{k}={v}")),
             ],
             user=user,
         )
