@@ -827,3 +827,24 @@ def test_gateway_is_a_keyless_caller_of_the_ingress() -> None:
     assert not [o for o in off if o["metadata"]["labels"].get("app.kubernetes.io/component") == "gateway"]
     ingress_policy = helm.find(off, "NetworkPolicy", "mars-ingress")[0]
     assert len(ingress_policy["spec"]["ingress"]) == 2  # callers and metrics; no gateway rule
+
+
+def test_the_ingress_calls_state_with_the_client_certificate_under_mutual_tls() -> None:
+    """With tls.mutual the ingress presents tls.clientSecretName's certificate to state (client auth usage),
+    as the gateway does to the ingress, and trusts the services' CA."""
+    objects = render(merged(PROFILES["tls-mutual"], {"tls": {"clientSecretName": "mars-client-tls"}}))
+    env = helm.service_env(objects, "ingress")
+    assert env["MARS_TLS_CA_FILE"] == "/etc/mars/tls/ca.crt"
+    assert (env["MARS_TLS_CLIENT_CERT_FILE"], env["MARS_TLS_CLIENT_KEY_FILE"]) == (
+        "/etc/mars/tls-client/tls.crt",
+        "/etc/mars/tls-client/tls.key",
+    )
+    pod = by_component(objects, "Deployment")["ingress"]["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["tls-client"]["secret"]["secretName"] == "mars-client-tls"
+    assert volumes["identity"]["secret"]["secretName"] == "mars-identity-ingress"
+    mounts = {m["name"]: m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}
+    assert (mounts["tls-client"], mounts["identity"]) == ("/etc/mars/tls-client", "/etc/mars/identity")
+    # No other service holds a client certificate or an identity key.
+    state = by_component(objects, "Deployment")["state"]["spec"]["template"]["spec"]
+    assert not {"tls-client", "identity"} & {v["name"] for v in state["volumes"]}

@@ -266,6 +266,15 @@ def test_six_services_and_the_gateway_serve_and_answer_turns(
     monkeypatch.setenv("MARS_TLS_CLIENT_KEY_FILE", client.key_file)
     master_dir = master_key_secret(objects, tmp_path / "master-key")
     identity_ca_dir = identity_secret(objects, "mars-identity-ca", tmp_path / "identity-ca")
+    # The ingress calls state (a history import's context) with its own identity and, for mutual TLS, the
+    # certificate of tls.clientSecretName, as the chart mounts them in the ingress pod.
+    ingress_identity_dir = identity_secret(objects, "mars-identity-ingress", tmp_path / "identity-ingress")
+    client_dir = tmp_path / "tls-client"
+    client_dir.mkdir()
+    (client_dir / "tls.crt").write_bytes(certs.client_cert.read_bytes())
+    (client_dir / "tls.key").write_bytes(certs.client_key.read_bytes())
+    for path in (client_dir, *client_dir.iterdir()):
+        path.chmod(0o755 if path.is_dir() else 0o644)
     pool_dir = tmp_path / "pool"
     pool_dir.mkdir()
     (pool_dir / "models.yaml").write_text(
@@ -280,13 +289,19 @@ def test_six_services_and_the_gateway_serve_and_answer_turns(
     try:
         for service in topology.NAMES:
             env = service_env(objects, service, ports[service], metrics_ports[service], health_ports[service])
+            own: list[str] = []
+            if service == "ingress":
+                assert env["MARS_STATE_ADDR"] == "mars-state:50052"  # the chart's; host networking here
+                env["MARS_STATE_ADDR"] = f"127.0.0.1:{ports['state']}"
+                own = [f"--volume={ingress_identity_dir}:/etc/mars/identity:ro",
+                       f"--volume={client_dir}:/etc/mars/tls-client:ro"]  # fmt: skip
             env_args = [f"--env={k}={v}" for k, v in sorted(env.items())]
             podman(
                 "run", "--detach", f"--name={names[service]}", "--network=host", *HARDENED,
                 f"--volume={pool_dir}:{POOL_DIR_IN_CONTAINER}:ro",
                 f"--volume={certs.ca.parent}:{TLS_DIR_IN_CONTAINER}:ro",
                 f"--volume={master_dir}:{MASTER_KEY_DIR_IN_CONTAINER}:ro",
-                f"--volume={identity_ca_dir}:{IDENTITY_CA_DIR_IN_CONTAINER}:ro", *env_args, image, service,
+                f"--volume={identity_ca_dir}:{IDENTITY_CA_DIR_IN_CONTAINER}:ro", *own, *env_args, image, service,
             )  # fmt: skip
             started.append(names[service])
 
@@ -359,6 +374,24 @@ def test_six_services_and_the_gateway_serve_and_answer_turns(
         assert reply.text.strip(), reply
         assert reply.model in {"standin-short", "standin-long"}, reply.model
 
+        # A history import: the containerised ingress hands its context to the containerised state service
+        # (mutual TLS and the ingress identity, as the chart wires them); state keeps it in its table.
+        import psycopg
+        from mars.auth import mint_key
+
+        admin_key = mint_key(infra.env["MARS_POSTGRES_DSN"], "image", admin=True, label="image test").key
+        recorded = svc.RecordedTurn(session_id="old", user_text="Plan the Lisbon ferry", assistant_text="Booked.")
+        with ingress_channel(f"127.0.0.1:{ports['ingress']}", admin_key) as channel:
+            imported = svc_grpc.IngressStub(channel).ImportHistory(
+                svc.ImportHistoryRequest(user_id="u-import", turns=[recorded]), timeout=60
+            )
+        assert imported.imported == 1
+        with psycopg.connect(infra.env["MARS_POSTGRES_DSN"]) as conn:
+            context = conn.execute(
+                "SELECT recent_texts, last_seq FROM state_context WHERE tenant = 'image' AND user_id = 'u-import'"
+            ).fetchall()
+        assert context == [(["Plan the Lisbon ferry"], imported.last_seq)]
+
         # The CLI in the image (what the chart's hook Jobs run), hardened the same way: a second turn.
         cli = podman(
             "run", "--rm", "--network=host", *HARDENED, f"--volume={certs.ca.parent}:/etc/mars/client-tls:ro",
@@ -380,12 +413,6 @@ def test_six_services_and_the_gateway_serve_and_answer_turns(
             MARS_METRICS_PORT=str(gateway_metrics),
             MARS_INGRESS_ADDR=f"127.0.0.1:{ports['ingress']}",
         )
-        client_dir = tmp_path / "gateway-tls"
-        client_dir.mkdir()
-        (client_dir / "tls.crt").write_bytes(certs.client_cert.read_bytes())
-        (client_dir / "tls.key").write_bytes(certs.client_key.read_bytes())
-        for path in (client_dir, *client_dir.iterdir()):
-            path.chmod(0o755 if path.is_dir() else 0o644)
         gateway_name = f"mars-test-gateway-{run_id}"
         podman(
             "run", "--detach", f"--name={gateway_name}", "--network=host", *HARDENED,
