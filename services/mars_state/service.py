@@ -102,15 +102,12 @@ class StateStage:
         producer: EventProducer,
         pool: AsyncConnectionPool,
         estimator: GuardedEstimator,
+        contexts: ContextStore,
     ) -> None:
         self._settings = settings
         self._estimator = estimator
-        self._contexts = ContextStore(pool)
+        self._contexts = contexts
         self._out = StageOutput(pool, producer, STAGE, TOPIC_STATE)
-
-    @property
-    def contexts(self) -> ContextStore:
-        return self._contexts
 
     async def on_received(self, event: ev.TurnReceived) -> None:
         turn = event.turn
@@ -165,7 +162,9 @@ async def build(ctx: ServiceContext) -> ServiceParts:
     settings = ctx.settings
     assert isinstance(settings, StateSettings)
     estimator = make_estimator(settings)
-    stage = StateStage(settings, ctx.producer, ctx.pool, estimator)
+    # One store of the table for both writers: the stage (every turn) and ImportContext (imports).
+    contexts = ContextStore(ctx.pool)
+    stage = StateStage(settings, ctx.producer, ctx.pool, estimator, contexts)
     consumer = StageConsumer(
         settings,
         ctx.producer,
@@ -177,7 +176,7 @@ async def build(ctx: ServiceContext) -> ServiceParts:
         bindings=[
             GrpcBinding(
                 svc_grpc.add_StateEstimatorServicer_to_server,
-                StateEstimatorServicer(settings, estimator, stage.contexts),
+                StateEstimatorServicer(settings, estimator, contexts),
                 "mars.v1.StateEstimator",
             )
         ],

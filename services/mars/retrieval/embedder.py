@@ -124,10 +124,15 @@ class LruEmbedder:
     def put(self, text: str, vector: np.ndarray) -> None:
         """Hold a vector another process computed for `text` with the same model (the state controller's)."""
         with self._lock:
+            self._hold({text: vector})
+
+    def _hold(self, vectors: dict[str, np.ndarray]) -> None:
+        """Newest last, the oldest dropped past the size (the caller holds the lock)."""
+        for text, vector in vectors.items():
             self._cache[text] = vector
             self._cache.move_to_end(text)
-            while len(self._cache) > self._size:
-                self._cache.popitem(last=False)
+        while len(self._cache) > self._size:
+            self._cache.popitem(last=False)
 
     def encode(self, texts: Sequence[str]) -> np.ndarray:
         with self._lock:
@@ -137,11 +142,7 @@ class LruEmbedder:
             found.update(zip(missing, self.inner.encode(missing), strict=True))
         out = [found[t] for t in texts]
         with self._lock:
-            for t in texts:
-                self._cache[t] = found[t]
-                self._cache.move_to_end(t)
-            while len(self._cache) > self._size:
-                self._cache.popitem(last=False)
+            self._hold({t: found[t] for t in texts})
         if not out:
             return np.zeros((0, self.dim), dtype=np.float32)
         return np.stack(out).astype(np.float32)
