@@ -348,6 +348,13 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="run MARS without spans (no per-hop decomposition; measures what tracing itself costs)",
     )
+    parser.add_argument(
+        "--trace-sample",
+        type=float,
+        default=0.1,
+        help="share of turns traced for the decomposition (MARS_TRACE_SAMPLE_RATIO; default 0.1: tracing every "
+        "turn to files costs the services CPU a deployment without exporters does not spend)",
+    )
     parser.add_argument("--no-floor", action="store_true", help="skip measuring the floor parts")
     parser.add_argument(
         "--window-s",
@@ -380,6 +387,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--rates must be numbers separated by commas, got {args.rates!r}")
     if not rates or any(r <= 0 for r in rates) or args.seconds <= 0:
         parser.error("rates and --seconds must be positive")
+    if not 0 < args.trace_sample <= 1:
+        parser.error(f"--trace-sample is a share of turns in (0, 1], got {args.trace_sample:g}")
     if args.profile_rate is None:
         args.profile_rate = rates[0]
     elif args.profile_rate not in rates:
@@ -416,6 +425,7 @@ def main(argv: list[str] | None = None) -> int:
             extra_env={
                 "MARS_TURN_TIMEOUT_S": str(args.timeout_s),
                 "MARS_TRACE_BATCH": "true",
+                "MARS_TRACE_SAMPLE_RATIO": str(args.trace_sample),
                 **service_env,
             },
         )

@@ -15,7 +15,7 @@ from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from aiokafka import (
     AIOKafkaConsumer,
@@ -62,6 +62,8 @@ from mars.v1 import events_pb2 as ev
 
 log = logging.getLogger(__name__)
 
+if TYPE_CHECKING:
+    from mars.db import EmittedLedger
 
 #: Set for the record a stage handler is working on: True when no consumer of its group can have handled
 #: it before (its offset was at or past the partition's end when this consumer got the partition), so a
@@ -291,6 +293,8 @@ class EventProducer:
         #: The data keys that seal user text (set by the service runtime when a master key is configured;
         #: None: events are published as they are, and sealed events cannot be read).
         self.keyring: Keyring | None = None
+        #: The process's stage ledger (write-behind), set by the first StageOutput on a pool.
+        self.ledger: EmittedLedger | None = None
 
     async def start(self) -> None:
         await self._producer.start()
@@ -673,6 +677,13 @@ class StageConsumer:
         return self._lag
 
     async def _commit_finished(self) -> None:
+        ledger = self._producer.ledger
+        if ledger is not None and ledger.pending:
+            try:  # the rows of what is committed now must be written first (mars.db.EmittedLedger)
+                await ledger.flush()
+            except Exception as exc:
+                log.warning("stage ledger not written; offsets of %s not committed: %r", self._group_id, exc)
+                return
         offsets = {}
         for tp, track in self._tracks.items():
             next_offset = track.committable()
@@ -900,6 +911,11 @@ class StageOutput:
         self._stage = stage
         self._topic = topic
         self._emitted: OrderedDict[str, None] = OrderedDict()
+        if producer.ledger is None:
+            from mars import db
+
+            producer.ledger = db.EmittedLedger(pool)
+        self._ledger = producer.ledger
 
     async def done(self, turn_id: str) -> bool:
         """Whether this stage already emitted for the turn. Answered from memory for what this process
@@ -925,10 +941,6 @@ class StageOutput:
             self._emitted.popitem(last=False)
 
     async def emit(self, event: Message, turn: ev.TurnEnvelope) -> None:
-        from mars import db
-
         await self._producer.publish(self._topic, event, turn)
         self._remember(turn.turn_id)
-        with step("mark-emitted"):
-            async with self._pool.connection() as conn:
-                await db.mark_emitted(conn, self._stage, turn.turn_id)
+        self._ledger.add(self._stage, turn.turn_id)

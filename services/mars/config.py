@@ -282,6 +282,10 @@ class ServiceSettings(CallerSettings):
     #: Write trace_dir spans in batches from a background thread (load runs: off the answer path) rather
     #: than each span as it ends (the default: tests read the file right after a call).
     trace_batch: bool = False
+    #: Share of turns traced (their trace id decides, and every service follows the sampled flag the turn
+    #: arrives with, so a turn is traced whole or not at all). 1 traces every turn; a load run's
+    #: decomposition needs a tenth of them. Without an exporter (OTLP or trace_dir) nothing is traced.
+    trace_sample_ratio: float = Field(default=1.0, ge=0.0, le=1.0)
     #: Seconds between metric exports (to the OTLP endpoint and the trace_dir file).
     metrics_interval_s: float = Field(default=30.0, gt=0)
     log_level: str = "INFO"

@@ -160,8 +160,26 @@ def prometheus_endpoint(port: int, host: str) -> tuple[Any, MetricReader]:
 def setup_tracing(
     service: str, settings: ServiceSettings, resource: Resource | None = None
 ) -> TracerProvider:
-    """Install a tracer provider for `service` with the exporters the settings ask for."""
-    provider = TracerProvider(resource=resource or Resource.create({"service.name": f"mars-{service}"}))
+    """Install the tracer provider of `tracer_provider` when the settings ask for an exporter. Without any,
+    none is installed: spans are then the API's non-recording ones (the trace context still passes
+    through), not SDK spans that cost CPU on every record and go nowhere."""
+    provider = tracer_provider(service, settings, resource)
+    if settings.trace_dir or settings.otlp_endpoint:
+        trace.set_tracer_provider(provider)
+    return provider
+
+
+def tracer_provider(
+    service: str, settings: ServiceSettings, resource: Resource | None = None
+) -> TracerProvider:
+    """A tracer provider for `service` with the exporters the settings ask for, sampling
+    `trace_sample_ratio` of the turns that start here and following the sampled flag of those that arrive."""
+    from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+
+    provider = TracerProvider(
+        resource=resource or Resource.create({"service.name": f"mars-{service}"}),
+        sampler=ParentBased(TraceIdRatioBased(settings.trace_sample_ratio)),
+    )
     if settings.trace_dir:
         exporter = JsonLinesSpanExporter(Path(settings.trace_dir) / f"{service}.jsonl", service)
         # Simple (synchronous) by default: spans must be on disk before a test reads them. Batched for load
@@ -175,7 +193,6 @@ def setup_tracing(
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
         provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=settings.otlp_endpoint)))
-    trace.set_tracer_provider(provider)
     return provider
 
 

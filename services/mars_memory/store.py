@@ -376,24 +376,32 @@ class MemoryStore:
         return [(index.records[rid], score) for rid, score in ranked], score_bounds(ranked)
 
     async def commit(self, event: ev.Generated) -> ev.MemoryCommitted:
-        """Store the turn pair and advance the user's applied seq, in one transaction (idempotent by turn_id)."""
+        """Store the turn pair and advance the user's applied seq, in one transaction (idempotent by turn_id)
+        of two round trips: the lock and the reads, then the writes and the commit (pipelined)."""
         turn = event.turn
         out = ev.MemoryCommitted(turn=turn, imported=event.imported)
         # Postgres refuses NUL in TEXT and JSONB: the turn is stored without it.
         query, answer = pg_text(event.query), pg_text(event.text)
-        async with self._pool.connection() as conn, conn.transaction():
+        pair: tuple[MemoryRecord, np.ndarray | None] | None = None
+        if event.status == ev.OK and turn.options.get("remember") != "false":
+            record = MemoryRecord(uuid.uuid4().hex, turn.session_id, turn.turn_id, turn.seq, query, answer)
+            # Embedded before the transaction: no connection (nor the user's lock) is held meanwhile.
+            pair = record, await asyncio.to_thread(self._embed_record, record)
+        async with self._pool.connection() as conn, conn.pipeline(), conn.transaction():
             # Serialise a user's commits (two replicas during a rebalance, or a redelivery).
             await conn.execute(
                 "SELECT pg_advisory_xact_lock(hashtext(%s))", (f"{turn.tenant}/{turn.user_id}",)
             )
-            cur = await conn.execute(
+            existing_cur = await conn.execute(
                 "SELECT record_id, thread_id FROM memory_records WHERE turn_id = %s", (turn.turn_id,)
             )
-            existing = await cur.fetchone()
+            active_cur = await conn.execute(ACTIVE_THREAD_SQL, (turn.tenant, turn.user_id))
+            existing = await existing_cur.fetchone()  # the first round trip
+            active = await active_cur.fetchone()
             if existing is not None:
                 out.record_id, out.thread_id, out.stored = existing[0], existing[1], True
-            elif event.status == ev.OK and turn.options.get("remember") != "false":
-                await self._store_pair(conn, event, out, query, answer)
+            elif pair is not None:
+                await self._store_pair(conn, event, out, pair, active)
             # A failed (or remember=false) turn stores nothing but still advances seq, so turn n+1 never
             # waits for it.
             await conn.execute(
@@ -410,16 +418,16 @@ class MemoryStore:
         return out
 
     async def _active_thread(
-        self, conn: AsyncConnection, event: ev.Generated, out: ev.MemoryCommitted, query: str
+        self,
+        conn: AsyncConnection,
+        event: ev.Generated,
+        out: ev.MemoryCommitted,
+        active: tuple[Any, ...] | None,
     ) -> ThreadState:
-        """The thread the turn goes to (a new one on NEW_TOPIC or when none is active), its id in `out`."""
+        """The thread the turn goes to (a new one on NEW_TOPIC or when none is active), its id in `out`;
+        `active` is the user's active thread row (ACTIVE_THREAD_SQL), read in the commit's transaction."""
         turn = event.turn
-        cur = await conn.execute(
-            "SELECT thread_id, state, title FROM memory_threads "
-            "WHERE tenant = %s AND user_id = %s AND status = 'ACTIVE'",
-            (turn.tenant, turn.user_id),
-        )
-        active = await cur.fetchone()
+        query = pg_text(event.query)
         thread_state = new_thread(query)
         if active is None or event.state.action == ev.NEW_TOPIC:
             if active is not None:
@@ -435,38 +443,42 @@ class MemoryStore:
             )
         else:
             out.thread_id = active[0]
-            thread_state = thread_from_json(active[1]) if active[1] else new_thread(str(active[2]))
+            thread_state = thread_from_json(active[2]) if active[2] else new_thread(str(active[1]))
         return thread_state
 
     async def _store_pair(
-        self, conn: AsyncConnection, event: ev.Generated, out: ev.MemoryCommitted, query: str, answer: str
+        self,
+        conn: AsyncConnection,
+        event: ev.Generated,
+        out: ev.MemoryCommitted,
+        pair: tuple[MemoryRecord, np.ndarray | None],
+        active: tuple[Any, ...] | None,
     ) -> None:
         """The pair as a record of its thread, the thread's state folded with it (in the caller's
-        transaction)."""
+        transaction; writes only, so they go out pipelined with its commit)."""
         turn = event.turn
-        thread_state = await self._active_thread(conn, event, out, query)
-        thread_state = fold_turn(thread_state, turn.seq, query, answer, event.state)
+        record, vectors = pair
+        thread_state = await self._active_thread(conn, event, out, active)
+        thread_state = fold_turn(thread_state, turn.seq, record.user_text, record.assistant_text, event.state)
         await conn.execute(
             "UPDATE memory_threads SET state = %s WHERE thread_id = %s",
             (Jsonb(thread_to_json(thread_state)), out.thread_id),
         )
-        out.record_id = uuid.uuid4().hex
-        record = MemoryRecord(out.record_id, turn.session_id, turn.turn_id, turn.seq, query, answer)
-        vectors = await asyncio.to_thread(self._embed_record, record)
+        out.record_id = record.record_id
         await conn.execute(
             "INSERT INTO memory_records (record_id, turn_id, tenant, user_id, session_id, thread_id, seq, "
             "user_text, assistant_text, embedding, embedding_model) "
             "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
             (
-                out.record_id,
+                record.record_id,
                 turn.turn_id,
                 turn.tenant,
                 turn.user_id,
                 turn.session_id,
                 out.thread_id,
                 turn.seq,
-                query,
-                answer,
+                record.user_text,
+                record.assistant_text,
                 _blob(vectors),
                 self._model_name if vectors is not None else None,
             ),

@@ -55,6 +55,13 @@ def add_realmem_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore
         choices=["auto", "onnx", "torch"],
         help="embedder runtime (default auto)",
     )
+    p.add_argument(
+        "--stored-precision",
+        default="fp32",
+        choices=["fp32", "int8"],
+        help="weights that embed the stored turns (MARS_EMBEDDING_STORED_PRECISION of the memory service); "
+        "queries stay fp32. Give int8 runs a --cache-dir of their own: the cache is keyed by text",
+    )
     p.set_defaults(func=cmd_realmem)
     # Registered beside `realmem` (mars_tools/cli.py adds the bench parsers): same data, an honest figure.
     from mars_tools.bench.realmem_lopo import add_realmem_lopo_parser
@@ -75,7 +82,8 @@ def cmd_realmem(args: argparse.Namespace) -> int:
     if any(p in ("mars", "hybrid", "semantic") for p in policies):
         from mars.retrieval.embedder import load_embedder
 
-        embedder = CachingEmbedder(load_embedder(backend=args.embedding_backend), args.cache_dir)
+        stored = load_embedder(backend=args.embedding_backend, precision=args.stored_precision)
+        embedder = CachingEmbedder(stored, args.cache_dir)
         query_embedder = load_embedder(backend=args.embedding_backend, max_seq_length=args.query_max_tokens)
     console.print(
         f"{len(personas)} personas, {sum(len(p.queries) for p in personas)} scored queries; policies: {', '.join(policies)}"

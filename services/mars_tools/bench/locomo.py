@@ -108,16 +108,23 @@ def score_question(ranked_turns: list[str], evidence: frozenset[str]) -> dict[st
 
 
 def run(
-    conversations: list[Conversation], embedder: Embedder, console: Console
+    conversations: list[Conversation],
+    embedder: Embedder,
+    console: Console,
+    stored_embedder: Embedder | None = None,
 ) -> dict[int, list[dict[str, float]]]:
+    """Per question category, each question's scores. `stored_embedder` embeds the turns (default:
+    `embedder`, which embeds the questions)."""
+    stored = stored_embedder or embedder
     by_category: dict[int, list[dict[str, float]]] = defaultdict(list)
     with Progress(console=console) as progress:
         task = progress.add_task("conversations", total=len(conversations))
         for conv in conversations:
             # LoCoMo questions come after the whole conversation: no recency prior, no conversation context.
-            memory = HybridMemory(embedder, replace(POLICY_CONFIGS["mars"], recency_weight=0.0))
+            config = replace(POLICY_CONFIGS["mars"], recency_weight=0.0)
+            memory = HybridMemory(stored, config, query_embedder=embedder)
             max_words = memory.config.max_chunk_words
-            vectors = embed_chunks(embedder, [t.text for t in conv.turns], max_words)  # one batched pass
+            vectors = embed_chunks(stored, [t.text for t in conv.turns], max_words)  # one batched pass
             offset = 0
             for turn in conv.turns:
                 n = len(chunk_pieces([turn.text], max_words))
@@ -161,6 +168,12 @@ def add_locomo_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
         default="fp32",
         help="fp32 (default) or int8 ONNX weights (MARS_EMBEDDING_PRECISION of the memory service)",
     )
+    p.add_argument(
+        "--stored-precision",
+        choices=("fp32", "int8"),
+        help="weights that embed the turns alone (MARS_EMBEDDING_STORED_PRECISION; default: "
+        "--embedding-precision); the questions keep --embedding-precision",
+    )
     p.set_defaults(func=cmd_locomo)
 
 
@@ -173,7 +186,11 @@ def cmd_locomo(args: argparse.Namespace) -> int:
     conversations = load_locomo(path)
     from mars.retrieval.embedder import load_embedder
 
-    results = run(conversations, load_embedder(precision=args.embedding_precision), console)
+    embedder = load_embedder(precision=args.embedding_precision)
+    stored = None
+    if args.stored_precision and args.stored_precision != args.embedding_precision:
+        stored = load_embedder(precision=args.stored_precision)
+    results = run(conversations, embedder, console, stored)
     table, report = category_report(
         results, f"LoCoMo evidence recall ({len(conversations)} conversations, policy mars)"
     )
