@@ -99,13 +99,14 @@ async def mark_emitted_many(conn: AsyncConnection, rows: Sequence[tuple[str, str
 
 class EmittedLedger:
     """Write-behind of one process's `stage_emitted` rows: one INSERT per flush instead of one round trip
-    per emitted event (5.6 statements per turn before). A flush runs FLUSH_EVERY_S after the first
-    unwritten row, and before a consumer commits offsets (`StageConsumer`), so a record's offset is never
-    committed before its row is written. A process that dies with rows unwritten has left those records
-    uncommitted too: they are delivered again and answered again, the at-least-once copy the next stage
-    drops as it drops any other (its stage output remembers what it answered; see `mars.bus.StageOutput`)."""
+    per emitted event (5.6 statements per turn before). A flush runs before a consumer commits offsets
+    (`StageConsumer`, every 0.5 s), so a record's offset is never committed before its row is written, and
+    FLUSH_EVERY_S after the first unwritten row, for rows no commit follows soon. A process that dies
+    with rows unwritten has left those records uncommitted too: they are delivered again and answered
+    again, the at-least-once copy the next stage drops as it drops any other (its stage output remembers
+    what it answered; see `mars.bus.StageOutput`)."""
 
-    FLUSH_EVERY_S = 0.2
+    FLUSH_EVERY_S = 0.5
 
     def __init__(self, pool: AsyncConnectionPool) -> None:
         self._pool = pool

@@ -38,10 +38,11 @@ class TurnStore:
     async def accept(self, envelope: ev.TurnEnvelope, text: str) -> ev.TurnReceived:
         """Give the turn its per-user seq and record it (with its event, the outbox copy) in one
         transaction: a seq is never taken without its turn, so no later view waits for a turn that never
-        was. Retried on a broken connection; a retry after a commit whose answer was lost finds the row."""
+        was. Two round trips (pipelined): the seq, then the row with the commit. Retried on a broken
+        connection; a retry after a commit whose answer was lost finds the row."""
         for attempt in range(1, ACCEPT_ATTEMPTS + 1):
             try:
-                async with self._pool.connection() as conn, conn.transaction():
+                async with self._pool.connection() as conn, conn.pipeline(), conn.transaction():
                     if attempt > 1:
                         cur = await conn.execute(
                             "SELECT received FROM ingress_turns WHERE turn_id = %s", (envelope.turn_id,)

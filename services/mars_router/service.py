@@ -51,14 +51,16 @@ class RouterStage:
         if await self._out.done(turn.turn_id):
             return
         session_key = f"{turn.tenant}/{turn.user_id}/{turn.session_id}"
-        with step("router phases"):
-            phases = await self._store.recent_phases(session_key, turn.turn_id)
+        with step("router phases"):  # and the policy, in the same round trip
+            phases, policy = await self._store.read_for_turn(
+                turn.tenant, turn.user_id, session_key, turn.turn_id
+            )
         x = self._store.features(
             event.state, event.view.load, event.state.thread_depth, event.query_embedding, phases
         )
         with step("router decide"):
             route = await self._store.decide(
-                turn.tenant, turn.user_id, x, session_key, draw_key(turn.user_id, turn.seq)
+                turn.tenant, turn.user_id, x, session_key, draw_key(turn.user_id, turn.seq), policy
             )
         arm = route.arm
         with step("router record"):

@@ -12,6 +12,7 @@ import math
 import random
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from mars.bus import PoisonEvent
@@ -26,7 +27,7 @@ from mars.domain.features import (
 )
 from mars.domain.linucb import ArmModel
 from mars.v1 import events_pb2 as ev
-from psycopg import AsyncConnection
+from psycopg import AsyncConnection, AsyncCursor
 from psycopg_pool import AsyncConnectionPool
 
 from mars_router.settings import RouterSettings
@@ -59,6 +60,23 @@ class RouteResult:
     propensity: float
     previous_arm: str | None = None
     switch_penalty: float = 0.0
+
+
+@dataclass(frozen=True)
+class PolicyRead:
+    """A policy as read for one turn: its arm models and version, or why it is refused."""
+
+    models: dict[str, ArmModel]
+    version: int
+    #: Set when the stored matrices failed the sanity check: the turn goes to the default arm.
+    corrupt: str | None = None
+
+
+ARM_SQL = "SELECT model, pulls, reward_sum, version FROM router_arms WHERE policy_id = %s AND arm = %s"
+PHASES_SQL = (
+    "SELECT features FROM router_decisions WHERE session_key = %s AND turn_id <> %s "
+    "ORDER BY created_at DESC LIMIT %s"
+)
 
 
 class StaleArm(Exception):
@@ -115,19 +133,15 @@ class PolicyStore:
             return query_features(list(query_embedding))
         return featurize(state, load, depth, recent_phases)
 
-    async def recent_phases(self, session_key: str, turn_id: str) -> list[int]:
-        """Phases of the session's last routed turns before this one, oldest first (Table 7's recent
-        revision / finalization flags), read back from the state features logged with each decision."""
-        if self.feature_space != "state":
-            return []
-        async with self._pool.connection() as conn:
-            cur = await conn.execute(
-                "SELECT features FROM router_decisions WHERE session_key = %s AND turn_id <> %s "
-                "ORDER BY created_at DESC LIMIT %s",
-                (session_key, turn_id, RECENT_TURNS),
-            )
-            rows = await cur.fetchall()
-        return [phase_of(list(row[0])) for row in reversed(rows)]
+    async def read_for_turn(
+        self, tenant: str, user_id: str, session_key: str, turn_id: str
+    ) -> tuple[list[int], PolicyRead]:
+        """For routing a turn, in one round trip: the phases of the session's last routed turns before it,
+        oldest first (Table 7's recent revision / finalization flags, read back from the state features
+        logged with each decision; none for a query-feature policy), and the user's policy."""
+        policy_id = policy_id_for(self._settings.policy_scope, tenant, user_id, self.feature_space)
+        read, rows = await self._read(policy_id, (session_key, turn_id))
+        return [phase_of(list(row[0])) for row in reversed(rows)], read
 
     async def _ensure(self, conn: AsyncConnection, policy_id: str) -> None:
         cur = await conn.execute(
@@ -154,12 +168,25 @@ class PolicyStore:
 
     async def load(self, policy_id: str) -> tuple[dict[str, ArmModel], int]:
         """The policy's arm models and its version: resets plus arm updates, so it grows with every
-        applied reward without a policy-wide row that every update would have to lock."""
+        applied reward without a policy-wide row that every update would have to lock. PolicyCorrupt when
+        its matrices fail the sanity check."""
+        read, _ = await self._read(policy_id, None)
+        if read.corrupt is not None:
+            raise PolicyCorrupt(read.corrupt)
+        return read.models, read.version
+
+    async def _read(
+        self, policy_id: str, phases_of: tuple[str, str] | None
+    ) -> tuple[PolicyRead, list[tuple[Any, ...]]]:
+        """The policy (created when new) and, for (session_key, turn_id), the session's recent decision
+        rows, pipelined in one round trip."""
         async with self._pool.connection() as conn:
             if policy_id not in self._ensured:
                 await self._ensure(conn, policy_id)
-            # The version and the arms in one round trip.
             async with conn.pipeline() as pipeline:
+                phases_cur = None
+                if phases_of is not None and self.feature_space == "state":
+                    phases_cur = await conn.execute(PHASES_SQL, (*phases_of, RECENT_TURNS))
                 version_cur = await conn.execute(
                     "SELECT version FROM router_policies WHERE policy_id = %s", (policy_id,)
                 )
@@ -168,12 +195,13 @@ class PolicyStore:
                     (policy_id,),
                 )
                 await pipeline.sync()
+                phase_rows = await phases_cur.fetchall() if phases_cur is not None else []
                 row = await version_cur.fetchone()
                 rows = await arms_cur.fetchall()
         if row is None and policy_id in self._ensured:
             # Removed since this process created it: create it again.
             self._ensured.discard(policy_id)
-            return await self.load(policy_id)
+            return await self._read(policy_id, phases_of)
         if len(self._ensured) > 100_000:
             self._ensured.clear()
         self._ensured.add(policy_id)
@@ -183,10 +211,15 @@ class PolicyStore:
             for arm, blob, pulls, reward_sum, _ in rows
         }
         version += sum(int(r[4]) for r in rows)
-        for arm, model in models.items():
-            if (why := model.sanity_error()) is not None:
-                raise PolicyCorrupt(f"policy {policy_id}, arm {arm}: {why}")
-        return {a: models[a] for a in self.arms if a in models}, version
+        corrupt = next(
+            (
+                f"policy {policy_id}, arm {arm}: {why}"
+                for arm, model in models.items()
+                if (why := model.sanity_error()) is not None
+            ),
+            None,
+        )
+        return PolicyRead({a: models[a] for a in self.arms if a in models}, version, corrupt), phase_rows
 
     async def decide(
         self,
@@ -195,12 +228,19 @@ class PolicyStore:
         x: np.ndarray,
         session_key: str | None = None,
         draw_key: str | None = None,
+        policy: PolicyRead | None = None,
     ) -> RouteResult:
-        """Route one turn. With a routing seed, a stochastic policy draws from a generator seeded by
-        (seed, draw_key) (the turn's user and seq), so the same turn gets the same draws in every run."""
+        """Route one turn on `policy` (read_for_turn's; read here when None). With a routing seed, a
+        stochastic policy draws from a generator seeded by (seed, draw_key) (the turn's user and seq), so
+        the same turn gets the same draws in every run."""
         policy_id = policy_id_for(self._settings.policy_scope, tenant, user_id, self.feature_space)
         try:
-            models, version = await self.load(policy_id)
+            if policy is None:
+                models, version = await self.load(policy_id)
+            elif policy.corrupt is not None:
+                raise PolicyCorrupt(policy.corrupt)
+            else:
+                models, version = policy.models, policy.version
         except PolicyCorrupt as exc:
             # Never route on broken matrices: the configured default arm answers, and we say so.
             log.error("refusing policy: %s; routing to default arm %s", exc, self.default_arm)
@@ -313,15 +353,15 @@ class PolicyStore:
 
     async def _ledger(
         self, conn: AsyncConnection, key: str, policy_id: str, arm: str, reward: float, applied: bool
-    ) -> bool:
-        """Record an update once; False when `key` was already recorded (at-least-once delivery).
-        `applied` false (online updates off): recorded only, the caller changes no arm."""
-        cur = await conn.execute(
+    ) -> AsyncCursor[Any]:
+        """Record an update once: the cursor's row is None when `key` was already recorded (at-least-once
+        delivery). Not fetched here, so a pipeline can send more with it. `applied` false (online updates
+        off): recorded only, the caller changes no arm."""
+        return await conn.execute(
             "INSERT INTO router_ledger (turn_id, policy_id, arm, reward, applied) "
             "VALUES (%s, %s, %s, %s, %s) ON CONFLICT DO NOTHING RETURNING turn_id",
             (key, policy_id, arm, reward, applied),
         )
-        return await cur.fetchone() is not None
 
     async def _apply_correction_once(self, correction_id: str, turn_id: str, arm: str, delta: float) -> bool:
         if not math.isfinite(delta) or abs(delta) > self._settings.max_reward - self._settings.min_reward:
@@ -333,7 +373,7 @@ class PolicyStore:
             cur = await conn.execute("SELECT applied FROM router_ledger WHERE turn_id = %s", (turn_id,))
             reward_row = await cur.fetchone()
             apply = self.updates and (reward_row is None or bool(reward_row[0]))
-            if not await self._ledger(conn, correction_id, policy_id, arm, delta, apply):
+            if await (await self._ledger(conn, correction_id, policy_id, arm, delta, apply)).fetchone() is None:
                 return False
             if not apply:
                 return True
@@ -348,34 +388,44 @@ class PolicyStore:
                 f"reward {reward} for turn {turn_id} is outside "
                 f"[{self._settings.min_reward}, {self._settings.max_reward}]"
             )
-        async with self._pool.connection() as conn, conn.transaction():
+        # Four round trips, pipelined: the decision; the ledger row with the arms' reads; the arms' writes;
+        # the commit.
+        async with self._pool.connection() as conn, conn.pipeline() as pipeline, conn.transaction():
             policy_id, chosen, x = await self._decision(conn, turn_id, [answered_arm, *failed_arms])
             arm = answered_arm or chosen
-            if not await self._ledger(conn, turn_id, policy_id, arm, reward, self.updates):
-                return False
-            if not self.updates:
-                return True
+            ledger = await self._ledger(conn, turn_id, policy_id, arm, reward, self.updates)
             targets = [(arm, reward), *((a, 0.0) for a in dict.fromkeys(failed_arms) if a != arm)]
             # Written in one global order: a writer waiting on a row another replica is committing
             # cannot wait in a cycle.
-            for target, r in sorted(targets):
-                await self._update_arm(conn, policy_id, target, x, r)
+            targets = sorted(targets) if self.updates else []
+            reads = [await conn.execute(ARM_SQL, (policy_id, target)) for target, _ in targets]
+            if await ledger.fetchone() is None:
+                return False
+            writes = []
+            for (target, r), read in zip(targets, reads, strict=True):
+                model, version = self._arm_model(policy_id, target, await read.fetchone())
+                updated = self.routing.update(model, x, r)
+                write = await self._conditional_write(conn, policy_id, target, updated, version)
+                writes.append((target, write))
+            await pipeline.sync()
+            for target, write in writes:
+                if write.rowcount != 1:
+                    raise StaleArm(f"policy {policy_id}, arm {target} changed since it was read")
         return True
-
-    async def _update_arm(
-        self, conn: AsyncConnection, policy_id: str, arm: str, x: np.ndarray, reward: float
-    ) -> None:
-        await self._write_arm(conn, policy_id, arm, lambda m: self.routing.update(m, x, reward))
 
     async def _write_arm(
         self, conn: AsyncConnection, policy_id: str, arm: str, change: Callable[[ArmModel], ArmModel]
     ) -> None:
         """Read an arm, apply `change`, write it back only if nobody wrote it meanwhile (else StaleArm)."""
-        cur = await conn.execute(
-            "SELECT model, pulls, reward_sum, version FROM router_arms WHERE policy_id = %s AND arm = %s",
-            (policy_id, arm),
-        )
-        row = await cur.fetchone()
+        cur = await conn.execute(ARM_SQL, (policy_id, arm))
+        model, version = self._arm_model(policy_id, arm, await cur.fetchone())
+        cur = await self._conditional_write(conn, policy_id, arm, change(model), version)
+        if cur.rowcount != 1:
+            raise StaleArm(f"policy {policy_id}, arm {arm} changed since it was read")
+
+    def _arm_model(self, policy_id: str, arm: str, row: tuple[Any, ...] | None) -> tuple[ArmModel, int]:
+        """The arm of an ARM_SQL row and its row version (PoisonEvent when it is missing or fails its
+        sanity check: no update is applied to broken matrices)."""
         if row is None:
             raise PoisonEvent(f"policy {policy_id} has no arm {arm}")
         model = ArmModel.from_bytes(bytes(row[0]), self.dim, int(row[1]), float(row[2]))
@@ -383,11 +433,14 @@ class PolicyStore:
             raise PoisonEvent(
                 f"policy {policy_id}, arm {arm} failed its sanity check ({why}); update refused"
             )
-        updated = change(model)
-        cur = await conn.execute(
+        return model, int(row[3])
+
+    async def _conditional_write(
+        self, conn: AsyncConnection, policy_id: str, arm: str, updated: ArmModel, version: int
+    ) -> AsyncCursor[Any]:
+        """Write `updated` if the row is still at `version`; the cursor's rowcount says (1: written)."""
+        return await conn.execute(
             "UPDATE router_arms SET model = %s, pulls = %s, reward_sum = %s, version = version + 1 "
             "WHERE policy_id = %s AND arm = %s AND version = %s",
-            (updated.to_bytes(), updated.pulls, updated.reward_sum, policy_id, arm, int(row[3])),
+            (updated.to_bytes(), updated.pulls, updated.reward_sum, policy_id, arm, version),
         )
-        if cur.rowcount != 1:
-            raise StaleArm(f"policy {policy_id}, arm {arm} changed since it was read")

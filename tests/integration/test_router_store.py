@@ -147,6 +147,11 @@ def test_corrupt_matrices_are_refused_and_routing_falls_back(dsn: str) -> None:
             )
         fallback = await store.decide("t", "corrupt-user", features(1))
         assert (fallback.arm, fallback.scores, fallback.version) == ("large", [], -1)
+        # The service's path: the policy read with the session's phases, in one round trip, then decided.
+        phases, read = await store.read_for_turn("t", "corrupt-user", "t/corrupt-user/s", "turn-x")
+        assert phases == [] and read.corrupt is not None and "small" in read.corrupt
+        routed = await store.decide("t", "corrupt-user", features(1), policy=read)
+        assert (routed.arm, routed.scores, routed.version) == ("large", [], -1)
         await store.record_decision("c-1", policy_id, "small", features(1))
         with pytest.raises(PoisonEvent, match="sanity check"):
             await store.apply_reward("c-1", "small", 0.5, [])
