@@ -206,6 +206,13 @@ def test_read_your_writes_under_out_of_order_arrival(
         # Turn 4 is never applied: the bounded wait gives up (the view would be flagged possibly_stale).
         store_fast, pool_fast = await make_store(postgres, embedder, read_your_writes_wait_s=0.3)
         assert await store_fast.wait_applied("t", "dave", 4) is False
+        # Another user's commit of that seq, here, satisfies nobody else's wait.
+        waited, _ = await asyncio.gather(
+            store_fast.wait_applied("t", "dave", 4),
+            store_fast.commit(generated("erin", 4, "Plan a picnic", "Bring a blanket.")),
+        )
+        assert waited is False
+        assert await store_fast.wait_applied("t", "erin", 4) is True
         await pool.close()  # type: ignore[attr-defined]
         await pool_fast.close()  # type: ignore[attr-defined]
 
