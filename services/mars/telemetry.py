@@ -160,12 +160,9 @@ def prometheus_endpoint(port: int, host: str) -> tuple[Any, MetricReader]:
 def setup_tracing(
     service: str, settings: ServiceSettings, resource: Resource | None = None
 ) -> TracerProvider:
-    """Install the tracer provider of `tracer_provider` when the settings ask for an exporter. Without any,
-    none is installed: spans are then the API's non-recording ones (the trace context still passes
-    through), not SDK spans that cost CPU on every record and go nowhere."""
+    """Install the tracer provider of `tracer_provider` for `service`."""
     provider = tracer_provider(service, settings, resource)
-    if settings.trace_dir or settings.otlp_endpoint:
-        trace.set_tracer_provider(provider)
+    trace.set_tracer_provider(provider)
     return provider
 
 
@@ -173,12 +170,15 @@ def tracer_provider(
     service: str, settings: ServiceSettings, resource: Resource | None = None
 ) -> TracerProvider:
     """A tracer provider for `service` with the exporters the settings ask for, sampling
-    `trace_sample_ratio` of the turns that start here and following the sampled flag of those that arrive."""
-    from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+    `trace_sample_ratio` of the turns that start here and following the sampled flag of those that arrive.
+    Without an exporter nothing is sampled: every span is a non-recording one (recorded SDK spans cost CPU on
+    every record and went nowhere), which still carries the turn's trace id (`TurnReply.trace_id`) on."""
+    from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased, TraceIdRatioBased
 
+    exporting = bool(settings.trace_dir or settings.otlp_endpoint)
     provider = TracerProvider(
         resource=resource or Resource.create({"service.name": f"mars-{service}"}),
-        sampler=ParentBased(TraceIdRatioBased(settings.trace_sample_ratio)),
+        sampler=ParentBased(TraceIdRatioBased(settings.trace_sample_ratio)) if exporting else ALWAYS_OFF,
     )
     if settings.trace_dir:
         exporter = JsonLinesSpanExporter(Path(settings.trace_dir) / f"{service}.jsonl", service)

@@ -1,6 +1,7 @@
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 from mars_tools.bench.locomo import load_locomo, parse_evidence, score_question
 
@@ -48,3 +49,50 @@ def test_loader_counts_sessions_by_key_and_drops_questions_without_evidence(tmp_
     assert [q.question for q in conv.questions] == ["q1"]
     with pytest.raises(ValueError, match="without evidence"):
         score_question([], frozenset())
+
+
+class _Recording:
+    """An embedder (a pure-logic stand-in) that records what it embedded: words hashed into 8 dimensions."""
+
+    dim = 8
+
+    def __init__(self) -> None:
+        self.texts: list[str] = []
+
+    def encode(self, texts: list[str]) -> np.ndarray:
+        self.texts += list(texts)
+        out = np.zeros((len(texts), self.dim), dtype=np.float32)
+        for i, text in enumerate(texts):
+            for word in text.lower().split():
+                out[i, sum(map(ord, word)) % self.dim] += 1.0
+        return out / np.maximum(np.linalg.norm(out, axis=1, keepdims=True), 1e-9)
+
+
+def test_stored_turns_and_questions_are_embedded_by_their_own_embedders(tmp_path: Path) -> None:
+    """--stored-precision: the turns go through the stored embedder, the questions through the other."""
+    from mars_tools.bench.locomo import run
+    from rich.console import Console
+
+    data = [
+        {
+            "sample_id": "c1",
+            "conversation": {
+                "speaker_a": "A",
+                "session_1_date_time": "1 May",
+                "session_1": [
+                    {"speaker": "A", "dia_id": "D1:1", "text": "my dog is called Rex"},
+                    {"speaker": "B", "dia_id": "D1:2", "text": "I bake bread on Sundays"},
+                ],
+            },
+            "qa": [{"question": "what is the dog called", "evidence": ["D1:1"], "category": 4}],
+        }
+    ]
+    path = tmp_path / "l.json"
+    path.write_text(json.dumps(data))
+    conversations = load_locomo(path)
+    questions, stored = _Recording(), _Recording()
+    results = run(conversations, questions, Console(file=None, quiet=True), stored)
+    assert any("Rex" in t for t in stored.texts) and not any("Rex" in t for t in questions.texts)
+    assert "what is the dog called" in questions.texts
+    assert "what is the dog called" not in stored.texts
+    assert results[4][0]["turn@5"] == 1.0

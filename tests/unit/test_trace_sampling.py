@@ -44,3 +44,15 @@ def test_the_ratio_is_a_share() -> None:
 
     with pytest.raises(pydantic.ValidationError):
         ServiceSettings(trace_sample_ratio=1.5)
+
+
+def test_without_an_exporter_nothing_is_recorded_and_the_trace_id_goes_on() -> None:
+    tracer = tracer_provider("ingress", ServiceSettings()).get_tracer("t")
+    with tracer.start_as_current_span("turn") as root:
+        assert not root.is_recording()
+        trace_id = root.get_span_context().trace_id
+        assert root.get_span_context().is_valid  # the reply's trace_id is still there to quote
+        headers = inject_headers()
+    # A caller's trace (sampled where it came from) is continued, not recorded, here.
+    with tracer.start_as_current_span("memory view", context=context_from_headers(headers)) as span:
+        assert not span.is_recording() and span.get_span_context().trace_id == trace_id

@@ -59,8 +59,9 @@ def add_realmem_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore
         "--stored-precision",
         default="fp32",
         choices=["fp32", "int8"],
-        help="weights that embed the stored turns (MARS_EMBEDDING_STORED_PRECISION of the memory service); "
-        "queries stay fp32. Give int8 runs a --cache-dir of their own: the cache is keyed by text",
+        help="weights that embed the stored turns alone (a measurement: the memory service has one precision, "
+        "MARS_EMBEDDING_PRECISION); queries stay fp32. Give int8 runs a --cache-dir of their own: the cache "
+        "is keyed by text",
     )
     p.set_defaults(func=cmd_realmem)
     # Registered beside `realmem` (mars_tools/cli.py adds the bench parsers): same data, an honest figure.

@@ -171,8 +171,8 @@ def add_locomo_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     p.add_argument(
         "--stored-precision",
         choices=("fp32", "int8"),
-        help="weights that embed the turns alone (MARS_EMBEDDING_STORED_PRECISION; default: "
-        "--embedding-precision); the questions keep --embedding-precision",
+        help="weights that embed the turns alone (a measurement: the memory service has one precision; "
+        "default: --embedding-precision); the questions keep --embedding-precision",
     )
     p.set_defaults(func=cmd_locomo)
 
