@@ -445,11 +445,12 @@ class MemoryStore:
         event: ev.Generated,
         out: ev.MemoryCommitted,
         active: tuple[Any, ...] | None,
+        query: str,
     ) -> ThreadState:
         """The thread the turn goes to (a new one on NEW_TOPIC or when none is active), its id in `out`;
-        `active` is the user's active thread row (ACTIVE_THREAD_SQL), read in the commit's transaction."""
+        `active` is the user's active thread row (ACTIVE_THREAD_SQL), read in the commit's transaction;
+        `query` the turn's text as stored."""
         turn = event.turn
-        query = pg_text(event.query)
         thread_state = new_thread(query)
         if active is None or event.state.action == ev.NEW_TOPIC:
             if active is not None:
@@ -480,7 +481,7 @@ class MemoryStore:
         transaction; writes only, so they go out pipelined with its commit)."""
         turn = event.turn
         record, vectors = pair
-        thread_state = await self._active_thread(conn, event, out, active)
+        thread_state = await self._active_thread(conn, event, out, active, record.user_text)
         thread_state = fold_turn(thread_state, turn.seq, record.user_text, record.assistant_text, event.state)
         await conn.execute(
             "UPDATE memory_threads SET state = %s WHERE thread_id = %s",
