@@ -8,6 +8,7 @@ import dataclasses
 import logging
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -37,6 +38,7 @@ from mars.retrieval.hybrid import (
     embed_chunks,
     state_conditioned,
 )
+from mars.retrieval.ranker import LearnedRanker, load_ranker
 from mars.telemetry import step
 from mars.v1 import events_pb2 as ev
 from mars.v1 import services_pb2 as svc
@@ -78,6 +80,21 @@ def _record(row: tuple[object, ...]) -> MemoryRecord:
         user_text=str(row[4]),
         assistant_text=str(row[5]),
     )
+
+
+def memory_ranker(settings: MemorySettings) -> LearnedRanker | None:
+    """The session ranking's learned ranker, as MARS_MEMORY_RANKER names it; None (the fused ranking) when
+    it is off, the policy is not mars (the ranker learned the mars fusion's signals), or the model cannot
+    be used."""
+    choice = settings.memory_ranker.strip()
+    if choice == "off" or settings.view_policy != "mars":
+        return None
+    ranker, why = load_ranker(None if choice == "packaged" else Path(choice))
+    if ranker is None:
+        log.warning("memory ranker unavailable, the fused ranking stays: %s", why)
+    else:
+        log.info("memory ranker %s", ranker.version)
+    return ranker
 
 
 class UserIndex:
@@ -137,6 +154,7 @@ class MemoryStore:
         self._embedding: dict[str, asyncio.Future[np.ndarray]] = {}
         base = POLICY_CONFIGS.get(settings.view_policy, POLICY_CONFIGS["mars"])
         self._config = dataclasses.replace(base, **settings.fusion)  # type: ignore[arg-type]
+        self.ranker = memory_ranker(settings)
 
     def _new_memory(self) -> HybridMemory:
         return HybridMemory(self._embedder, self._config, self._settings.use_gpu, self._query_embedder)
@@ -371,7 +389,7 @@ class MemoryStore:
             )
             context = [r.user_text for r in own[-self._settings.memory_context_turns :]]
         depth = self._settings.view_ranking_depth
-        return index.sessions.rank_groups(text, context, depth, cfg, {session_id})
+        return index.sessions.rank_groups(text, context, depth, cfg, {session_id}, self.ranker)
 
     def _fusion(self, thread: list[MemoryRecord], controls: MemoryControls) -> tuple[HybridConfig, list[str]]:
         """The fusion settings and secondary query texts of this turn's search."""

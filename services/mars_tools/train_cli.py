@@ -38,6 +38,7 @@ from rich.progress import Progress
 
 from mars_tools.probe.qtm_labels import score
 from mars_tools.terminal import console
+from mars_tools.train_ranker_cli import add_ranker_parser
 
 #: The version written into the model file (shown as the state's prompt_version).
 MODEL_VERSION = "qtm-learned-v2.1"
@@ -303,6 +304,7 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     )
     p.add_argument("--report", help="write the accuracies and confusions as JSON here")
     p.set_defaults(func=cmd_train_qtm)
+    add_ranker_parser(train_sub)
 
 
 __all__ = ["HEADS", "add_train_parser", "train"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from mars.domain.text import tokenize
 
@@ -68,6 +68,13 @@ class BM25Index:
         length = sum(more.values())
         self._lens[i] += length
         self._total_len += length
+
+    def terms(self, i: int) -> Mapping[str, int]:
+        """Document `i`'s term frequencies (read only)."""
+        return self._tfs[i]
+
+    def doc_length(self, i: int) -> int:
+        return self._lens[i]
 
     def idf(self, term: str) -> float:
         n = self._df.get(term, 0)

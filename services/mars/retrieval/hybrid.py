@@ -16,9 +16,18 @@ from typing import Literal
 import numpy as np
 
 from mars.domain.bm25 import BM25Index
+from mars.domain.text import tokenize
 from mars.retrieval.dense import DenseIndex
 from mars.retrieval.embedder import Embedder
 from mars.retrieval.fusion import reciprocal_rank_fusion, weighted_score_fusion
+from mars.retrieval.ranker import (
+    CANDIDATES,
+    GroupSignals,
+    LearnedRanker,
+    candidate_features,
+    coverage,
+    query_terms,
+)
 
 
 def split_words(text: str, max_words: int = 160, overlap: int = 32) -> list[str]:
@@ -182,31 +191,48 @@ class HybridMemory:
         if self._query_embedder is not None and texts:
             self._query_embedder.encode([t for t in texts if t.strip()])
 
-    def _dense_group_scores(self, queries: Sequence[str], qweights: Sequence[float]) -> dict[int, float]:
+    def _dense_bests(self, queries: Sequence[str]) -> tuple[np.ndarray, np.ndarray] | None:
+        """Per query text, each group's best chunk similarity (-inf for a group without chunks), and each
+        group's mean chunk similarity to the first text; None without dense search."""
         if self._dense is None or self._query_embedder is None or len(self._dense) == 0:
-            return {}
+            return None
         n = len(self._dense)
         qvecs = self._query_embedder.encode(queries)
         sims, ids = self._dense.search_many(qvecs, n)
         chunk_group = np.asarray(self._chunk_group, dtype=np.int64)
-        total = np.zeros(len(self._groups), dtype=np.float64)
-        seen = np.zeros(len(self._groups), dtype=bool)
-        for qi, w in enumerate(qweights):
-            # Per query text, each group's best chunk similarity (a group is as relevant as its best
-            # chunk); query texts are combined by weight.
+        best = np.full((len(queries), len(self._groups)), -np.inf)
+        for qi in range(len(queries)):
             valid = ids[qi] >= 0
-            groups = chunk_group[ids[qi][valid]]
-            best = np.full(len(self._groups), -np.inf)
-            np.maximum.at(best, groups, sims[qi][valid].astype(np.float64))
-            hit = np.isfinite(best)
-            total[hit] += w * best[hit]
+            np.maximum.at(best[qi], chunk_group[ids[qi][valid]], sims[qi][valid].astype(np.float64))
+        valid = ids[0] >= 0
+        groups = chunk_group[ids[0][valid]]
+        total = np.bincount(groups, sims[0][valid].astype(np.float64), len(self._groups))
+        counts = np.bincount(groups, minlength=len(self._groups))
+        return best, total / np.maximum(counts, 1)
+
+    @staticmethod
+    def _dense_group_scores(best: np.ndarray | None, qweights: Sequence[float]) -> dict[int, float]:
+        if best is None:
+            return {}
+        total = np.zeros(best.shape[1], dtype=np.float64)
+        seen = np.zeros(best.shape[1], dtype=bool)
+        for qi, w in enumerate(qweights):
+            # A group is as relevant as its best chunk; query texts are combined by weight.
+            hit = np.isfinite(best[qi])
+            total[hit] += w * best[qi][hit]
             seen |= hit
         return {int(g): float(total[g]) for g in np.flatnonzero(seen)}
 
-    def _lexical_group_scores(self, queries: Sequence[str], qweights: Sequence[float]) -> dict[int, float]:
+    def _lexical_per_text(self, queries: Sequence[str]) -> list[dict[int, float]]:
+        return [self._lexical.scores(q) for q in queries]
+
+    @staticmethod
+    def _lexical_group_scores(
+        per_text: Sequence[dict[int, float]], qweights: Sequence[float]
+    ) -> dict[int, float]:
         scores: dict[int, float] = {}
-        for q, w in zip(queries, qweights, strict=True):
-            for g, s in self._lexical.scores(q).items():
+        for text_scores, w in zip(per_text, qweights, strict=True):
+            for g, s in text_scores.items():
                 scores[g] = scores.get(g, 0.0) + w * s
         return scores
 
@@ -217,20 +243,53 @@ class HybridMemory:
         k: int = 20,
         config: HybridConfig | None = None,
         exclude: Collection[str] = (),
+        ranker: LearnedRanker | None = None,
     ) -> list[tuple[str, float]]:
         """Groups best first with fused scores; `context` holds secondary query texts (earlier turns);
         `config` overrides the memory's own fusion settings for this query (state-guided retrieval);
-        `exclude` names groups ranked as if absent (no slot, no pull on recency or feedback)."""
+        `exclude` names groups ranked as if absent (no slot, no pull on recency or feedback); `ranker`
+        re-orders the fused top CANDIDATES (each group keeps its fused score, so the scores of a re-ordered
+        ranking need not fall)."""
         if not self._groups:
             return []
-        cfg = config or self.config
+        fusion = self._fuse(query, context, config or self.config, exclude, signals=ranker is not None)
+        ordered = sorted(fusion.fused.items(), key=lambda kv: (-kv[1], -self._groups[kv[0]].position))
+        if ranker is not None and len(ordered) > 1:
+            head = ordered[:CANDIDATES]
+            order = ranker.order(candidate_features(self._signals(fusion, [g for g, _ in head])))
+            ordered = [head[i] for i in order] + ordered[CANDIDATES:]
+        return [(self._groups[g].key, s) for g, s in ordered[:k]]
+
+    def candidates(
+        self,
+        query: str,
+        context: Sequence[str] = (),
+        n: int = CANDIDATES,
+        config: HybridConfig | None = None,
+        exclude: Collection[str] = (),
+    ) -> GroupSignals | None:
+        """The fused top-n groups with the signals behind their fusion (what a ranker learns from)."""
+        if not self._groups:
+            return None
+        fusion = self._fuse(query, context, config or self.config, exclude, signals=True)
+        ordered = sorted(fusion.fused.items(), key=lambda kv: (-kv[1], -self._groups[kv[0]].position))
+        return self._signals(fusion, [g for g, _ in ordered[:n]])
+
+    def _fuse(
+        self, query: str, context: Sequence[str], cfg: HybridConfig, exclude: Collection[str], signals: bool
+    ) -> _Fusion:
+        """The fused scores of every group not excluded; `signals`: also the centroid and PRF similarities
+        a ranker reads when the fusion itself does not use them."""
         texts = [query, *[c for c in context if c.strip()]]
         weights = [1.0] + [cfg.context_weight] * (len(texts) - 1)
         if cfg.context_weight == 0.0:
             texts, weights = texts[:1], weights[:1]
         gone = {self._group_index[key] for key in exclude if key in self._group_index}
-        dense = {g: v for g, v in self._dense_group_scores(texts, weights).items() if g not in gone}
-        lexical = {g: v for g, v in self._lexical_group_scores(texts, weights).items() if g not in gone}
+        bests = self._dense_bests(texts)
+        per_text = self._lexical_per_text(texts)
+        dense_scores = self._dense_group_scores(None if bests is None else bests[0], weights)
+        dense = {g: v for g, v in dense_scores.items() if g not in gone}
+        lexical = {g: v for g, v in self._lexical_group_scores(per_text, weights).items() if g not in gone}
         kept = [g for g in range(len(self._groups)) if g not in gone]
         by_recency = sorted(kept, key=lambda g: -self._groups[g].position)
         if cfg.fusion == "rrf":
@@ -247,26 +306,99 @@ class HybridMemory:
                 maps.append({g: 1.0 / math.log2(2 + r) for r, g in enumerate(by_recency)})
                 ws.append(cfg.recency_weight)
             fused = weighted_score_fusion(maps, ws)
-        if (cfg.prf_weight or cfg.centroid_weight) and self._centroid_rows and self._centroids is None:
+        if (signals or cfg.prf_weight or cfg.centroid_weight) and self._centroid_rows and self._centroids is None:
             self._centroids = np.stack(self._centroid_rows)
-        if cfg.centroid_weight and self._centroids is not None and self._query_embedder is not None:
-            q = self._query_embedder.encode(texts[:1])[0]
-            topical = {g: float(v) for g, v in enumerate(self._centroids @ q) if g not in gone}
-            for g, v in reciprocal_rank_fusion([_ranking(topical)], [cfg.centroid_weight], cfg.rrf_k).items():
+        topical = None
+        if (signals or cfg.centroid_weight) and self._centroids is not None and self._query_embedder is not None:
+            topical = self._centroids @ self._query_embedder.encode(texts[:1])[0]
+        if cfg.centroid_weight and topical is not None:
+            by_topic = _ranking({g: float(v) for g, v in enumerate(topical) if g not in gone})
+            for g, v in reciprocal_rank_fusion([by_topic], [cfg.centroid_weight], cfg.rrf_k).items():
                 fused[g] = fused.get(g, 0.0) + v
-        if cfg.prf_weight and fused and self._centroids is not None:
+        prf = None
+        if (signals or cfg.prf_weight) and fused and self._centroids is not None:
             top = sorted(fused, key=lambda g: -fused[g])[: cfg.prf_top]
-            sims = (self._centroids @ self._centroids[top].T).max(axis=1)
-            # The top groups lead, in their fused order: each one's similarity is its own, exactly 1, and the
-            # product's rounding (which differs between BLAS kernels and CPUs) must not order that tie, or
-            # the fused ranking would move with the CPU.
-            leading = set(top)
-            prf_ranking = [*top, *_ranking({g: float(sims[g]) for g in kept if g not in leading})]
-            extra = reciprocal_rank_fusion([prf_ranking], [cfg.prf_weight], cfg.rrf_k)
-            for g, v in extra.items():
-                fused[g] = fused.get(g, 0.0) + v
-        ordered = sorted(fused.items(), key=lambda kv: (-kv[1], -self._groups[kv[0]].position))
-        return [(self._groups[g].key, s) for g, s in ordered[:k]]
+            prf = (self._centroids @ self._centroids[top].T).max(axis=1)
+            if cfg.prf_weight:
+                # The top groups lead, in their fused order: each one's similarity is its own, exactly 1, and
+                # the product's rounding (which differs between BLAS kernels and CPUs) must not order that
+                # tie, or the fused ranking would move with the CPU.
+                leading = set(top)
+                prf_ranking = [*top, *_ranking({g: float(prf[g]) for g in kept if g not in leading})]
+                extra = reciprocal_rank_fusion([prf_ranking], [cfg.prf_weight], cfg.rrf_k)
+                for g, v in extra.items():
+                    fused[g] = fused.get(g, 0.0) + v
+        return _Fusion(texts, weights, bests, per_text, dense, lexical, by_recency, fused, topical, prf)
+
+    def _signals(self, fusion: _Fusion, groups: Sequence[int]) -> GroupSignals:
+        """GroupSignals of `groups` (fused order) under `fusion`."""
+        n_groups = len(self._groups)
+        idx = np.asarray(groups, dtype=np.int64)
+
+        def rank_of(ranking: Sequence[int]) -> np.ndarray:
+            where = np.full(n_groups, float(n_groups))
+            where[np.asarray(ranking, dtype=np.int64)] = np.arange(len(ranking), dtype=np.float64)
+            return where[idx]
+
+        def pick(values: np.ndarray | None, default: float = 0.0) -> np.ndarray:
+            if values is None:
+                return np.full(len(idx), default)
+            out = np.asarray(values, dtype=np.float64)[idx]
+            return np.where(np.isfinite(out), out, default)
+
+        bests = fusion.bests
+        dense_context = np.zeros(len(idx))
+        lexical_context = np.zeros(len(idx))
+        context_texts = len(fusion.texts) - 1
+        if context_texts:
+            if bests is not None:
+                dense_context = np.mean([pick(bests[0][i]) for i in range(1, 1 + context_texts)], axis=0)
+            lexical_context = np.array(
+                [sum(t.get(g, 0.0) for t in fusion.lexical_texts[1:]) / context_texts for g in groups]
+            )
+        tokens = tokenize(fusion.texts[0])
+        terms = query_terms(fusion.texts[0], tokens, {t: self._lexical.idf(t) for t in tokens})
+        covered = np.array([coverage(terms, self._lexical.terms(g)) for g in groups]).reshape(-1, 4)
+        return GroupSignals(
+            keys=[self._groups[g].key for g in groups],
+            n_groups=n_groups,
+            has_context=bool(context_texts),
+            dense_query=pick(None if bests is None else bests[0][0], -1.0),
+            dense_mean=pick(None if bests is None else bests[1]),
+            dense_context=dense_context,
+            lexical_query=np.array([fusion.lexical_texts[0].get(g, 0.0) for g in groups]),
+            lexical_context=lexical_context,
+            fused=np.array([fusion.fused[g] for g in groups]),
+            dense_rank=rank_of(_ranking(fusion.dense)),
+            lexical_rank=rank_of(_ranking(fusion.lexical)),
+            recency_rank=rank_of(fusion.by_recency),
+            centroid=pick(fusion.topical),
+            prf=pick(fusion.prf),
+            chunks=np.array([len(self._groups[g].chunk_ids) for g in groups], dtype=np.float64),
+            doc_length=np.array([self._lexical.doc_length(g) for g in groups], dtype=np.float64),
+            term_coverage=covered[:, 0],
+            idf_coverage=covered[:, 1],
+            number_coverage=covered[:, 2],
+            name_coverage=covered[:, 3],
+            centroids=self._centroids[idx] if self._centroids is not None else np.zeros((len(idx), 0)),
+        )
+
+
+@dataclass
+class _Fusion:
+    """One query's fusion and what went into it (group indexes)."""
+
+    texts: list[str]
+    weights: list[float]
+    #: (best chunk similarity per text and group, mean chunk similarity to the query per group).
+    bests: tuple[np.ndarray, np.ndarray] | None
+    lexical_texts: list[dict[int, float]]
+    dense: dict[int, float]
+    lexical: dict[int, float]
+    by_recency: list[int]
+    fused: dict[int, float]
+    topical: np.ndarray | None
+    prf: np.ndarray | None
 
 
 def state_conditioned(config: HybridConfig, prefer_recent: bool) -> HybridConfig:
