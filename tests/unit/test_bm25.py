@@ -48,3 +48,10 @@ def test_extending_a_document_scores_as_adding_it_whole() -> None:
     for query in ("red cherries", "blue", "pears sky"):
         assert whole.scores(query) == pytest.approx(grown.scores(query))
     assert grown.avgdl == whole.avgdl and grown.idf("cherries") == whole.idf("cherries")
+
+
+def test_presence_says_which_documents_hold_which_term() -> None:
+    index = BM25Index(["red apples and pears", "green pears", "blue sky"])
+    held = index.presence(["pears", "sky", "absent"], [0, 2])
+    assert held.tolist() == [[True, False], [False, True], [False, False]]
+    assert index.presence([], [0, 1]).shape == (0, 2)

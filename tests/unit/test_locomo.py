@@ -96,3 +96,12 @@ def test_stored_turns_and_questions_are_embedded_by_their_own_embedders(tmp_path
     assert "what is the dog called" in questions.texts
     assert "what is the dog called" not in stored.texts
     assert results[4][0]["turn@5"] == 1.0
+    # --ranker: the same questions ranked again with the packaged learned ranker, in the same run.
+    from mars.retrieval.ranker import load_ranker
+
+    ranker, why = load_ranker()
+    assert ranker is not None, why
+    ranked: dict[int, list[dict[str, float]]] = {}
+    again = run(conversations, questions, Console(file=None, quiet=True), stored, ranker, ranked)
+    assert again == results
+    assert ranked[4][0]["turn@5"] == 1.0 and len(ranked[4]) == 1

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
+
+import numpy as np
 
 from mars.domain.text import tokenize
 
@@ -69,9 +71,11 @@ class BM25Index:
         self._lens[i] += length
         self._total_len += length
 
-    def terms(self, i: int) -> Mapping[str, int]:
-        """Document `i`'s term frequencies (read only)."""
-        return self._tfs[i]
+    def presence(self, terms: Sequence[str], docs: Sequence[int]) -> np.ndarray:
+        """(terms x docs) booleans: which of documents `docs` holds which term."""
+        tfs = [self._tfs[i] for i in docs]
+        cells = (term in tf for term in terms for tf in tfs)
+        return np.fromiter(cells, dtype=bool, count=len(terms) * len(tfs)).reshape(len(terms), len(tfs))
 
     def doc_length(self, i: int) -> int:
         return self._lens[i]

@@ -9,6 +9,7 @@ since memory a user needs again is more often recent. Chunks of the top groups a
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal
@@ -106,6 +107,8 @@ class HybridMemory:
         #: Per group, the sum of its piece vectors (its centroid's direction, kept for extend_group).
         self._vector_sums: list[np.ndarray] = []
         self._centroids: np.ndarray | None = None  # stacked lazily; appends stay O(1)
+        #: What the ranker added to the last ranked search (signals, features, model): its cost per view.
+        self.ranker_seconds = 0.0
 
     @property
     def dense(self) -> bool:
@@ -255,9 +258,11 @@ class HybridMemory:
         fusion = self._fuse(query, context, config or self.config, exclude, signals=ranker is not None)
         ordered = sorted(fusion.fused.items(), key=lambda kv: (-kv[1], -self._groups[kv[0]].position))
         if ranker is not None and len(ordered) > 1:
+            started = time.perf_counter()
             head = ordered[:CANDIDATES]
             order = ranker.order(candidate_features(self._signals(fusion, [g for g, _ in head])))
             ordered = [head[i] for i in order] + ordered[CANDIDATES:]
+            self.ranker_seconds = time.perf_counter() - started
         return [(self._groups[g].key, s) for g, s in ordered[:k]]
 
     def candidates(
@@ -335,9 +340,15 @@ class HybridMemory:
         n_groups = len(self._groups)
         idx = np.asarray(groups, dtype=np.int64)
 
-        def rank_of(ranking: Sequence[int]) -> np.ndarray:
+        def rank_of(scores: dict[int, float] | None, ranking: Sequence[int] = ()) -> np.ndarray:
+            # Ranks by score, best first (numpy's stable sort: a tie's order is not a feature).
+            order = np.asarray(ranking, dtype=np.int64)
+            if scores is not None:
+                keys = np.fromiter(scores.keys(), np.int64, len(scores))
+                values = np.fromiter(scores.values(), np.float64, len(scores))
+                order = keys[np.argsort(-values, kind="stable")]
             where = np.full(n_groups, float(n_groups))
-            where[np.asarray(ranking, dtype=np.int64)] = np.arange(len(ranking), dtype=np.float64)
+            where[order] = np.arange(len(order), dtype=np.float64)
             return where[idx]
 
         def pick(values: np.ndarray | None, default: float = 0.0) -> np.ndarray:
@@ -353,12 +364,12 @@ class HybridMemory:
         if context_texts:
             if bests is not None:
                 dense_context = np.mean([pick(bests[0][i]) for i in range(1, 1 + context_texts)], axis=0)
-            lexical_context = np.array(
-                [sum(t.get(g, 0.0) for t in fusion.lexical_texts[1:]) / context_texts for g in groups]
-            )
+            for text_scores in fusion.lexical_texts[1:]:
+                lexical_context += np.fromiter((text_scores.get(g, 0.0) for g in groups), np.float64, len(idx))
+            lexical_context /= context_texts
         tokens = tokenize(fusion.texts[0])
-        terms = query_terms(fusion.texts[0], tokens, {t: self._lexical.idf(t) for t in tokens})
-        covered = np.array([coverage(terms, self._lexical.terms(g)) for g in groups]).reshape(-1, 4)
+        terms = query_terms(fusion.texts[0], tokens, {t: self._lexical.idf(t) for t in set(tokens)})
+        covered = coverage(terms, lambda words: self._lexical.presence(words, groups), len(idx))
         return GroupSignals(
             keys=[self._groups[g].key for g in groups],
             n_groups=n_groups,
@@ -366,12 +377,12 @@ class HybridMemory:
             dense_query=pick(None if bests is None else bests[0][0], -1.0),
             dense_mean=pick(None if bests is None else bests[1]),
             dense_context=dense_context,
-            lexical_query=np.array([fusion.lexical_texts[0].get(g, 0.0) for g in groups]),
+            lexical_query=np.fromiter((fusion.lexical_texts[0].get(g, 0.0) for g in groups), np.float64, len(idx)),
             lexical_context=lexical_context,
-            fused=np.array([fusion.fused[g] for g in groups]),
-            dense_rank=rank_of(_ranking(fusion.dense)),
-            lexical_rank=rank_of(_ranking(fusion.lexical)),
-            recency_rank=rank_of(fusion.by_recency),
+            fused=np.fromiter((fusion.fused[g] for g in groups), np.float64, len(idx)),
+            dense_rank=rank_of(fusion.dense),
+            lexical_rank=rank_of(fusion.lexical),
+            recency_rank=rank_of(None, fusion.by_recency),
             centroid=pick(fusion.topical),
             prf=pick(fusion.prf),
             chunks=np.array([len(self._groups[g].chunk_ids) for g in groups], dtype=np.float64),

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,14 +31,14 @@ DEFAULT_RANKER = Path(__file__).resolve().parent / "models" / "ranker-v1.json"
 #: The fused top-N re-ordered by the ranker; groups below it keep their fused order.
 CANDIDATES = 50
 
-_NUMBER = re.compile(r"\b\d[\d.,:/-]*\b")
 #: A capitalised word not at a sentence start: a name, a product, a place (named-entity-like).
 _NAME = re.compile(r"(?<![.!?]\s)(?<!^)\b[A-Z][\w'-]+")
 
 
 @dataclass(frozen=True)
 class QueryTerms:
-    """What a query asks for, lexically: its content terms (with idf), its numbers and its names."""
+    """What a query asks for, lexically: its content terms (with idf), its numbers and its names, each as the
+    lexical index's tokens."""
 
     terms: Mapping[str, float]
     numbers: frozenset[str]
@@ -49,7 +49,8 @@ def query_terms(text: str, tokens: Sequence[str], idf: Mapping[str, float]) -> Q
     """`tokens`: the query's content tokens as the lexical index tokenises them; `idf`: their idf."""
     return QueryTerms(
         terms={t: idf.get(t, 0.0) for t in set(tokens)},
-        numbers=frozenset(m.group(0).strip(".,:/-") for m in _NUMBER.finditer(text)),
+        # As the lexical index splits them: "3:30" is the tokens 3 and 30.
+        numbers=frozenset(t for t in tokens if any(c.isdigit() for c in t)),
         names=frozenset(m.group(0).lower() for m in _NAME.finditer(text.strip())),
     )
 
@@ -86,17 +87,22 @@ class GroupSignals:
     centroids: np.ndarray
 
 
-def coverage(query: QueryTerms, doc_terms: Mapping[str, int]) -> tuple[float, float, float, float]:
-    """Fraction of the query's terms, idf-weighted terms, numbers and names the group's text holds."""
-    terms = query.terms
-    held = [t for t in terms if t in doc_terms]
-    total_idf = sum(terms.values())
-    return (
-        len(held) / len(terms) if terms else 0.0,
-        sum(terms[t] for t in held) / total_idf if total_idf > 0 else 0.0,
-        sum(1 for n in query.numbers if n in doc_terms) / len(query.numbers) if query.numbers else 0.0,
-        sum(1 for n in query.names if n in doc_terms) / len(query.names) if query.names else 0.0,
-    )
+def coverage(query: QueryTerms, presence: Callable[[Sequence[str]], np.ndarray], n: int) -> np.ndarray:
+    """Per candidate, the fraction of the query's terms, idf-weighted terms, numbers and names its text holds
+    (one row of four per candidate); `presence(terms)` is the (terms x candidates) boolean matrix of which
+    candidate's text holds which term."""
+    out = np.zeros((n, 4))
+    words = list(query.terms)
+    if words and n:
+        held = presence(words)
+        out[:, 0] = held.mean(axis=0)
+        idf = np.array([query.terms[w] for w in words])
+        if idf.sum() > 0:
+            out[:, 1] = idf @ held / idf.sum()
+    for column, group in ((2, query.numbers), (3, query.names)):
+        if group and n:
+            out[:, column] = presence(sorted(group)).mean(axis=0)
+    return out
 
 
 FEATURE_NAMES: tuple[str, ...] = (

@@ -80,7 +80,7 @@ def cmd_realmem(args: argparse.Namespace) -> int:
     policies = list(POLICIES) if args.policy == "all" else [args.policy]
     embedder = None
     query_embedder = None
-    if any(p in ("mars", "hybrid", "semantic") for p in policies):
+    if any(p in ("mars", "mars-ranker", "hybrid", "semantic") for p in policies):
         from mars.retrieval.embedder import load_embedder
 
         stored = load_embedder(backend=args.embedding_backend, precision=args.stored_precision)
@@ -93,6 +93,7 @@ def cmd_realmem(args: argparse.Namespace) -> int:
     for policy in policies:
         preds: list[Prediction] = []
         latencies: list[float] = []
+        ranker_costs: list[float] = []
         with Progress(
             TextColumn(f"[bold]{policy}[/] {{task.description}}"),
             BarColumn(),
@@ -102,7 +103,11 @@ def cmd_realmem(args: argparse.Namespace) -> int:
         ) as progress:
             for persona in personas:
                 task = progress.add_task(persona.name, total=len(persona.sessions))
-                retriever = make_retriever(policy, embedder, query_embedder)
+                try:
+                    retriever = make_retriever(policy, embedder, query_embedder, ranker_costs)
+                except ValueError as exc:
+                    console.print(f"[red]{exc}[/]")
+                    return 2
                 timed = _Timed(retriever, latencies)
                 advance = functools.partial(_advance, progress, task)
                 preds += replay(persona, timed, args.k, progress=advance)
@@ -124,10 +129,25 @@ def cmd_realmem(args: argparse.Namespace) -> int:
             "per_persona": {k: v.values for k, v in results.per_persona.items()},
             "latency_ms": {"p50": p50, "p99": p99},
         }
+        if ranker_costs:
+            costs = _percentiles(ranker_costs)
+            console.print(
+                f"ranker cost per query (signals, features and model, in the search): p50 {costs['p50']:.2f} ms, "
+                f"p99 {costs['p99']:.2f} ms"
+            )
+            report[policy]["ranker_cost_ms"] = costs  # type: ignore[index]
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2))
         console.print(f"results written to {args.out}")
     return 0
+
+
+def _percentiles(seconds: list[float]) -> dict[str, float]:
+    ordered = sorted(seconds)
+    return {
+        "p50": ordered[len(ordered) // 2] * 1000,
+        "p99": ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))] * 1000,
+    }
 
 
 def _advance(progress: Progress, task: TaskID, sessions_done: int) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 from mars.retrieval.embedder import Embedder, LruEmbedder
 from mars.retrieval.hybrid import POLICY_CONFIGS, HybridConfig, HybridMemory
+from mars.retrieval.ranker import LearnedRanker, load_ranker
 
 from mars_tools.bench.realmem import Query, Retriever, Session
 
@@ -74,7 +75,12 @@ class HybridSessionRetriever:
         config: HybridConfig,
         context_turns: int = 1,
         query_embedder: Embedder | None = None,
+        ranker: LearnedRanker | None = None,
+        ranker_costs: list[float] | None = None,
     ) -> None:
+        self._ranker = ranker
+        #: Per query, seconds the ranker added to the search (HybridMemory.ranker_seconds).
+        self.ranker_costs = ranker_costs if ranker_costs is not None else []
         # Stored chunks may come from a cache; queries are always embedded live so latency is honest.
         inner = embedder.inner if isinstance(embedder, CachingEmbedder) else embedder
         self._memory = HybridMemory(embedder, config, query_embedder=LruEmbedder(query_embedder or inner))
@@ -94,16 +100,25 @@ class HybridSessionRetriever:
 
     def retrieve(self, query: Query, k: int) -> list[str]:
         context = self._context(query)
-        return [key for key, _ in self._memory.rank_groups(query.text, context, k)]
+        if self._ranker is None:
+            return [key for key, _ in self._memory.rank_groups(query.text, context, k)]
+        ranked = self._memory.rank_groups(query.text, context, k, ranker=self._ranker)
+        self.ranker_costs.append(self._memory.ranker_seconds)
+        return [key for key, _ in ranked]
 
 
-POLICIES = ("mars", "hybrid", "semantic", "bm25", "recent")
+POLICIES = ("mars", "mars-ranker", "hybrid", "semantic", "bm25", "recent")
 
 
 def make_retriever(
-    policy: str, embedder: Embedder | None, query_embedder: Embedder | None = None
+    policy: str,
+    embedder: Embedder | None,
+    query_embedder: Embedder | None = None,
+    ranker_costs: list[float] | None = None,
 ) -> Retriever:
-    """A fresh retriever (empty memory) for one persona; `query_embedder` embeds queries (default: embedder)."""
+    """A fresh retriever (empty memory) for one persona; `query_embedder` embeds queries (default: embedder);
+    `mars-ranker` (the packaged learned ranker over the mars fusion) appends its cost per query to
+    `ranker_costs`."""
     from mars_tools.bench.realmem import RecentRetriever, SessionBM25Retriever
 
     if policy == "recent":
@@ -114,6 +129,13 @@ def make_retriever(
         raise ValueError(f"policy {policy!r} needs an embedder")
     if policy == "mars":
         return HybridSessionRetriever(embedder, POLICY_CONFIGS["mars"], 3, query_embedder=query_embedder)
+    if policy == "mars-ranker":
+        ranker, why = load_ranker()
+        if ranker is None:
+            raise ValueError(f"policy mars-ranker: no usable ranker ({why})")
+        return HybridSessionRetriever(
+            embedder, POLICY_CONFIGS["mars"], 3, query_embedder, ranker, ranker_costs
+        )
     if policy == "hybrid":
         return HybridSessionRetriever(embedder, POLICY_CONFIGS["hybrid"], 0, query_embedder=query_embedder)
     if policy == "semantic":
