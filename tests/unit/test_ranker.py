@@ -137,7 +137,7 @@ def test_candidates_carry_the_fused_order_and_their_signals(memory: HybridMemory
     assert np.isfinite(x).all()
     assert signals.has_context and signals.n_groups == 5
     # Only the groups naming Kenya cover the query's name.
-    named = {k: c for k, c in zip(signals.keys, signals.name_coverage, strict=True)}
+    named = {k: c for k, c in zip(signals.keys, signals.coverage[:, 3], strict=True)}
     assert named.get("budget") == 1.0 and named.get("safari") == 1.0
     assert memory.candidates(query, context, n=3, exclude={"budget"}) is not None
     assert "budget" not in memory.candidates(query, context, exclude={"budget"}).keys  # type: ignore[union-attr]

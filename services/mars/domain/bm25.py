@@ -73,9 +73,12 @@ class BM25Index:
 
     def presence(self, terms: Sequence[str], docs: Sequence[int]) -> np.ndarray:
         """(terms x docs) booleans: which of documents `docs` holds which term."""
-        tfs = [self._tfs[i] for i in docs]
-        cells = (term in tf for term in terms for tf in tfs)
-        return np.fromiter(cells, dtype=bool, count=len(terms) * len(tfs)).reshape(len(terms), len(tfs))
+        out = np.zeros((len(terms), len(docs)), dtype=bool)
+        row = {term: j for j, term in enumerate(terms)}
+        for col, i in enumerate(docs):
+            for term in row.keys() & self._tfs[i].keys():  # C-level, over the few terms asked
+                out[row[term], col] = True
+        return out
 
     def doc_length(self, i: int) -> int:
         return self._lens[i]

@@ -337,61 +337,49 @@ class HybridMemory:
 
     def _signals(self, fusion: _Fusion, groups: Sequence[int]) -> GroupSignals:
         """GroupSignals of `groups` (fused order) under `fusion`."""
-        n_groups = len(self._groups)
+        n_groups, n = len(self._groups), len(groups)
         idx = np.asarray(groups, dtype=np.int64)
 
-        def rank_of(scores: dict[int, float] | None, ranking: Sequence[int] = ()) -> np.ndarray:
-            # Ranks by score, best first (numpy's stable sort: a tie's order is not a feature).
-            order = np.asarray(ranking, dtype=np.int64)
-            if scores is not None:
-                keys = np.fromiter(scores.keys(), np.int64, len(scores))
-                values = np.fromiter(scores.values(), np.float64, len(scores))
-                order = keys[np.argsort(-values, kind="stable")]
+        def rank_of(order: np.ndarray) -> np.ndarray:
             where = np.full(n_groups, float(n_groups))
             where[order] = np.arange(len(order), dtype=np.float64)
             return where[idx]
 
-        def pick(values: np.ndarray | None, default: float = 0.0) -> np.ndarray:
-            if values is None:
-                return np.full(len(idx), default)
-            out = np.asarray(values, dtype=np.float64)[idx]
-            return np.where(np.isfinite(out), out, default)
-
-        bests = fusion.bests
-        dense_context = np.zeros(len(idx))
-        lexical_context = np.zeros(len(idx))
-        context_texts = len(fusion.texts) - 1
-        if context_texts:
-            if bests is not None:
-                dense_context = np.mean([pick(bests[0][i]) for i in range(1, 1 + context_texts)], axis=0)
-            for text_scores in fusion.lexical_texts[1:]:
-                lexical_context += np.fromiter((text_scores.get(g, 0.0) for g in groups), np.float64, len(idx))
-            lexical_context /= context_texts
+        # Ranks by score, best first (numpy's stable sort: a tie's order is not a feature).
+        lexical = fusion.lexical
+        lexical_keys = np.fromiter(lexical.keys(), np.int64, len(lexical))
+        lexical_values = np.fromiter(lexical.values(), np.float64, len(lexical))
+        dense_keys = np.fromiter(fusion.dense.keys(), np.int64, len(fusion.dense))
+        dense_values = np.fromiter(fusion.dense.values(), np.float64, len(fusion.dense))
+        # Per group: best chunk similarity to the query, mean chunk similarity, centroid and PRF similarity.
+        dense = np.zeros((4, n))
+        dense[0] = -1.0
+        if fusion.bests is not None:
+            dense[:2] = np.stack([fusion.bests[0][0], fusion.bests[1]])[:, idx]
+        if fusion.topical is not None:
+            dense[2] = fusion.topical[idx]
+        if fusion.prf is not None:
+            dense[3] = fusion.prf[idx]
+        dense = np.where(np.isfinite(dense), dense, 0.0)
         tokens = tokenize(fusion.texts[0])
         terms = query_terms(fusion.texts[0], tokens, {t: self._lexical.idf(t) for t in set(tokens)})
-        covered = coverage(terms, lambda words: self._lexical.presence(words, groups), len(idx))
         return GroupSignals(
             keys=[self._groups[g].key for g in groups],
             n_groups=n_groups,
-            has_context=bool(context_texts),
-            dense_query=pick(None if bests is None else bests[0][0], -1.0),
-            dense_mean=pick(None if bests is None else bests[1]),
-            dense_context=dense_context,
-            lexical_query=np.fromiter((fusion.lexical_texts[0].get(g, 0.0) for g in groups), np.float64, len(idx)),
-            lexical_context=lexical_context,
-            fused=np.fromiter((fusion.fused[g] for g in groups), np.float64, len(idx)),
-            dense_rank=rank_of(fusion.dense),
-            lexical_rank=rank_of(fusion.lexical),
-            recency_rank=rank_of(None, fusion.by_recency),
-            centroid=pick(fusion.topical),
-            prf=pick(fusion.prf),
-            chunks=np.array([len(self._groups[g].chunk_ids) for g in groups], dtype=np.float64),
-            doc_length=np.array([self._lexical.doc_length(g) for g in groups], dtype=np.float64),
-            term_coverage=covered[:, 0],
-            idf_coverage=covered[:, 1],
-            number_coverage=covered[:, 2],
-            name_coverage=covered[:, 3],
-            centroids=self._centroids[idx] if self._centroids is not None else np.zeros((len(idx), 0)),
+            has_context=len(fusion.texts) > 1,
+            dense_query=dense[0],
+            dense_mean=dense[1],
+            lexical_query=np.fromiter((fusion.lexical_texts[0].get(g, 0.0) for g in groups), np.float64, n),
+            fused=np.fromiter((fusion.fused[g] for g in groups), np.float64, n),
+            dense_rank=rank_of(dense_keys[np.argsort(-dense_values, kind="stable")]),
+            lexical_rank=rank_of(lexical_keys[np.argsort(-lexical_values, kind="stable")]),
+            recency_rank=rank_of(np.asarray(fusion.by_recency, dtype=np.int64)),
+            centroid=dense[2],
+            prf=dense[3],
+            chunks=np.fromiter((len(self._groups[g].chunk_ids) for g in groups), np.float64, n),
+            doc_length=np.fromiter((self._lexical.doc_length(g) for g in groups), np.float64, n),
+            coverage=coverage(terms, lambda words: self._lexical.presence(words, groups), n),
+            centroids=self._centroids[idx] if self._centroids is not None else np.zeros((n, 0)),
         )
 
 

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 #: Bumped whenever `candidate_features` changes: a model trained on other features is refused at load.
-FEATURES_VERSION = "ranker-features-v1"
+FEATURES_VERSION = "ranker-features-v2"
 #: The model shipped in the package (`mars train ranker` writes it).
 DEFAULT_RANKER = Path(__file__).resolve().parent / "models" / "ranker-v1.json"
 #: The fused top-N re-ordered by the ranker; groups below it keep their fused order.
@@ -68,9 +68,7 @@ class GroupSignals:
     has_context: bool
     dense_query: np.ndarray
     dense_mean: np.ndarray
-    dense_context: np.ndarray
     lexical_query: np.ndarray
-    lexical_context: np.ndarray
     fused: np.ndarray
     dense_rank: np.ndarray
     lexical_rank: np.ndarray
@@ -79,10 +77,9 @@ class GroupSignals:
     prf: np.ndarray
     chunks: np.ndarray
     doc_length: np.ndarray
-    term_coverage: np.ndarray
-    idf_coverage: np.ndarray
-    number_coverage: np.ndarray
-    name_coverage: np.ndarray
+    #: Per candidate, the share of the query's terms, idf-weighted terms, numbers and names it holds
+    #: (`coverage`: one row of four).
+    coverage: np.ndarray
     #: The candidates' centroids (unit rows; zero columns without dense search).
     centroids: np.ndarray
 
@@ -110,12 +107,8 @@ FEATURE_NAMES: tuple[str, ...] = (
     "dense_query_gap",
     "dense_query_z",
     "dense_mean",
-    "dense_context",
-    "dense_context_gap",
     "lexical_query_log",
     "lexical_query_share",
-    "lexical_context_log",
-    "lexical_context_share",
     "fused_share",
     "fused_rank_inv",
     "fused_rank_log",
@@ -146,22 +139,13 @@ SIMILAR = 0.8
 SUPPORT_TOP = 10
 
 
-def _gap(x: np.ndarray) -> np.ndarray:
-    return x - x.max() if len(x) else x
-
-
-def _share(x: np.ndarray) -> np.ndarray:
-    top = float(x.max()) if len(x) else 0.0
-    return x / top if top > 0 else np.zeros_like(x)
-
-
-def _neighbourhood(s: GroupSignals) -> list[np.ndarray]:
+def _neighbourhood(s: GroupSignals) -> np.ndarray:
     """How each candidate sits among the others: its highest centroid similarity to a newer and to an older
     candidate, how many newer candidates are near-duplicates of its topic (a later session of the same work
     often supersedes it), and its mean similarity to the leading candidates weighted by fused score."""
     n = len(s.keys)
     if n < 2 or not s.centroids.size:
-        return [np.zeros(n)] * 4
+        return np.zeros((n, 4))
     sim = s.centroids @ s.centroids.T
     np.fill_diagonal(sim, -1.0)
     newer = s.recency_rank[None, :] < s.recency_rank[:, None]
@@ -174,47 +158,37 @@ def _neighbourhood(s: GroupSignals) -> list[np.ndarray]:
     near = np.where(sim[:, :top] > -1.0, sim[:, :top], 0.0)
     mass = weights.sum() - np.where(np.arange(n) < top, np.pad(weights, (0, n - top)), 0.0)
     support = (near @ weights) / np.maximum(mass, 1e-9)
-    return [newer_max, older_max, np.log1p(newer_similar), support]
+    return np.stack([newer_max, older_max, np.log1p(newer_similar), support], axis=1)
 
 
 def candidate_features(s: GroupSignals) -> np.ndarray:
-    """One row per candidate, columns as FEATURE_NAMES; per-query normalisations are over the candidates."""
+    """One row per candidate, columns as FEATURE_NAMES; per-query normalisations are over the candidates.
+    Built in blocks (a handful of array operations, not one per column: this runs on every view)."""
     n = len(s.keys)
-    spread = float(s.dense_query.std()) if n > 1 else 0.0
+    if n == 0:
+        return np.zeros((0, len(FEATURE_NAMES)))
+    spread = float(s.dense_query.std())
     z = (s.dense_query - s.dense_query.mean()) / spread if spread > 1e-9 else np.zeros(n)
     fused_rank = np.arange(n, dtype=np.float64)
-    cols = [
-        s.dense_query,
-        _gap(s.dense_query),
-        z,
-        s.dense_mean,
-        s.dense_context,
-        _gap(s.dense_context),
-        np.log1p(np.maximum(s.lexical_query, 0.0)),
-        _share(s.lexical_query),
-        np.log1p(np.maximum(s.lexical_context, 0.0)),
-        _share(s.lexical_context),
-        _share(s.fused),
-        1.0 / (1.0 + fused_rank),
-        np.log1p(fused_rank),
-        np.log1p(s.dense_rank),
-        np.log1p(s.lexical_rank),
-        np.log1p(s.recency_rank),
-        s.recency_rank / max(s.n_groups, 1),
-        s.centroid,
-        _gap(s.centroid),
-        s.prf,
-        np.log1p(s.chunks),
-        np.log1p(s.doc_length),
-        s.term_coverage,
-        s.idf_coverage,
-        s.number_coverage,
-        s.name_coverage,
-        np.full(n, 1.0 if s.has_context else 0.0),
-        np.full(n, math.log1p(s.n_groups)),
-        *_neighbourhood(s),
-    ]
-    return np.stack([np.asarray(c, dtype=np.float64) for c in cols], axis=1)
+    shares = np.stack([np.maximum(s.lexical_query, 0.0), s.fused])
+    tops = shares.max(axis=1, keepdims=True)
+    shares = np.divide(shares, tops, out=np.zeros_like(shares), where=tops > 0)
+    logs = np.log1p(np.stack([shares[0] * tops[0], fused_rank, s.dense_rank, s.lexical_rank, s.recency_rank]))
+    out = np.empty((n, len(FEATURE_NAMES)))
+    out[:, :4] = np.stack([s.dense_query, s.dense_query - s.dense_query.max(), z, s.dense_mean], axis=1)
+    out[:, 4] = logs[0]
+    out[:, 5] = shares[0]
+    out[:, 6] = shares[1]
+    out[:, 7] = 1.0 / (1.0 + fused_rank)
+    out[:, 8:12] = logs[1:].T
+    out[:, 12] = s.recency_rank / max(s.n_groups, 1)
+    out[:, 13:16] = np.stack([s.centroid, s.centroid - s.centroid.max(), s.prf], axis=1)
+    out[:, 16:18] = np.log1p(np.stack([s.chunks, s.doc_length], axis=1))
+    out[:, 18:22] = s.coverage
+    out[:, 22] = 1.0 if s.has_context else 0.0
+    out[:, 23] = math.log1p(s.n_groups)
+    out[:, 24:28] = _neighbourhood(s)
+    return out
 
 
 class RankerError(ValueError):
