@@ -51,8 +51,9 @@ class MemorySettings(ServiceSettings):
     #: MARS_FUSION='{"fusion": "weighted", "dense_weight": 2.0, "recency_weight": 0.5}'.
     fusion: dict[str, float | str] = Field(default_factory=dict)
     #: The learned memory ranker (mars.retrieval.ranker) re-ordering the fused top 50 of the mars policy's
-    #: session ranking: "packaged" (default, the model in the package), "off", or a model file's path. A
-    #: missing or unusable model leaves the fused ranking (logged at start).
+    #: rankings (the records a view retrieves, and the logged session ranking): "packaged" (default, the
+    #: model in the package), "off", or a model file's path. A missing or unusable model leaves the fused
+    #: ranking (logged at start).
     memory_ranker: str = "packaged"
     #: Which consumer groups this replica joins: "views,writer" (default), or one of them, to scale view
     #: building and writing apart (any replica serves correct views: indexes follow Postgres).

@@ -83,9 +83,9 @@ def _record(row: tuple[object, ...]) -> MemoryRecord:
 
 
 def memory_ranker(settings: MemorySettings) -> LearnedRanker | None:
-    """The session ranking's learned ranker, as MARS_MEMORY_RANKER names it; None (the fused ranking) when
-    it is off, the policy is not mars (the ranker learned the mars fusion's signals), or the model cannot
-    be used."""
+    """The learned ranker of the record and session rankings, as MARS_MEMORY_RANKER names it; None (the
+    fused ranking) when it is off, the policy is not mars (the ranker learned the mars fusion's signals), or
+    the model cannot be used."""
     choice = settings.memory_ranker.strip()
     if choice == "off" or settings.view_policy != "mars":
         return None
@@ -408,7 +408,7 @@ class MemoryStore:
             newest = sorted(index.records.values(), key=lambda r: -r.seq)
             return [(r, 1.0) for r in newest], None
         cfg, context = self._fusion(thread, controls)
-        ranked = index.memory.rank_groups(text, context, len(index.records), cfg)
+        ranked = index.memory.rank_groups(text, context, len(index.records), cfg, ranker=self.ranker)
         return [(index.records[rid], score) for rid, score in ranked], score_bounds(ranked)
 
     async def commit(self, event: ev.Generated) -> ev.MemoryCommitted:

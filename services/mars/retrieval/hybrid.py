@@ -251,8 +251,9 @@ class HybridMemory:
         """Groups best first with fused scores; `context` holds secondary query texts (earlier turns);
         `config` overrides the memory's own fusion settings for this query (state-guided retrieval);
         `exclude` names groups ranked as if absent (no slot, no pull on recency or feedback); `ranker`
-        re-orders the fused top CANDIDATES (each group keeps its fused score, so the scores of a re-ordered
-        ranking need not fall)."""
+        re-orders the fused top CANDIDATES, which take the head's fused scores in falling order (scores
+        still fall along the ranking, as packing and the view's load features expect, with the same
+        bounds)."""
         if not self._groups:
             return []
         fusion = self._fuse(query, context, config or self.config, exclude, signals=ranker is not None)
@@ -261,7 +262,8 @@ class HybridMemory:
             started = time.perf_counter()
             head = ordered[:CANDIDATES]
             order = ranker.order(candidate_features(self._signals(fusion, [g for g, _ in head])))
-            ordered = [head[i] for i in order] + ordered[CANDIDATES:]
+            tail = ordered[CANDIDATES:]
+            ordered = [(head[i][0], score) for i, (_, score) in zip(order, head, strict=True)] + tail
             self.ranker_seconds = time.perf_counter() - started
         return [(self._groups[g].key, s) for g, s in ordered[:k]]
 
