@@ -115,7 +115,6 @@ def cmd_train_ranker(args: argparse.Namespace) -> int:
     train = [c.training() for p in personas for c in lists[p.name]] + [c.training() for c in extra]
     model = fit_ranker(train, args.hidden, args.l2, args.steps, version=MODEL_VERSION)
     out = Path(args.out)
-    model.save(out)
     meta = {
         "version": MODEL_VERSION,
         "inputs_sha256": _inputs_sha256(Path(args.realmem), Path(args.locomo) if args.locomo else None),
@@ -124,8 +123,7 @@ def cmd_train_ranker(args: argparse.Namespace) -> int:
         "locomo_questions": len(extra),
         **fit,
     }
-    raw = json.loads(out.read_text())
-    out.write_text(json.dumps({**raw, "meta": meta}, indent=1) + "\n")
+    out.write_text(json.dumps({**model.to_json(), "meta": meta}, indent=1) + "\n")
     console.print(
         f"{meta['realmem_queries']} RealMem queries of {len(personas)} personas, {len(extra)} LoCoMo questions; "
         f"{time.perf_counter() - started:.0f} s; model written to {out} ({out.stat().st_size:,} bytes)"

@@ -194,9 +194,9 @@ class HybridMemory:
         if self._query_embedder is not None and texts:
             self._query_embedder.encode([t for t in texts if t.strip()])
 
-    def _dense_bests(self, queries: Sequence[str]) -> tuple[np.ndarray, np.ndarray] | None:
-        """Per query text, each group's best chunk similarity (-inf for a group without chunks), and each
-        group's mean chunk similarity to the first text; None without dense search."""
+    def _dense_bests(self, queries: Sequence[str], means: bool) -> tuple[np.ndarray, np.ndarray | None] | None:
+        """Per query text, each group's best chunk similarity (-inf for a group without chunks), and with
+        `means` each group's mean chunk similarity to the first text; None without dense search."""
         if self._dense is None or self._query_embedder is None or len(self._dense) == 0:
             return None
         n = len(self._dense)
@@ -207,6 +207,8 @@ class HybridMemory:
         for qi in range(len(queries)):
             valid = ids[qi] >= 0
             np.maximum.at(best[qi], chunk_group[ids[qi][valid]], sims[qi][valid].astype(np.float64))
+        if not means:
+            return best, None
         valid = ids[0] >= 0
         groups = chunk_group[ids[0][valid]]
         total = np.bincount(groups, sims[0][valid].astype(np.float64), len(self._groups))
@@ -225,9 +227,6 @@ class HybridMemory:
             total[hit] += w * best[qi][hit]
             seen |= hit
         return {int(g): float(total[g]) for g in np.flatnonzero(seen)}
-
-    def _lexical_per_text(self, queries: Sequence[str]) -> list[dict[int, float]]:
-        return [self._lexical.scores(q) for q in queries]
 
     @staticmethod
     def _lexical_group_scores(
@@ -292,8 +291,8 @@ class HybridMemory:
         if cfg.context_weight == 0.0:
             texts, weights = texts[:1], weights[:1]
         gone = {self._group_index[key] for key in exclude if key in self._group_index}
-        bests = self._dense_bests(texts)
-        per_text = self._lexical_per_text(texts)
+        bests = self._dense_bests(texts, means=signals)
+        per_text = [self._lexical.scores(t) for t in texts]
         dense_scores = self._dense_group_scores(None if bests is None else bests[0], weights)
         dense = {g: v for g, v in dense_scores.items() if g not in gone}
         lexical = {g: v for g, v in self._lexical_group_scores(per_text, weights).items() if g not in gone}
@@ -335,7 +334,7 @@ class HybridMemory:
                 extra = reciprocal_rank_fusion([prf_ranking], [cfg.prf_weight], cfg.rrf_k)
                 for g, v in extra.items():
                     fused[g] = fused.get(g, 0.0) + v
-        return _Fusion(texts, weights, bests, per_text, dense, lexical, by_recency, fused, topical, prf)
+        return _Fusion(texts, bests, per_text, dense, lexical, by_recency, fused, topical, prf)
 
     def _signals(self, fusion: _Fusion, groups: Sequence[int]) -> GroupSignals:
         """GroupSignals of `groups` (fused order) under `fusion`."""
@@ -357,7 +356,9 @@ class HybridMemory:
         dense = np.zeros((4, n))
         dense[0] = -1.0
         if fusion.bests is not None:
-            dense[:2] = np.stack([fusion.bests[0][0], fusion.bests[1]])[:, idx]
+            dense[0] = fusion.bests[0][0][idx]
+            if fusion.bests[1] is not None:
+                dense[1] = fusion.bests[1][idx]
         if fusion.topical is not None:
             dense[2] = fusion.topical[idx]
         if fusion.prf is not None:
@@ -390,9 +391,9 @@ class _Fusion:
     """One query's fusion and what went into it (group indexes)."""
 
     texts: list[str]
-    weights: list[float]
-    #: (best chunk similarity per text and group, mean chunk similarity to the query per group).
-    bests: tuple[np.ndarray, np.ndarray] | None
+    #: (best chunk similarity per text and group, mean chunk similarity to the query per group when the
+    #: signals were asked for).
+    bests: tuple[np.ndarray, np.ndarray | None] | None
     lexical_texts: list[dict[int, float]]
     dense: dict[int, float]
     lexical: dict[int, float]

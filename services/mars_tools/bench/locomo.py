@@ -109,6 +109,21 @@ def score_question(ranked_turns: list[str], evidence: frozenset[str]) -> dict[st
     return out
 
 
+def conversation_memory(conv: Conversation, stored: Embedder, queries: Embedder | None = None) -> HybridMemory:
+    """The conversation's memory as the bench ranks it: each turn a group, the mars fusion without the
+    recency prior (LoCoMo questions come after the whole conversation: no recency, no conversation context)."""
+    config = replace(POLICY_CONFIGS["mars"], recency_weight=0.0)
+    memory = HybridMemory(stored, config, query_embedder=queries)
+    max_words = config.max_chunk_words
+    vectors = embed_chunks(stored, [t.text for t in conv.turns], max_words)  # one batched pass
+    offset = 0
+    for turn in conv.turns:
+        n = len(chunk_pieces([turn.text], max_words))
+        memory.add_group(turn.dia_id, turn.position, [turn.text], vectors[offset : offset + n])
+        offset += n
+    return memory
+
+
 def run(
     conversations: list[Conversation],
     embedder: Embedder,
@@ -125,16 +140,7 @@ def run(
     with Progress(console=console) as progress:
         task = progress.add_task("conversations", total=len(conversations))
         for conv in conversations:
-            # LoCoMo questions come after the whole conversation: no recency prior, no conversation context.
-            config = replace(POLICY_CONFIGS["mars"], recency_weight=0.0)
-            memory = HybridMemory(stored, config, query_embedder=embedder)
-            max_words = memory.config.max_chunk_words
-            vectors = embed_chunks(stored, [t.text for t in conv.turns], max_words)  # one batched pass
-            offset = 0
-            for turn in conv.turns:
-                n = len(chunk_pieces([turn.text], max_words))
-                memory.add_group(turn.dia_id, turn.position, [turn.text], vectors[offset : offset + n])
-                offset += n
+            memory = conversation_memory(conv, stored, embedder)
             for q in conv.questions:
                 fused = [key for key, _ in memory.rank_groups(q.question, (), len(conv.turns))]
                 by_category[q.category].append(score_question(fused, q.evidence))

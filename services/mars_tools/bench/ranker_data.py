@@ -10,11 +10,11 @@ the strict RealMem scorer, beside the fused ranking of the same replay.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 from mars.retrieval.embedder import Embedder
-from mars.retrieval.hybrid import POLICY_CONFIGS, HybridMemory, chunk_pieces, embed_chunks
+from mars.retrieval.hybrid import POLICY_CONFIGS
 from mars.retrieval.ranker import (
     CANDIDATES,
     FIT_HIDDEN,
@@ -26,12 +26,11 @@ from mars.retrieval.ranker import (
     fit_ranker,
 )
 
-from mars_tools.bench.locomo import Conversation
+from mars_tools.bench.locomo import Conversation, conversation_memory
 from mars_tools.bench.policies import HybridSessionRetriever
 from mars_tools.bench.realmem import Persona, Prediction, Query, Results, evaluate, replay
+from mars_tools.bench.realmem_lopo import CONTEXT_TURNS
 
-#: Conversation turns used as secondary queries, as the `mars` policy uses them (bench/policies.py).
-CONTEXT_TURNS = 3
 #: The ranking depth scored (the RealMem table's largest k).
 DEPTH = 20
 
@@ -90,14 +89,7 @@ def realmem_candidates(
 def locomo_candidates(conv: Conversation, embedder: Embedder) -> list[CandidateList]:
     """Every question of the conversation over its turns (the `mars bench locomo` memory: the mars fusion
     without the recency prior, each turn a group), evidence turns gold."""
-    config = replace(POLICY_CONFIGS["mars"], recency_weight=0.0)
-    memory = HybridMemory(embedder, config)
-    vectors = embed_chunks(embedder, [t.text for t in conv.turns], config.max_chunk_words)
-    offset = 0
-    for turn in conv.turns:
-        n = len(chunk_pieces([turn.text], config.max_chunk_words))
-        memory.add_group(turn.dia_id, turn.position, [turn.text], vectors[offset : offset + n])
-        offset += n
+    memory = conversation_memory(conv, embedder)
     out = []
     for i, q in enumerate(conv.questions):
         signals = memory.candidates(q.question, (), CANDIDATES)
