@@ -55,3 +55,41 @@ def test_presence_says_which_documents_hold_which_term() -> None:
     held = index.presence(["pears", "sky", "absent"], [0, 2])
     assert held.tolist() == [[True, False], [False, True], [False, False]]
     assert index.presence([], [0, 1]).shape == (0, 2)
+
+
+def _presence_by_scan(index: BM25Index, terms: list[str], docs: list[int]) -> list[list[bool]]:
+    """What presence must say, read from scratch off each document's term counts (no cache)."""
+    return [[term in index._tfs[i] for i in docs] for term in terms]
+
+
+def test_presence_reads_postings_cached_and_invalidated_as_documents_change() -> None:
+    index = BM25Index(["red apples", "green pears"])
+    terms = ["pears", "apples", "red", "plums", "absent"]
+    assert index.presence(terms, [0, 1]).tolist() == _presence_by_scan(index, terms, [0, 1])
+    # The arrays cached by that call must follow every change to the documents.
+    index.add("ripe plums and pears")
+    index.extend(0, "\nwith plums")
+    docs = [2, 0, 1]
+    assert index.presence(terms, docs).tolist() == _presence_by_scan(index, terms, docs)
+    assert index.presence(["plums"], docs).tolist() == [[True, True, False]]
+    # Built at once, the same index answers the same.
+    whole = BM25Index(["red apples\nwith plums", "green pears", "ripe plums and pears"])
+    assert whole.presence(terms, docs).tolist() == index.presence(terms, docs).tolist()
+
+
+def test_presence_answers_any_order_of_documents_and_repeats() -> None:
+    index = BM25Index(DOCS)
+    terms = ["paris", "trip", "parser", "grocery", "nowhere"]
+    for docs in ([3, 2, 1, 0], [2, 2, 0], [1], list(range(len(DOCS)))):
+        held = index.presence(terms, docs)
+        assert held.tolist() == _presence_by_scan(index, terms, docs)
+        assert held.dtype == bool and held.flags["C_CONTIGUOUS"]
+    assert index.presence(["paris"], []).shape == (1, 0)
+
+
+def test_idfs_and_token_scores_equal_their_one_by_one_forms() -> None:
+    index = BM25Index(DOCS)
+    terms = ["paris", "trip", "weekly", "nowhere"]
+    assert index.idfs(terms) == {t: index.idf(t) for t in terms}
+    query = "Paris trip on a budget"
+    assert index.token_scores(index.tokenize(query)) == index.scores(query)

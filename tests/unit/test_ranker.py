@@ -4,6 +4,8 @@ and the hybrid memory re-ordering its fused candidates with it."""
 from __future__ import annotations
 
 import json
+import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -11,9 +13,13 @@ import pytest
 from mars.retrieval.embedder import SentenceTransformerEmbedder
 from mars.retrieval.hybrid import POLICY_CONFIGS, HybridMemory
 from mars.retrieval.ranker import (
+    _NAME,
     DEFAULT_RANKER,
     FEATURE_NAMES,
     FEATURES_VERSION,
+    SIMILAR,
+    SUPPORT_TOP,
+    GroupSignals,
     LearnedRanker,
     RankerError,
     RankingQuery,
@@ -51,6 +57,25 @@ def test_fit_learns_the_signal_and_is_deterministic(hidden: int) -> None:
     assert _top1(ranker, held_out) >= 0.8
     again = fit_ranker(train, hidden=hidden, l2=1e-4, steps=200)
     np.testing.assert_allclose(again.scores(held_out[0].features), ranker.scores(held_out[0].features), atol=1e-9)
+
+
+def test_fit_weighs_queries() -> None:
+    """A query's weight counts as copies of it (the loss and the standardisation alike); weight 0 changes
+    nothing; every weight 1 is the plain fit."""
+    train, extra, held_out = _queries(5, n=120), _queries(6, n=40), _queries(7, n=20)
+    plain = fit_ranker(train)
+    x = np.concatenate([q.features for q in held_out])
+    ones = fit_ranker([RankingQuery(q.features, q.gold, 1.0) for q in train])
+    np.testing.assert_array_equal(ones.scores(x), plain.scores(x))
+    ignored = fit_ranker([*train, *(RankingQuery(q.features, q.gold, 0.0) for q in extra)])
+    np.testing.assert_allclose(ignored.scores(x), plain.scores(x), rtol=0, atol=1e-12)
+    doubled = fit_ranker([*train, *(RankingQuery(q.features, q.gold, 2.0) for q in extra)])
+    twice = fit_ranker([*train, *extra, *extra])
+    np.testing.assert_allclose(doubled.scores(x), twice.scores(x), rtol=0, atol=1e-6)
+    light = fit_ranker([*train, *(RankingQuery(q.features, q.gold, 0.1) for q in extra)])
+    assert not np.allclose(light.scores(x), plain.scores(x), rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="weights"):
+        fit_ranker([*train, RankingQuery(extra[0].features, extra[0].gold, -1.0)])
 
 
 def test_fit_refuses_data_without_gold() -> None:
@@ -162,3 +187,140 @@ def test_a_ranker_reorders_the_candidates_only(memory: HybridMemory) -> None:
     assert fused != [key for key, _ in reranked]
     # k cuts after re-ordering.
     assert [key for key, _ in memory.rank_groups(query, k=2, ranker=newest)] == ["recipe", "budget"]
+
+
+def test_names_are_found_as_the_plain_pattern_finds_them() -> None:
+    """The name pattern looks back from after the capital (faster); it must match what the plain pattern
+    (lookbehinds first) matches."""
+    plain = re.compile(r"(?<![.!?]\s)(?<!^)\b[A-Z][\w'-]+")
+    texts = [
+        "Did Maria book the 3:30 flight to Lisbon? Then Paris. And O'Neil-Smith's X-ray",
+        "Maria at the start. Bob after a stop!\tCarl after a tab?\nDora after a newline",
+        "aB cD_e x.Yz 1Ab _Ab É Éclair Ωmega, Zo.Zo!Zo 'Quote' \"Dq\" (Paren) -Dash A B",
+        "", " ", "A", "Ab", " Ab", ".  Ab", "x. Ab", "x.\u00a0Ab", "x?\u2003Ab",
+    ]
+    for text in texts:
+        assert [m.group(0) for m in _NAME.finditer(text)] == [m.group(0) for m in plain.finditer(text)], text
+
+
+def _reference_neighbourhood(s: GroupSignals) -> np.ndarray:
+    """The neighbourhood features written plainly (both masks, no symmetry used)."""
+    n = len(s.keys)
+    if n < 2 or not s.centroids.size:
+        return np.zeros((n, 4))
+    sim = s.centroids @ s.centroids.T
+    np.fill_diagonal(sim, -1.0)
+    newer = s.recency_rank[None, :] < s.recency_rank[:, None]
+    older = s.recency_rank[None, :] > s.recency_rank[:, None]
+    top = min(SUPPORT_TOP, n)
+    weights = np.maximum(s.fused[:top], 0.0)
+    near = np.where(sim[:, :top] > -1.0, sim[:, :top], 0.0)
+    mass = weights.sum() - np.where(np.arange(n) < top, np.pad(weights, (0, n - top)), 0.0)
+    return np.stack(
+        [
+            np.where(newer, sim, -1.0).max(axis=1),
+            np.where(older, sim, -1.0).max(axis=1),
+            np.log1p(((sim > SIMILAR) & newer).sum(axis=1)),
+            (near @ weights) / np.maximum(mass, 1e-9),
+        ],
+        axis=1,
+    )
+
+
+def _reference_features(s: GroupSignals) -> np.ndarray:
+    """candidate_features written plainly, one stacked block at a time (the form the model was fitted on)."""
+    n = len(s.keys)
+    spread = float(s.dense_query.std())
+    z = (s.dense_query - s.dense_query.mean()) / spread if spread > 1e-9 else np.zeros(n)
+    fused_rank = np.arange(n, dtype=np.float64)
+    shares = np.stack([np.maximum(s.lexical_query, 0.0), s.fused])
+    tops = shares.max(axis=1, keepdims=True)
+    shares = np.divide(shares, tops, out=np.zeros_like(shares), where=tops > 0)
+    logs = np.log1p(np.stack([shares[0] * tops[0], fused_rank, s.dense_rank, s.lexical_rank, s.recency_rank]))
+    return np.concatenate(
+        [
+            np.stack([s.dense_query, s.dense_query - s.dense_query.max(), z, s.dense_mean], axis=1),
+            np.stack([logs[0], shares[0], shares[1], 1.0 / (1.0 + fused_rank)], axis=1),
+            logs[1:].T,
+            (s.recency_rank / max(s.n_groups, 1))[:, None],
+            np.stack([s.centroid, s.centroid - s.centroid.max(), s.prf], axis=1),
+            np.log1p(np.stack([s.chunks, s.doc_length], axis=1)),
+            s.coverage,
+            np.full((n, 1), 1.0 if s.has_context else 0.0),
+            np.full((n, 1), math.log1p(s.n_groups)),
+            _reference_neighbourhood(s),
+        ],
+        axis=1,
+    )
+
+
+def _random_signals(rng: np.random.Generator, n: int, dim: int, flat: bool = False) -> GroupSignals:
+    n_groups = n + 7
+    dense = np.full(n, 0.4) if flat else rng.uniform(-0.2, 0.9, n)
+    centroids = rng.normal(size=(n_groups, dim)).astype(np.float32)
+    centroids[1] = centroids[0] + 0.05  # near-duplicates
+    centroids /= np.maximum(np.linalg.norm(centroids, axis=1, keepdims=True), 1e-9)
+    lexical = np.zeros(n) if flat else np.where(rng.random(n) < 0.3, 0.0, rng.uniform(0, 12, n))
+    return GroupSignals(
+        keys=[f"g{i}" for i in range(n)],
+        n_groups=n_groups,
+        has_context=bool(rng.random() < 0.5),
+        dense_query=dense,
+        dense_mean=rng.uniform(0, 0.5, n),
+        lexical_query=lexical,
+        fused=np.sort(rng.uniform(0, 0.1, n))[::-1].copy(),
+        dense_rank=rng.permutation(n_groups)[:n].astype(np.float64),
+        lexical_rank=rng.permutation(n_groups + 1)[:n].astype(np.float64),
+        recency_rank=rng.permutation(n_groups)[:n].astype(np.float64),
+        centroid=rng.uniform(-0.1, 0.8, n),
+        prf=rng.uniform(0.2, 1.0, n),
+        chunks=rng.integers(1, 30, n).astype(np.float64),
+        doc_length=rng.integers(5, 3000, n).astype(np.float64),
+        coverage=rng.random((n, 4)),
+        centroids=centroids[rng.permutation(n_groups)[:n]] if dim else np.zeros((n, 0)),
+    )
+
+
+@pytest.mark.parametrize(
+    ("n", "dim", "flat"), [(50, 64, False), (12, 16, True), (7, 8, False), (1, 8, False), (30, 0, False)]
+)
+def test_features_equal_their_plain_form(n: int, dim: int, flat: bool) -> None:
+    """The features are written column by column for speed; the numbers must be the plain form's, or a model
+    file fitted on those would rank differently."""
+    rng = np.random.default_rng(n * 100 + dim)
+    for _ in range(5):
+        s = _random_signals(rng, n, dim, flat)
+        np.testing.assert_array_equal(candidate_features(s), _reference_features(s))
+    assert candidate_features(_random_signals(rng, 0, 8)).shape == (0, len(FEATURE_NAMES))
+
+
+def test_signals_of_a_growing_memory_equal_those_of_one_built_at_once() -> None:
+    """The lexical index caches postings arrays between searches: a memory searched while it grows (groups
+    added, extended, excluded) must give exactly the signals of a memory built at once (lexical only: a
+    grown group's centroid is a sum's, rounded otherwise than one built at once)."""
+    sessions = [
+        ("kenya", ["User: plan a Kenya safari with zebra days", "Assistant: Masai Mara then Amboseli"]),
+        ("taxes", ["User: my 2024 taxes and the W-2 form", "Assistant: gather the forms"]),
+        ("budget", ["User: the Kenya budget is 3000 dollars", "Assistant: lodges cost 250"]),
+        ("poem", ["User: a quokka poem", "Assistant: small smiling quokka"]),
+    ]
+    queries = [("what was the Kenya safari budget in 2024?", ("zebra trip",)), ("quokka taxes", ())]
+    grown = HybridMemory(None, POLICY_CONFIGS["mars"])
+    for i, (key, chunks) in enumerate(sessions):
+        grown.add_group(key, i, chunks[:1])
+        for query, context in queries:
+            grown.candidates(query, context)
+        grown.extend_group(key, i, chunks[1:])
+        for query, context in queries:
+            grown.candidates(query, context, exclude={"taxes"})
+    later = "User: and a zebra budget in 2024"
+    grown.extend_group("kenya", 9, [later])
+    whole = HybridMemory(None, POLICY_CONFIGS["mars"])
+    for i, (key, chunks) in enumerate(sessions):
+        whole.add_group(key, 9 if key == "kenya" else i, [*chunks, later] if key == "kenya" else chunks)
+    for query, context in queries:
+        for exclude in ((), ("taxes",)):
+            a, b = grown.candidates(query, context, exclude=exclude), whole.candidates(query, context, exclude=exclude)
+            assert a is not None and b is not None and a.keys == b.keys
+            np.testing.assert_array_equal(a.coverage, b.coverage)
+            np.testing.assert_array_equal(candidate_features(a), candidate_features(b))

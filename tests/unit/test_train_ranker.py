@@ -71,3 +71,32 @@ def test_train_ranker_refuses_bad_input(tmp_path: Path, capsys: pytest.CaptureFi
     printed = capsys.readouterr().out
     assert "--steps" in printed and "Traceback" not in printed
     assert not (tmp_path / "m.json").exists()
+
+
+def test_train_ranker_weighs_locomo_and_records_the_weight(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    shutil.copy(FIXTURE, data / "A_dialogues_256k.json")
+    turns = [
+        {"speaker": "A", "dia_id": f"D1:{i + 1}", "text": text}
+        for i, text in enumerate(["I booked the train to Lisbon", "My sister plays the cello", "We hiked in Sintra"])
+    ]
+    locomo = tmp_path / "locomo.json"
+    locomo.write_text(
+        json.dumps(
+            [
+                {
+                    "sample_id": "c1",
+                    "conversation": {"speaker_a": "A", "session_1_date_time": "1 May", "session_1": turns},
+                    "qa": [{"question": "Where did A hike?", "evidence": ["D1:3"], "category": 1}],
+                }
+            ]
+        )
+    )
+    argv = ["train", "ranker", "--realmem", str(data), "--locomo", str(locomo), "--no-lopo"]
+    out = tmp_path / "ranker.json"
+    assert _run([*argv, "--locomo-weight", "0.5", "--out", str(out)]) == 0
+    meta = json.loads(out.read_text())["meta"]
+    assert meta["locomo_questions"] == 1 and meta["locomo_weight"] == 0.5
+    assert _run([*argv, "--locomo-weight", "-1", "--out", str(tmp_path / "bad.json")]) == 2
+    assert "--locomo-weight" in capsys.readouterr().out and not (tmp_path / "bad.json").exists()

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
 from mars.domain.text import tokenize
+
+_NO_POSTINGS = np.zeros(0, dtype=np.int64)
 
 
 class BM25Index:
@@ -30,6 +32,9 @@ class BM25Index:
         self._total_len = 0
         self._df: Counter[str] = Counter()
         self._postings: dict[str, list[int]] = {}
+        #: Postings as arrays (`presence`), built when a term is first asked for and dropped whenever its
+        #: postings grow (a document added or extended with the term), so they always equal `_postings`.
+        self._posting_arrays: dict[str, np.ndarray] = {}
         for d in docs:
             self.add(d)
 
@@ -55,6 +60,7 @@ class BM25Index:
         for term in tf:
             self._df[term] += 1
             self._postings.setdefault(term, []).append(i)
+            self._posting_arrays.pop(term, None)
         return i
 
     def extend(self, i: int, text: str) -> None:
@@ -66,33 +72,73 @@ class BM25Index:
             if term not in tf:
                 self._df[term] += 1
                 self._postings.setdefault(term, []).append(i)
+                self._posting_arrays.pop(term, None)
             tf[term] += count
         length = sum(more.values())
         self._lens[i] += length
         self._total_len += length
 
-    def presence(self, terms: Sequence[str], docs: Sequence[int]) -> np.ndarray:
-        """(terms x docs) booleans: which of documents `docs` holds which term."""
-        out = np.zeros((len(terms), len(docs)), dtype=bool)
-        row = {term: j for j, term in enumerate(terms)}
-        for col, i in enumerate(docs):
-            for term in row.keys() & self._tfs[i].keys():  # C-level, over the few terms asked
-                out[row[term], col] = True
-        return out
+    def presence(self, terms: Sequence[str], docs: Sequence[int] | np.ndarray) -> np.ndarray:
+        """(terms x docs) booleans: which of documents `docs` holds which term. Read from the terms'
+        postings in a few array operations, whatever the number of terms and documents asked about."""
+        n = len(docs)
+        if not len(terms) or not n:
+            return np.zeros((len(terms), n), dtype=bool)
+        wanted = np.asarray(docs, dtype=np.int64)
+        # Each document's column among `docs`; column n (dropped) for every other document.
+        column = np.full(self.n_docs, n, dtype=np.int64)
+        column[wanted] = np.arange(n)
+        cached = self._posting_arrays
+        arrays = [a if (a := cached.get(term)) is not None else self._posting_array(term) for term in terms]
+        starts = np.arange(0, len(arrays) * (n + 1), n + 1)
+        cells = np.repeat(starts, np.fromiter(map(len, arrays), np.int64, len(arrays)))
+        cells += column[np.concatenate(arrays)]
+        out = np.zeros(len(arrays) * (n + 1), dtype=bool)
+        out[cells] = True
+        # Gathered by each document's column: a document asked for twice answers in both its columns.
+        # (`take` answers in C order, as a fresh array would be.)
+        return out.reshape(len(arrays), n + 1).take(column[wanted], axis=1)
+
+    def _posting_array(self, term: str) -> np.ndarray:
+        cached = self._posting_arrays.get(term)
+        if cached is None:
+            postings = self._postings.get(term)
+            if not postings:
+                return _NO_POSTINGS
+            cached = self._posting_arrays[term] = np.asarray(postings, dtype=np.int64)
+        return cached
 
     def doc_length(self, i: int) -> int:
         return self._lens[i]
+
+    def doc_lengths(self, docs: Sequence[int]) -> np.ndarray:
+        """The lengths (in tokens) of documents `docs`, as floats."""
+        lens = self._lens
+        return np.fromiter((lens[i] for i in docs), np.float64, len(docs))
+
+    def tokenize(self, text: str) -> list[str]:
+        """`text` as this index tokenises documents and queries."""
+        return self._tokenize(text)
 
     def idf(self, term: str) -> float:
         n = self._df.get(term, 0)
         # The +1 inside the log keeps idf positive even for terms present in every document.
         return math.log(1.0 + (self.n_docs - n + 0.5) / (n + 0.5)) if n else 0.0
 
+    def idfs(self, terms: Iterable[str]) -> dict[str, float]:
+        """`idf` of each of `terms` (the same numbers, without a call per term)."""
+        df, n, log = self._df, self.n_docs, math.log
+        return {t: log(1.0 + (n - d + 0.5) / (d + 0.5)) if (d := df.get(t, 0)) else 0.0 for t in terms}
+
     def scores(self, query: str) -> dict[int, float]:
         """BM25 score of every document sharing a term with the query."""
+        return self.token_scores(self._tokenize(query))
+
+    def token_scores(self, tokens: Sequence[str]) -> dict[int, float]:
+        """`scores` of a query already tokenised (by `tokenize`)."""
         scores: dict[int, float] = {}
         avgdl = self.avgdl or 1.0
-        for term in set(self._tokenize(query)):
+        for term in set(tokens):
             postings = self._postings.get(term)
             if not postings:
                 continue

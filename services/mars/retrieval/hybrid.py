@@ -12,12 +12,12 @@ import math
 import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field, replace
+from itertools import repeat
 from typing import Literal
 
 import numpy as np
 
 from mars.domain.bm25 import BM25Index
-from mars.domain.text import tokenize
 from mars.retrieval.dense import DenseIndex
 from mars.retrieval.embedder import Embedder
 from mars.retrieval.fusion import reciprocal_rank_fusion, weighted_score_fusion
@@ -292,14 +292,18 @@ class HybridMemory:
             texts, weights = texts[:1], weights[:1]
         gone = {self._group_index[key] for key in exclude if key in self._group_index}
         bests = self._dense_bests(texts, means=signals)
-        per_text = [self._lexical.scores(t) for t in texts]
+        # The query's tokens serve its BM25 scores and then the ranker's lexical signals.
+        tokens = self._lexical.tokenize(texts[0])
+        per_text = [self._lexical.token_scores(tokens), *(self._lexical.scores(t) for t in texts[1:])]
         dense_scores = self._dense_group_scores(None if bests is None else bests[0], weights)
         dense = {g: v for g, v in dense_scores.items() if g not in gone}
         lexical = {g: v for g, v in self._lexical_group_scores(per_text, weights).items() if g not in gone}
         kept = [g for g in range(len(self._groups)) if g not in gone]
         by_recency = sorted(kept, key=lambda g: -self._groups[g].position)
+        orders = None
         if cfg.fusion == "rrf":
-            rankings = [_ranking(dense), _ranking(lexical)]
+            orders = _ranking(dense), _ranking(lexical)
+            rankings = [*orders]
             ws = [cfg.dense_weight, cfg.lexical_weight]
             if cfg.recency_weight:
                 rankings.append(by_recency)
@@ -334,24 +338,20 @@ class HybridMemory:
                 extra = reciprocal_rank_fusion([prf_ranking], [cfg.prf_weight], cfg.rrf_k)
                 for g, v in extra.items():
                     fused[g] = fused.get(g, 0.0) + v
-        return _Fusion(texts, bests, per_text, dense, lexical, by_recency, fused, topical, prf)
+        return _Fusion(texts, tokens, bests, per_text, dense, lexical, orders, by_recency, fused, topical, prf)
 
     def _signals(self, fusion: _Fusion, groups: Sequence[int]) -> GroupSignals:
-        """GroupSignals of `groups` (fused order) under `fusion`."""
+        """GroupSignals of `groups` (fused order) under `fusion`: gathered from arrays over all groups, a few
+        array operations whatever the number of candidates (this runs on every ranked view)."""
         n_groups, n = len(self._groups), len(groups)
         idx = np.asarray(groups, dtype=np.int64)
-
-        def rank_of(order: np.ndarray) -> np.ndarray:
-            where = np.full(n_groups, float(n_groups))
-            where[order] = np.arange(len(order), dtype=np.float64)
-            return where[idx]
-
-        # Ranks by score, best first (numpy's stable sort: a tie's order is not a feature).
-        lexical = fusion.lexical
-        lexical_keys = np.fromiter(lexical.keys(), np.int64, len(lexical))
-        lexical_values = np.fromiter(lexical.values(), np.float64, len(lexical))
-        dense_keys = np.fromiter(fusion.dense.keys(), np.int64, len(fusion.dense))
-        dense_values = np.fromiter(fusion.dense.values(), np.float64, len(fusion.dense))
+        # Ranks by score, best first, as the fusion ranked them (a stable sort: a tie's order is not a
+        # feature); rank n_groups for a group absent from a ranking.
+        orders = fusion.orders or (_ranking(fusion.dense), _ranking(fusion.lexical))
+        ranks = np.full((3, n_groups), float(n_groups))
+        for row, order in enumerate((*orders, fusion.by_recency)):
+            ranks[row, order] = np.arange(len(order), dtype=np.float64)
+        ranks = ranks[:, idx]
         # Per group: best chunk similarity to the query, mean chunk similarity, centroid and PRF similarity.
         dense = np.zeros((4, n))
         dense[0] = -1.0
@@ -364,24 +364,25 @@ class HybridMemory:
         if fusion.prf is not None:
             dense[3] = fusion.prf[idx]
         dense = np.where(np.isfinite(dense), dense, 0.0)
-        tokens = tokenize(fusion.texts[0])
-        terms = query_terms(fusion.texts[0], tokens, {t: self._lexical.idf(t) for t in set(tokens)})
+        tokens = fusion.query_tokens
+        terms = query_terms(fusion.texts[0], tokens, self._lexical.idfs(set(tokens)))
+        lexical_query, fused, group_list = fusion.lexical_texts[0], fusion.fused, self._groups
         return GroupSignals(
-            keys=[self._groups[g].key for g in groups],
+            keys=[group_list[g].key for g in groups],
             n_groups=n_groups,
             has_context=len(fusion.texts) > 1,
             dense_query=dense[0],
             dense_mean=dense[1],
-            lexical_query=np.fromiter((fusion.lexical_texts[0].get(g, 0.0) for g in groups), np.float64, n),
-            fused=np.fromiter((fusion.fused[g] for g in groups), np.float64, n),
-            dense_rank=rank_of(dense_keys[np.argsort(-dense_values, kind="stable")]),
-            lexical_rank=rank_of(lexical_keys[np.argsort(-lexical_values, kind="stable")]),
-            recency_rank=rank_of(np.asarray(fusion.by_recency, dtype=np.int64)),
+            lexical_query=np.fromiter(map(lexical_query.get, groups, repeat(0.0)), np.float64, n),
+            fused=np.fromiter(map(fused.__getitem__, groups), np.float64, n),
+            dense_rank=ranks[0],
+            lexical_rank=ranks[1],
+            recency_rank=ranks[2],
             centroid=dense[2],
             prf=dense[3],
-            chunks=np.fromiter((len(self._groups[g].chunk_ids) for g in groups), np.float64, n),
-            doc_length=np.fromiter((self._lexical.doc_length(g) for g in groups), np.float64, n),
-            coverage=coverage(terms, lambda words: self._lexical.presence(words, groups), n),
+            chunks=np.fromiter((len(group_list[g].chunk_ids) for g in groups), np.float64, n),
+            doc_length=self._lexical.doc_lengths(groups),
+            coverage=coverage(terms, lambda words: self._lexical.presence(words, idx), n),
             centroids=self._centroids[idx] if self._centroids is not None else np.zeros((n, 0)),
         )
 
@@ -391,12 +392,16 @@ class _Fusion:
     """One query's fusion and what went into it (group indexes)."""
 
     texts: list[str]
+    #: The query's (first text's) tokens as the lexical index tokenises them.
+    query_tokens: list[str]
     #: (best chunk similarity per text and group, mean chunk similarity to the query per group when the
     #: signals were asked for).
     bests: tuple[np.ndarray, np.ndarray | None] | None
     lexical_texts: list[dict[int, float]]
     dense: dict[int, float]
     lexical: dict[int, float]
+    #: The dense and lexical groups best first (`_ranking`), when the fusion ranked them (reciprocal rank).
+    orders: tuple[list[int], list[int]] | None
     by_recency: list[int]
     fused: dict[int, float]
     topical: np.ndarray | None

@@ -31,8 +31,11 @@ DEFAULT_RANKER = Path(__file__).resolve().parent / "models" / "ranker-v1.json"
 #: The fused top-N re-ordered by the ranker; groups below it keep their fused order.
 CANDIDATES = 50
 
-#: A capitalised word not at a sentence start: a name, a product, a place (named-entity-like).
-_NAME = re.compile(r"(?<![.!?]\s)(?<!^)\b[A-Z][\w'-]+")
+#: A capitalised word not at a sentence start: a name, a product, a place (named-entity-like). The capital
+#: is matched first and the conditions on what precedes it looked back at from after it (a word boundary
+#: before it; not the text's start; not ". " before it): the same matches as
+#: `(?<![.!?]\s)(?<!^)\b[A-Z][\w'-]+`, found about three times faster (the scan stops at capitals only).
+_NAME = re.compile(r"[A-Z](?<=\b[A-Z])(?<![.!?]\s[A-Z])(?<!^[A-Z])[\w'-]+")
 
 
 @dataclass(frozen=True)
@@ -47,10 +50,12 @@ class QueryTerms:
 
 def query_terms(text: str, tokens: Sequence[str], idf: Mapping[str, float]) -> QueryTerms:
     """`tokens`: the query's content tokens as the lexical index tokenises them; `idf`: their idf."""
+    distinct = set(tokens)
     return QueryTerms(
-        terms={t: idf.get(t, 0.0) for t in set(tokens)},
-        # As the lexical index splits them: "3:30" is the tokens 3 and 30.
-        numbers=frozenset(t for t in tokens if any(c.isdigit() for c in t)),
+        terms={t: idf.get(t, 0.0) for t in distinct},
+        # As the lexical index splits them: "3:30" is the tokens 3 and 30. (A letters-only token holds no
+        # digit: the quick test spares the per-character one for almost every token.)
+        numbers=frozenset(t for t in distinct if not t.isalpha() and any(c.isdigit() for c in t)),
         names=frozenset(m.group(0).lower() for m in _NAME.finditer(text.strip())),
     )
 
@@ -87,18 +92,31 @@ class GroupSignals:
 def coverage(query: QueryTerms, presence: Callable[[Sequence[str]], np.ndarray], n: int) -> np.ndarray:
     """Per candidate, the fraction of the query's terms, idf-weighted terms, numbers and names its text holds
     (one row of four per candidate); `presence(terms)` is the (terms x candidates) boolean matrix of which
-    candidate's text holds which term."""
+    candidate's text holds which term (asked once, for the terms and then the numbers and names not among
+    them)."""
     out = np.zeros((n, 4))
     words = list(query.terms)
-    if words and n:
-        held = presence(words)
-        out[:, 0] = held.mean(axis=0)
-        idf = np.array([query.terms[w] for w in words])
-        if idf.sum() > 0:
-            out[:, 1] = idf @ held / idf.sum()
-    for column, group in ((2, query.numbers), (3, query.names)):
-        if group and n:
-            out[:, column] = presence(sorted(group)).mean(axis=0)
+    extra = sorted((query.numbers | query.names) - query.terms.keys())
+    if not n or not (words or extra):
+        return out
+    asked = [*words, *extra]
+    held = presence(asked).astype(np.float64)
+    k = len(words)
+    # How many of the terms, of the numbers and of the names each candidate holds (exact: sums of ones),
+    # then each over its count: exactly the mean of the booleans.
+    picks = np.zeros((3, len(asked)))
+    picks[0, :k] = 1.0
+    if query.numbers or query.names:
+        row = {w: i for i, w in enumerate(asked)}
+        picks[1, [row[t] for t in query.numbers]] = 1.0
+        picks[2, [row[t] for t in query.names]] = 1.0
+    sizes = np.array([max(k, 1), max(len(query.numbers), 1), max(len(query.names), 1)], dtype=np.float64)
+    out[:, [0, 2, 3]] = (picks @ held).T / sizes
+    if k:
+        idf = np.fromiter(query.terms.values(), np.float64, k)
+        total = float(idf.sum())
+        if total > 0:
+            out[:, 1] = idf @ held[:k] / total
     return out
 
 
@@ -144,46 +162,62 @@ def _neighbourhood(s: GroupSignals) -> np.ndarray:
     candidate, how many newer candidates are near-duplicates of its topic (a later session of the same work
     often supersedes it), and its mean similarity to the leading candidates weighted by fused score."""
     n = len(s.keys)
+    out = np.zeros((n, 4))
     if n < 2 or not s.centroids.size:
-        return np.zeros((n, 4))
-    sim = s.centroids @ s.centroids.T
-    np.fill_diagonal(sim, -1.0)
-    newer = s.recency_rank[None, :] < s.recency_rank[:, None]
-    older = s.recency_rank[None, :] > s.recency_rank[:, None]
-    newer_max = np.where(newer, sim, -1.0).max(axis=1)
-    older_max = np.where(older, sim, -1.0).max(axis=1)
-    newer_similar = ((sim > SIMILAR) & newer).sum(axis=1)
+        return out
+    centroids = np.ascontiguousarray(s.centroids)
+    sim = centroids @ centroids.T  # exactly symmetric: numpy computes a @ a.T as one triangle (syrk), mirrored
+    sim.flat[:: n + 1] = -1.0  # a candidate is not its own neighbour
+    rank = s.recency_rank
+    # [i, j]: the similarity of i to j where j is newer than i, else -1. Transposed, "j older than i":
+    # row maxima are the newer neighbours', column maxima the older ones'.
+    newer = np.where(rank < rank[:, None], sim, -1.0)
+    out[:, 0] = newer.max(axis=1)
+    out[:, 1] = newer.max(axis=0)
+    out[:, 2] = np.log1p((newer > SIMILAR).sum(axis=1))
     top = min(SUPPORT_TOP, n)
     weights = np.maximum(s.fused[:top], 0.0)
-    near = np.where(sim[:, :top] > -1.0, sim[:, :top], 0.0)
-    mass = weights.sum() - np.where(np.arange(n) < top, np.pad(weights, (0, n - top)), 0.0)
-    support = (near @ weights) / np.maximum(mass, 1e-9)
-    return np.stack([newer_max, older_max, np.log1p(newer_similar), support], axis=1)
+    near = sim[:, :top]
+    near = np.where(near > -1.0, near, 0.0)
+    # The leading candidates' weight but a candidate's own.
+    mass = np.full(n, weights.sum())
+    mass[:top] -= weights
+    out[:, 3] = (near @ weights) / np.maximum(mass, 1e-9)
+    return out
 
 
 def candidate_features(s: GroupSignals) -> np.ndarray:
     """One row per candidate, columns as FEATURE_NAMES; per-query normalisations are over the candidates.
-    Built in blocks (a handful of array operations, not one per column: this runs on every view)."""
+    Written column block by column block into one array (this runs on every ranked view)."""
     n = len(s.keys)
-    if n == 0:
-        return np.zeros((0, len(FEATURE_NAMES)))
-    spread = float(s.dense_query.std())
-    z = (s.dense_query - s.dense_query.mean()) / spread if spread > 1e-9 else np.zeros(n)
-    fused_rank = np.arange(n, dtype=np.float64)
-    shares = np.stack([np.maximum(s.lexical_query, 0.0), s.fused])
-    tops = shares.max(axis=1, keepdims=True)
-    shares = np.divide(shares, tops, out=np.zeros_like(shares), where=tops > 0)
-    logs = np.log1p(np.stack([shares[0] * tops[0], fused_rank, s.dense_rank, s.lexical_rank, s.recency_rank]))
     out = np.empty((n, len(FEATURE_NAMES)))
-    out[:, :4] = np.stack([s.dense_query, s.dense_query - s.dense_query.max(), z, s.dense_mean], axis=1)
-    out[:, 4] = logs[0]
-    out[:, 5] = shares[0]
-    out[:, 6] = shares[1]
+    if n == 0:
+        return out
+    dense = s.dense_query
+    centred = dense - dense.mean()
+    # The population standard deviation, as ndarray.std computes it.
+    spread = math.sqrt(float((centred * centred).sum()) / n)
+    out[:, 0] = dense
+    out[:, 1] = dense - dense.max()
+    out[:, 2] = centred / spread if spread > 1e-9 else 0.0
+    out[:, 3] = s.dense_mean
+    lexical = np.maximum(s.lexical_query, 0.0)
+    lexical_top = float(lexical.max())
+    out[:, 5] = lexical / lexical_top if lexical_top > 0 else 0.0
+    # log1p(share * top), not log1p of the score: the share's rounding is the feature's.
+    np.log1p(out[:, 5] * lexical_top, out=out[:, 4])
+    fused_top = float(s.fused.max())
+    out[:, 6] = s.fused / fused_top if fused_top > 0 else 0.0
+    fused_rank = np.arange(n, dtype=np.float64)
     out[:, 7] = 1.0 / (1.0 + fused_rank)
-    out[:, 8:12] = logs[1:].T
+    for column, values in ((8, fused_rank), (9, s.dense_rank), (10, s.lexical_rank), (11, s.recency_rank)):
+        np.log1p(values, out=out[:, column])
     out[:, 12] = s.recency_rank / max(s.n_groups, 1)
-    out[:, 13:16] = np.stack([s.centroid, s.centroid - s.centroid.max(), s.prf], axis=1)
-    out[:, 16:18] = np.log1p(np.stack([s.chunks, s.doc_length], axis=1))
+    out[:, 13] = s.centroid
+    out[:, 14] = s.centroid - s.centroid.max()
+    out[:, 15] = s.prf
+    np.log1p(s.chunks, out=out[:, 16])
+    np.log1p(s.doc_length, out=out[:, 17])
     out[:, 18:22] = s.coverage
     out[:, 22] = 1.0 if s.has_context else 0.0
     out[:, 23] = math.log1p(s.n_groups)
@@ -216,7 +250,8 @@ class LearnedRanker:
 
     def order(self, features: np.ndarray) -> list[int]:
         """Candidate indices best first; equal scores keep the fused order (a stable sort)."""
-        return [int(i) for i in np.argsort(-self.scores(features), kind="stable")]
+        order: list[int] = np.argsort(-self.scores(features), kind="stable").tolist()
+        return order
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -289,10 +324,12 @@ FIT_STEPS = 300
 
 @dataclass(frozen=True)
 class RankingQuery:
-    """One training query: its candidates' features (fused order) and which of them are gold."""
+    """One training query: its candidates' features (fused order), which of them are gold, and how much it
+    counts in the fit (e.g. a LoCoMo question beside RealMem's; 0: not at all)."""
 
     features: np.ndarray
     gold: np.ndarray
+    weight: float = 1.0
 
 
 def fit_ranker(
@@ -304,21 +341,28 @@ def fit_ranker(
     version: str = "",
 ) -> LearnedRanker:
     """Listwise fit: for each query with a gold candidate, the softmax of its candidates' scores against
-    its gold spread evenly (every gold group pulled up, as recall_all asks), mean over queries, plus
-    l2 / 2 * |weights|^2; L-BFGS from a start drawn with `seed` (deterministic)."""
+    its gold spread evenly (every gold group pulled up, as recall_all asks), mean over queries weighted by
+    their `weight`, plus l2 / 2 * |weights|^2; L-BFGS from a start drawn with `seed` (deterministic). The
+    features are standardised by their mean and deviation weighted alike (a query of weight 0 changes
+    nothing; with every weight 1, the plain mean over queries)."""
     from scipy.optimize import minimize
 
-    used = [q for q in queries if q.gold.any() and len(q.gold) > 1]
+    if any(not (q.weight >= 0.0 and math.isfinite(q.weight)) for q in queries):
+        raise ValueError("query weights must be finite and at least 0")
+    used = [q for q in queries if q.gold.any() and len(q.gold) > 1 and q.weight > 0]
     if not used:
         raise ValueError("no training query has a gold candidate")
     x = np.concatenate([q.features for q in used])
-    mean = x.mean(axis=0)
-    scale = x.std(axis=0)
-    scale = np.where(scale > 1e-9, scale, 1.0)
-    z = (x - mean) / scale
     starts = np.cumsum([0] + [len(q.gold) for q in used[:-1]])
     segment = np.repeat(np.arange(len(used)), [len(q.gold) for q in used])
-    target = np.concatenate([q.gold / q.gold.sum() for q in used]).astype(np.float64)
+    row_weight = np.array([q.weight for q in used])[segment]
+    mean = (x * row_weight[:, None]).sum(axis=0) / row_weight.sum()
+    scale = np.sqrt(((x - mean) ** 2 * row_weight[:, None]).sum(axis=0) / row_weight.sum())
+    scale = np.where(scale > 1e-9, scale, 1.0)
+    z = (x - mean) / scale
+    # Each query's gold share times its weight, over the total weight (the number of queries when all are 1).
+    total_weight = float(sum(q.weight for q in used))
+    target = np.concatenate([q.gold / q.gold.sum() * q.weight for q in used]).astype(np.float64)
     f = z.shape[1]
     rng = np.random.default_rng(seed)
     start = np.concatenate([np.zeros(f), rng.normal(0.0, 0.1, hidden * f), np.zeros(hidden), rng.normal(0.0, 0.1, hidden)])
@@ -335,8 +379,8 @@ def fit_ranker(
         e = np.exp(s - top[segment])
         total = np.add.reduceat(e, starts)
         log_p = s - top[segment] - np.log(total)[segment]
-        loss = -float(target @ log_p) / len(used)
-        ds = (e / total[segment] - target) / len(used)
+        loss = -float(target @ log_p) / total_weight
+        ds = (e / total[segment] * row_weight - target) / total_weight
         da = ds[:, None] * hv[None, :] * (1.0 - a * a)
         grad = np.concatenate([z.T @ ds, (da.T @ z).ravel(), da.sum(axis=0), a.T @ ds])
         penalty = np.concatenate([w, hw.ravel(), np.zeros(hidden), hv])

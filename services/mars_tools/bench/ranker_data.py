@@ -44,8 +44,8 @@ class CandidateList:
     features: np.ndarray
     gold: np.ndarray
 
-    def training(self) -> RankingQuery:
-        return RankingQuery(self.features, self.gold)
+    def training(self, weight: float = 1.0) -> RankingQuery:
+        return RankingQuery(self.features, self.gold, weight)
 
     def ranked(self, ranker: LearnedRanker | None) -> list[str]:
         if ranker is None or len(self.keys) < 2:
@@ -121,15 +121,17 @@ def leave_one_persona_out(
     hidden: int = FIT_HIDDEN,
     l2: float = FIT_L2,
     steps: int = FIT_STEPS,
+    extra_weight: float = 1.0,
 ) -> LopoScores:
-    """Each persona ranked by a model fitted on the other personas (and `extra`, e.g. LoCoMo)."""
+    """Each persona ranked by a model fitted on the other personas (and `extra`, e.g. LoCoMo, each of its
+    queries counting `extra_weight` of a RealMem query)."""
     if len(personas) < 2:
         raise ValueError("leave-one-persona-out needs at least 2 personas")
     fused: list[Prediction] = []
     learned: list[Prediction] = []
     for held_out in personas:
         train = [c.training() for p in personas if p.name != held_out.name for c in lists[p.name]]
-        ranker = fit_ranker([*train, *(c.training() for c in extra)], hidden, l2, steps)
+        ranker = fit_ranker([*train, *(c.training(extra_weight) for c in extra)], hidden, l2, steps)
         fused += predictions(held_out.name, lists[held_out.name], None)
         learned += predictions(held_out.name, lists[held_out.name], ranker)
         if progress is not None:
