@@ -34,7 +34,7 @@ class MemorySettings(ServiceSettings):
     embedding_model: str | None = None
     #: auto (torch on CUDA, ONNX Runtime on CPU), onnx or torch.
     embedding_backend: Literal["auto", "onnx", "torch"] = "auto"
-    #: fp32, or int8 (ONNX Runtime with quantized weights: ~2.2x less CPU per embedding, slightly different
+    #: fp32, or int8 (ONNX Runtime, weights quantized per channel: 1.5-2x less CPU per embedding, slightly other
     #: vectors; stored vectors are tagged with it, so switching re-embeds records as they are loaded).
     embedding_precision: Literal["fp32", "int8"] = "fp32"
     #: Folder of the ONNX exports of the embedding model (written on first use, read after); default

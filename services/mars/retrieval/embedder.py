@@ -84,7 +84,7 @@ def embedder_tag(model: str | None, precision: str = "fp32") -> str:
     """The tag of an embedder's vectors: its model (default: DEFAULT_MODEL_NAME) and a precision other than
     fp32 (ONNX and torch runs of one model agree to float rounding and share a tag)."""
     name = model or DEFAULT_MODEL_NAME
-    return name if precision == "fp32" else f"{name}:{precision}"
+    return name if precision == "fp32" else f"{name}:{precision}-{INT8_SCHEME}"
 
 
 class LruEmbedder:
@@ -149,6 +149,10 @@ class LruEmbedder:
 
 
 PRECISIONS = ("fp32", "int8")
+#: How int8 weights are quantized: per output channel of every MatMul. Per tensor (the first scheme) put the
+#: vectors at cosine ~0.96 of fp32's; per channel at ~0.99 for the same CPU. It names the quantized file and
+#: the vectors' tag, so vectors of the two schemes are never mixed.
+INT8_SCHEME = "pc"
 
 
 def check_precision(precision: str) -> None:
@@ -182,7 +186,7 @@ class OnnxEmbedder:
         key = hashlib.sha1(path.encode()).hexdigest()[:12]
         base = Path(cache_dir or Path.home() / ".cache" / "mars" / "onnx")
         onnx_path = base / f"{key}.onnx"
-        quantized = base / f"{key}.int8.onnx"
+        quantized = base / f"{key}.{INT8_SCHEME}.int8.onnx"
         wanted = quantized if precision == "int8" else onnx_path
         # Already exported (e.g. baked into the service image at build time): tokenizer and dimensions come
         # from the model folder's config files; torch and sentence-transformers are not imported at all.
@@ -210,12 +214,12 @@ class OnnxEmbedder:
             if not onnx_path.exists():
                 self._export(st, onnx_path)
         if precision == "int8" and not quantized.exists():
-            # Dynamic int8 quantization of the weights: ~2.2x less CPU per text on this machine's kind, and
-            # vectors a little off the fp32 ones (cosine ~0.96): what that costs retrieval is in the README.
+            # Dynamic int8 quantization of the weights, per channel: ~1.6-2x less CPU per text on this
+            # machine's kind, vectors at cosine ~0.99 of fp32's; what that costs retrieval is in the README.
             from onnxruntime.quantization import QuantType, quantize_dynamic
 
             tmp = base / f"{key}.int8.tmp.onnx"
-            quantize_dynamic(str(onnx_path), str(tmp), weight_type=QuantType.QInt8)
+            quantize_dynamic(str(onnx_path), str(tmp), weight_type=QuantType.QInt8, per_channel=True)
             os.replace(tmp, quantized)
         self._onnx_path = wanted
         self._open_session(threads)
