@@ -141,10 +141,12 @@ def server_properties(
     partitions: int,
     sasl_port: int | None = None,
     sasl_users: Mapping[str, str] | None = None,
+    extra: Mapping[str, str] | None = None,
 ) -> str:
     """One node that is both broker and controller, sized for one machine: single replicas, a handful of
     internal partitions (fast start), no initial rebalance delay (services join groups as they start).
-    `sasl_port`: also a SASL_PLAINTEXT listener there, for `sasl_users` (see sasl_listener_properties)."""
+    `sasl_port`: also a SASL_PLAINTEXT listener there, for `sasl_users` (see sasl_listener_properties).
+    `extra`: properties that override these (MARS_KAFKA_SERVER_PROPERTIES, see parse_server_properties)."""
     listeners = f"PLAINTEXT://127.0.0.1:{port}"
     if sasl_port is not None:
         listeners += f",SASL_PLAINTEXT://127.0.0.1:{sasl_port}"
@@ -172,7 +174,19 @@ def server_properties(
     }
     if sasl_port is not None:
         props.update(sasl_listener_properties(sasl_port, sasl_users or {}))
+    props.update(extra or {})
     return "".join(f"{k}={v}\n" for k, v in props.items())
+
+
+def parse_server_properties(text: str) -> dict[str, str]:
+    """`key=value,key=value` (MARS_KAFKA_SERVER_PROPERTIES) as a mapping; a pair without `=` is an error."""
+    pairs: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise KafkaUnavailable(f"MARS_KAFKA_SERVER_PROPERTIES: {item!r} is not key=value")
+        pairs[key.strip()] = value.strip()
+    return pairs
 
 
 def prepare(
@@ -191,7 +205,9 @@ def prepare(
     config = workdir / "kafka" / "server.properties"
     log_dir = workdir / "kafka" / "data"
     config.parent.mkdir(parents=True, exist_ok=True)
-    config.write_text(server_properties(log_dir, port, controller_port, partitions, sasl_port, sasl_users))
+    launcher = launcher_settings()
+    extra = parse_server_properties(launcher.kafka_server_properties)
+    config.write_text(server_properties(log_dir, port, controller_port, partitions, sasl_port, sasl_users, extra))
     if not (log_dir / "meta.properties").exists():
         done = subprocess.run(
             [
@@ -211,7 +227,6 @@ def prepare(
             raise KafkaUnavailable(
                 f"formatting the Kafka log dir failed:\n{(done.stdout + done.stderr)[-3000:]}"
             )
-    launcher = launcher_settings()
     heap = launcher.kafka_heap
     jvm_opts = " ".join(LOCAL_JVM_OPTS) if launcher.kafka_jvm_opts is None else launcher.kafka_jvm_opts
     return [

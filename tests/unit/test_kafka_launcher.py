@@ -56,6 +56,18 @@ def test_server_properties_is_one_kraft_node_on_loopback(tmp_path: Path) -> None
     assert props["auto.create.topics.enable"] == "false"
 
 
+def test_extra_server_properties_override_the_defaults(tmp_path: Path) -> None:
+    extra = kafka.parse_server_properties(" num.io.threads=2, num.partitions = 1 ,")
+    assert extra == {"num.io.threads": "2", "num.partitions": "1"}
+    text = kafka.server_properties(tmp_path / "data", 9092, 9093, 6, extra=extra)
+    props = dict(line.split("=", 1) for line in text.splitlines())
+    assert (props["num.io.threads"], props["num.partitions"]) == ("2", "1")
+    assert [line for line in text.splitlines() if line.startswith("num.partitions=")] == ["num.partitions=1"]
+    for bad in ("num.io.threads", "=2"):
+        with pytest.raises(kafka.KafkaUnavailable, match="is not key=value"):
+            kafka.parse_server_properties(bad)
+
+
 def test_cluster_ids_are_kafka_uuids_never_read_as_options() -> None:
     ids = {kafka.cluster_id() for _ in range(500)}
     assert len(ids) == 500 and all(len(i) == 22 and not i.startswith("-") for i in ids)
