@@ -136,19 +136,31 @@ def test_query_terms_and_coverage() -> None:
     assert coverage(terms, presence, 0).shape == (0, 4)  # type: ignore[arg-type]
 
 
-@pytest.fixture(scope="module")
-def memory() -> HybridMemory:
-    memory = HybridMemory(SentenceTransformerEmbedder(), POLICY_CONFIGS["mars"])
-    texts = {
-        "safari": "User: plan a zebra safari in Kenya\nAssistant: Day 1 Masai Mara, day 2 Amboseli",
-        "poem": "User: write a poem about a quokka\nAssistant: Small smiling quokka on Rottnest",
-        "taxes": "User: help me file my 2024 taxes\nAssistant: Gather your W-2 forms first",
-        "budget": "User: the Kenya trip budget is 3000 dollars\nAssistant: Lodges cost 250 a night",
-        "recipe": "User: a vegan lasagna recipe please\nAssistant: Layer cashew ricotta and spinach",
-    }
-    for i, (key, text) in enumerate(texts.items()):
-        memory.add_group(key, i, [text])
+_SESSIONS = {
+    "safari": "User: plan a zebra safari in Kenya\nAssistant: Day 1 Masai Mara, day 2 Amboseli",
+    "poem": "User: write a poem about a quokka\nAssistant: Small smiling quokka on Rottnest",
+    "taxes": "User: help me file my 2024 taxes\nAssistant: Gather your W-2 forms first",
+    "budget": "User: the Kenya trip budget is 3000 dollars\nAssistant: Lodges cost 250 a night",
+    "recipe": "User: a vegan lasagna recipe please\nAssistant: Layer cashew ricotta and spinach",
+}
+
+
+def _memory(embedder: SentenceTransformerEmbedder, without: str = "") -> HybridMemory:
+    memory = HybridMemory(embedder, POLICY_CONFIGS["mars"])
+    for i, (key, text) in enumerate(_SESSIONS.items()):
+        if key != without:
+            memory.add_group(key, i, [text])
     return memory
+
+
+@pytest.fixture(scope="module")
+def embedder() -> SentenceTransformerEmbedder:
+    return SentenceTransformerEmbedder()
+
+
+@pytest.fixture(scope="module")
+def memory(embedder: SentenceTransformerEmbedder) -> HybridMemory:
+    return _memory(embedder)
 
 
 def test_candidates_carry_the_fused_order_and_their_signals(memory: HybridMemory) -> None:
@@ -166,6 +178,27 @@ def test_candidates_carry_the_fused_order_and_their_signals(memory: HybridMemory
     assert named.get("budget") == 1.0 and named.get("safari") == 1.0
     assert memory.candidates(query, context, n=3, exclude={"budget"}) is not None
     assert "budget" not in memory.candidates(query, context, exclude={"budget"}).keys  # type: ignore[union-attr]
+
+
+def test_an_excluded_group_is_not_counted_among_the_ranked(
+    memory: HybridMemory, embedder: SentenceTransformerEmbedder
+) -> None:
+    """The live service excludes the turn's own session; the benches' memory never held it. The ranks and
+    counts a ranker reads must be the same in both (before, the excluded group still counted)."""
+    query, context = "how much was the Kenya safari budget?", ["zebra trip plans"]
+    excluded = memory.candidates(query, context, exclude={"budget"})
+    held = _memory(embedder, without="budget").candidates(query, context)
+    assert excluded is not None and held is not None
+    assert excluded.n_groups == held.n_groups == 4
+    assert sorted(excluded.keys) == sorted(held.keys)
+    by_key = {k: i for i, k in enumerate(held.keys)}
+    order = [by_key[k] for k in excluded.keys]
+    np.testing.assert_array_equal(excluded.recency_rank, held.recency_rank[order])
+    np.testing.assert_array_equal(excluded.dense_rank, held.dense_rank[order])
+    columns = [FEATURE_NAMES.index(f) for f in ("recency_rank_share", "recency_rank_log", "groups_log")]
+    np.testing.assert_array_equal(
+        candidate_features(excluded)[:, columns], candidate_features(held)[order][:, columns]
+    )
 
 
 def test_a_ranker_reorders_the_candidates_only(memory: HybridMemory) -> None:

@@ -343,12 +343,14 @@ class HybridMemory:
     def _signals(self, fusion: _Fusion, groups: Sequence[int]) -> GroupSignals:
         """GroupSignals of `groups` (fused order) under `fusion`: gathered from arrays over all groups, a few
         array operations whatever the number of candidates (this runs on every ranked view)."""
-        n_groups, n = len(self._groups), len(groups)
+        # The groups the query was ranked among: an excluded group (the live turn's own session) is absent,
+        # so the pipeline's features are those of a memory that never held it, as in the benches' replay.
+        n_groups, n = len(fusion.by_recency), len(groups)
         idx = np.asarray(groups, dtype=np.int64)
         # Ranks by score, best first, as the fusion ranked them (a stable sort: a tie's order is not a
         # feature); rank n_groups for a group absent from a ranking.
         orders = fusion.orders or (_ranking(fusion.dense), _ranking(fusion.lexical))
-        ranks = np.full((3, n_groups), float(n_groups))
+        ranks = np.full((3, len(self._groups)), float(n_groups))
         for row, order in enumerate((*orders, fusion.by_recency)):
             ranks[row, order] = np.arange(len(order), dtype=np.float64)
         ranks = ranks[:, idx]

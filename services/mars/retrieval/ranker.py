@@ -64,8 +64,8 @@ def query_terms(text: str, tokens: Sequence[str], idf: Mapping[str, float]) -> Q
 class GroupSignals:
     """The signals behind one fused ranking, for its top-N groups in fused order (arrays of length N).
 
-    Ranks are 0-based among all the owner's groups (`n_groups`); a group absent from a list (no shared
-    term) takes rank `n_groups`.
+    Ranks are 0-based among the groups the query was ranked among (`n_groups`: the owner's, less any
+    excluded); a group absent from a list (no shared term) takes rank `n_groups`.
     """
 
     keys: list[str]
