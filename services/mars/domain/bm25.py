@@ -100,13 +100,12 @@ class BM25Index:
         return out.reshape(len(arrays), n + 1).take(column[wanted], axis=1)
 
     def _posting_array(self, term: str) -> np.ndarray:
-        cached = self._posting_arrays.get(term)
-        if cached is None:
-            postings = self._postings.get(term)
-            if not postings:
-                return _NO_POSTINGS
-            cached = self._posting_arrays[term] = np.asarray(postings, dtype=np.int64)
-        return cached
+        """The term's postings as an array, cached (`presence` asks the cache first)."""
+        postings = self._postings.get(term)
+        if not postings:
+            return _NO_POSTINGS
+        array = self._posting_arrays[term] = np.asarray(postings, dtype=np.int64)
+        return array
 
     def doc_length(self, i: int) -> int:
         return self._lens[i]
