@@ -4,14 +4,15 @@
 #   1. podman, buildah, mmdebstrap and runc from Debian's packages, when missing (as root, like CI).
 #   2. The base image: a Debian bookworm root filesystem (python3 = 3.11) made by mmdebstrap, imported as
 #      localhost/mars-base:bookworm-<recipe hash>. Skipped while that image exists; the tarball is cached.
-#   3. The wheelhouse: every dependency of `mars` (not the `local` or `dev` extras) as wheels, fetched with
-#      `pip wheel` by the host's Python 3.11, plus pip itself. Rebuilt only when pyproject.toml changes.
+#   3. The wheelhouse: every run-time dependency of `mars` (not the `local` or `dev` extras) at the version the
+#      project's venv holds (pins.py), as wheels fetched by `pip download`, plus pip itself; the cpu variant
+#      without torch. Rebuilt only when the pins change. Then the embedding model, exported to ONNX here.
 #   4. The app wheel, built from the working tree (generated protobuf code included: `make proto` first).
 #   5. `podman build --network none --layers`: layers are cached, so a code change rebuilds the app layer.
 #
 # Settings (environment): MARS_IMAGE (default localhost/mars:<version> and :latest, "-cuda" after both for
-# the CUDA variant), VARIANT (cpu | cuda), PYTHON (a Python
-# 3.11 with pip; default the project's .venv), MARS_IMAGE_CACHE (default infra/image/.cache).
+# the CUDA variant), VARIANT (cpu | cuda), PYTHON (the project's venv, `make install`: its versions are
+# pinned and its torch exports the embedder; default .venv), MARS_IMAGE_CACHE (default infra/image/.cache).
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -76,43 +77,50 @@ else
 fi
 
 # --- 3. wheelhouse --------------------------------------------------------------------------------------
-# Keyed by pyproject.toml: the dependency set (and so requirements.txt, and the image's dependency layer)
-# changes only with it. Versions are whatever the registry served when the wheelhouse was made.
+# The pins are what `mars` needs at run time as installed in the project's venv (infra/image/pins.py: the
+# versions the tests ran), without torch and what only torch needs on the cpu variant; the wheelhouse is
+# keyed by them and changes only with them.
 mkdir -p "$CONTEXT"
-deps_key="$( (cat "$REPO/pyproject.toml"; echo "$VARIANT") | sha256sum | cut -c1-16)"
+"$PYTHON" "$HERE/pins.py" "$VARIANT" "$CONTEXT/requirements.new" >/dev/null
+deps_key="$(sha256sum < "$CONTEXT/requirements.new" | cut -c1-16)"
 if [ "$(cat "$CONTEXT/wheels/.key" 2>/dev/null)" != "$deps_key" ]; then
-    step "wheelhouse ($VARIANT): pip wheel of mars's dependencies"
-    rm -rf "$CONTEXT/wheels.tmp"
-    "$PYTHON" -m pip wheel --quiet --wheel-dir "$CONTEXT/wheels.tmp" "$REPO"
+    step "wheelhouse ($VARIANT): $(wc -l < "$CONTEXT/requirements.new") pinned wheels"
+    rm -rf "$CONTEXT/wheels" "$CONTEXT/wheels.tmp"  # the old set first: disk is not always plentiful
+    "$PYTHON" -m pip download --quiet --no-deps --only-binary=:all: --dest "$CONTEXT/wheels.tmp" \
+        -r "$CONTEXT/requirements.new"
     rm -rf "$CONTEXT/tools" && mkdir -p "$CONTEXT/tools"
     "$PYTHON" -m pip download --quiet --no-deps --only-binary=:all: --dest "$CONTEXT/tools" pip
     mv "$CONTEXT"/tools/pip-*.whl "$CONTEXT/tools/pip.whl"  # a fixed name, run as tools/pip.whl/pip
-    rm -f "$CONTEXT"/wheels.tmp/mars-*.whl
-    # Pin the exact set `pip wheel` resolved for mars (name==version from each wheel's file name).
-    # Rewritten only when the pins change: the dependency layer is cached by this file (times included).
-    "$PYTHON" - "$CONTEXT/wheels.tmp" "$CONTEXT/requirements.txt" <<'EOF'
-import sys
-from pathlib import Path
-
-wheels, out = Path(sys.argv[1]), Path(sys.argv[2])
-pins = sorted(
-    f"{name.lower().replace('_', '-')}=={version}"
-    for name, version, *_ in (w.name.split("-") for w in wheels.glob("*.whl"))
-)
-text = "\n".join(pins) + "\n"
-if not out.exists() or out.read_text() != text:
-    out.write_text(text)
-EOF
     if [ "$VARIANT" = cuda ]; then
         # The GPU FAISS build and its CUDA 12 libraries; torch's CUDA libraries are already in the set;
         # installed by the Containerfile's VARIANT step, so not pinned above.
         "$PYTHON" -m pip download --quiet --only-binary=:all: --dest "$CONTEXT/wheels.tmp" faiss-gpu-cu12
     fi
     echo "$deps_key" > "$CONTEXT/wheels.tmp/.key"
-    rm -rf "$CONTEXT/wheels"
     mv "$CONTEXT/wheels.tmp" "$CONTEXT/wheels"
 else
     step "wheelhouse ($VARIANT) up to date"
+fi
+# Rewritten only when the pins change: the dependency layer is cached by this file (times included).
+if cmp -s "$CONTEXT/requirements.new" "$CONTEXT/requirements.txt"; then
+    rm -f "$CONTEXT/requirements.new"
+else
+    mv "$CONTEXT/requirements.new" "$CONTEXT/requirements.txt"
+fi
+
+# --- 3b. the embedding model in ONNX --------------------------------------------------------------------
+# Exported here, by the project's venv (it has torch), under the names the memory service looks for inside
+# the image; redone only when the embedder's code or the pins change.
+onnx_key="$( (cat "$REPO/services/mars/retrieval/embedder.py" "$HERE/export_embedder.py"; echo "$deps_key") \
+    | sha256sum | cut -c1-16)"
+if [ "$(cat "$CONTEXT/onnx.key" 2>/dev/null)" != "$onnx_key" ]; then
+    step "embedding model to ONNX (fp32, int8)"
+    rm -rf "$CONTEXT/onnx" "$CONTEXT/onnx.tmp"
+    "$PYTHON" "$HERE/export_embedder.py" export "$CONTEXT/onnx.tmp" /opt/mars/venv/lib/python3.11/site-packages
+    mv "$CONTEXT/onnx.tmp" "$CONTEXT/onnx"
+    echo "$onnx_key" > "$CONTEXT/onnx.key"
+else
+    step "embedding model in ONNX up to date"
 fi
 
 # --- 4. app wheel and the rest of the build context -----------------------------------------------------
@@ -129,7 +137,7 @@ else
     rm -rf "$CONTEXT/app" && mv "$CONTEXT/app.tmp" "$CONTEXT/app"
 fi
 rm -rf "$CONTEXT/config"
-cp -a "$REPO/services/mars/retrieval/embedder.py" "$HERE/export_embedder.py" "$HERE/entrypoint.sh" "$CONTEXT/"
+cp -a "$HERE/export_embedder.py" "$HERE/entrypoint.sh" "$CONTEXT/"
 cp -a "$REPO/config" "$CONTEXT/config"
 
 # --- 5. podman build ------------------------------------------------------------------------------------

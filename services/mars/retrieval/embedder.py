@@ -155,6 +155,19 @@ PRECISIONS = ("fp32", "int8")
 INT8_SCHEME = "pc"
 
 
+def onnx_cache_key(model_path: str) -> str:
+    """The name an exported model's files carry: the model folder's path (the image build exports on the host
+    under the key of the path the folder has inside the image, infra/image/export_embedder.py)."""
+    import hashlib
+
+    return hashlib.sha1(model_path.encode()).hexdigest()[:12]
+
+
+def onnx_file_name(key: str, precision: str) -> str:
+    check_precision(precision)
+    return f"{key}.{INT8_SCHEME}.int8.onnx" if precision == "int8" else f"{key}.onnx"
+
+
 def check_precision(precision: str) -> None:
     if precision not in PRECISIONS:
         raise ValueError(f"unknown embedding precision {precision!r} ({' or '.join(PRECISIONS)})")
@@ -176,17 +189,16 @@ class OnnxEmbedder:
         max_seq_length: int | None = None,
         precision: str = "fp32",
     ) -> None:
-        import hashlib
         from pathlib import Path
 
         import onnxruntime  # noqa: F401  (missing: fail now, load_embedder falls back to torch)
 
         check_precision(precision)
         path = str(model or default_model_path())
-        key = hashlib.sha1(path.encode()).hexdigest()[:12]
+        key = onnx_cache_key(path)
         base = Path(cache_dir or Path.home() / ".cache" / "mars" / "onnx")
-        onnx_path = base / f"{key}.onnx"
-        quantized = base / f"{key}.{INT8_SCHEME}.int8.onnx"
+        onnx_path = base / onnx_file_name(key, "fp32")
+        quantized = base / onnx_file_name(key, "int8")
         wanted = quantized if precision == "int8" else onnx_path
         # Already exported (e.g. baked into the service image at build time): tokenizer and dimensions come
         # from the model folder's config files; torch and sentence-transformers are not imported at all.
