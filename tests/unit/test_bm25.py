@@ -93,3 +93,20 @@ def test_idfs_and_token_scores_equal_their_one_by_one_forms() -> None:
     assert index.idfs(terms) == {t: index.idf(t) for t in terms}
     query = "Paris trip on a budget"
     assert index.token_scores(index.tokenize(query)) == index.scores(query)
+
+
+@pytest.mark.parametrize("gone", [{2}, {0, 3}, {1}])
+def test_excluded_documents_score_as_if_never_added(gone: set[int]) -> None:
+    """A live session ranked against the others: the index holding it but excluding it must score and
+    weigh (idf, average length) exactly as an index that never held it."""
+    index = BM25Index(DOCS)
+    kept = [i for i in range(len(DOCS)) if i not in gone]
+    without = BM25Index([DOCS[i] for i in kept])
+    query = "paris trip budget for the parser"
+    terms = index.tokenize(query)
+    assert index.idfs(terms, gone) == pytest.approx(without.idfs(terms))
+    scores = index.scores(query, gone)
+    assert set(scores) <= set(kept)
+    assert {kept.index(i): s for i, s in scores.items()} == pytest.approx(without.scores(query))
+    # Not excluding changes the figures (the test can fail): idf counts the excluded document.
+    assert index.idfs(terms) != pytest.approx(without.idfs(terms))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 
 import numpy as np
 
@@ -124,25 +124,41 @@ class BM25Index:
         # The +1 inside the log keeps idf positive even for terms present in every document.
         return math.log(1.0 + (self.n_docs - n + 0.5) / (n + 0.5)) if n else 0.0
 
-    def idfs(self, terms: Iterable[str]) -> dict[str, float]:
-        """`idf` of each of `terms` (the same numbers, without a call per term)."""
-        df, n, log = self._df, self.n_docs, math.log
+    def idfs(self, terms: Iterable[str], excluded: Collection[int] = ()) -> dict[str, float]:
+        """`idf` of each of `terms` (the same numbers, without a call per term); `excluded`: as if those
+        documents were not in the index."""
+        terms = set(terms)
+        df, n, log = self._document_frequencies(terms, excluded), self.n_docs - len(excluded), math.log
         return {t: log(1.0 + (n - d + 0.5) / (d + 0.5)) if (d := df.get(t, 0)) else 0.0 for t in terms}
 
-    def scores(self, query: str) -> dict[int, float]:
-        """BM25 score of every document sharing a term with the query."""
-        return self.token_scores(self._tokenize(query))
+    def _document_frequencies(self, terms: set[str], excluded: Collection[int]) -> dict[str, int]:
+        if not excluded:
+            return self._df
+        df = {t: self._df.get(t, 0) for t in terms}
+        for i in excluded:
+            for t in terms.intersection(self._tfs[i]):
+                df[t] -= 1
+        return df
 
-    def token_scores(self, tokens: Sequence[str]) -> dict[int, float]:
-        """`scores` of a query already tokenised (by `tokenize`)."""
+    def scores(self, query: str, excluded: Collection[int] = ()) -> dict[int, float]:
+        """BM25 score of every document sharing a term with the query."""
+        return self.token_scores(self._tokenize(query), excluded)
+
+    def token_scores(self, tokens: Sequence[str], excluded: Collection[int] = ()) -> dict[int, float]:
+        """`scores` of a query already tokenised (by `tokenize`). `excluded` (document indexes, distinct)
+        are scored as if absent from the index: no score, and not counted in idf or the average length (a
+        live session ranked against the others scores them as a memory that never held it would)."""
         scores: dict[int, float] = {}
-        avgdl = self.avgdl or 1.0
-        for term in set(tokens):
+        total, n = self._total_len - sum(self._lens[i] for i in excluded), self.n_docs - len(excluded)
+        avgdl = (total / n if n else 0.0) or 1.0
+        idfs = self.idfs(tokens, excluded)
+        for term, idf in idfs.items():
             postings = self._postings.get(term)
-            if not postings:
+            if not postings or not idf:
                 continue
-            idf = self.idf(term)
             for i in postings:
+                if i in excluded:
+                    continue
                 tf = self._tfs[i][term]
                 norm = tf + self.k1 * (1.0 - self.b + self.b * self._lens[i] / avgdl)
                 scores[i] = scores.get(i, 0.0) + idf * tf * (self.k1 + 1.0) / norm

@@ -294,7 +294,12 @@ class HybridMemory:
         bests = self._dense_bests(texts, means=signals)
         # The query's tokens serve its BM25 scores and then the ranker's lexical signals.
         tokens = self._lexical.tokenize(texts[0])
-        per_text = [self._lexical.token_scores(tokens), *(self._lexical.scores(t) for t in texts[1:])]
+        # An excluded group is absent from BM25's statistics too (idf, average length), so its scores are
+        # those of a memory that never held it, as in the benches' replay.
+        per_text = [
+            self._lexical.token_scores(tokens, gone),
+            *(self._lexical.scores(t, gone) for t in texts[1:]),
+        ]
         dense_scores = self._dense_group_scores(None if bests is None else bests[0], weights)
         dense = {g: v for g, v in dense_scores.items() if g not in gone}
         lexical = {g: v for g, v in self._lexical_group_scores(per_text, weights).items() if g not in gone}
@@ -338,7 +343,7 @@ class HybridMemory:
                 extra = reciprocal_rank_fusion([prf_ranking], [cfg.prf_weight], cfg.rrf_k)
                 for g, v in extra.items():
                     fused[g] = fused.get(g, 0.0) + v
-        return _Fusion(texts, tokens, bests, per_text, dense, lexical, orders, by_recency, fused, topical, prf)
+        return _Fusion(texts, tokens, bests, per_text, dense, lexical, orders, by_recency, fused, topical, prf, gone)
 
     def _signals(self, fusion: _Fusion, groups: Sequence[int]) -> GroupSignals:
         """GroupSignals of `groups` (fused order) under `fusion`: gathered from arrays over all groups, a few
@@ -367,7 +372,7 @@ class HybridMemory:
             dense[3] = fusion.prf[idx]
         dense = np.where(np.isfinite(dense), dense, 0.0)
         tokens = fusion.query_tokens
-        terms = query_terms(fusion.texts[0], tokens, self._lexical.idfs(set(tokens)))
+        terms = query_terms(fusion.texts[0], tokens, self._lexical.idfs(set(tokens), fusion.gone))
         lexical_query, fused, group_list = fusion.lexical_texts[0], fusion.fused, self._groups
         return GroupSignals(
             keys=[group_list[g].key for g in groups],
@@ -408,6 +413,8 @@ class _Fusion:
     fused: dict[int, float]
     topical: np.ndarray | None
     prf: np.ndarray | None
+    #: The excluded groups.
+    gone: set[int]
 
 
 def state_conditioned(config: HybridConfig, prefer_recent: bool) -> HybridConfig:
