@@ -46,8 +46,9 @@ def add_realmem_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore
     p.add_argument(
         "--query-max-tokens",
         type=int,
-        default=128,
-        help="query window of the embedder (default 128; chunks use 256)",
+        default=None,
+        help="query window of the embedder (default: the model's, 256 word pieces for the default MiniLM, "
+        "as the memory service embeds queries; chunks use 256)",
     )
     p.add_argument(
         "--embedding-backend",
@@ -74,6 +75,8 @@ def cmd_realmem(args: argparse.Namespace) -> int:
     console = Console()
     try:
         personas = load_selected_personas(args.data, args.personas)
+        if args.query_max_tokens is not None and args.query_max_tokens < 1:
+            raise ValueError("--query-max-tokens must be at least 1")
     except ValueError as exc:
         console.print(f"[red]{exc}[/]")
         return 2

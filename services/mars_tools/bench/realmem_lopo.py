@@ -257,8 +257,9 @@ def add_realmem_lopo_parser(sub: argparse._SubParsersAction) -> None:  # type: i
     p.add_argument(
         "--query-max-tokens",
         type=int,
-        default=128,
-        help="query window of the embedder (default 128, as `mars bench realmem`)",
+        default=None,
+        help="query window of the embedder (default: the model's, as `mars bench realmem` and the memory "
+        "service; the fusion weights were tuned at 128)",
     )
     p.add_argument(
         "--embedding-backend",
@@ -282,7 +283,7 @@ def cmd_realmem_lopo(args: argparse.Namespace) -> int:
             )
         if args.out and not Path(args.out).parent.is_dir():
             raise ValueError(f"--out: folder {Path(args.out).parent} does not exist")
-        if args.query_max_tokens < 1:
+        if args.query_max_tokens is not None and args.query_max_tokens < 1:
             raise ValueError("--query-max-tokens must be at least 1")
     except ValueError as exc:
         console.print(f"[red]{exc}[/]", soft_wrap=True)
