@@ -29,14 +29,14 @@ def export(out_dir: str, image_site_packages: str) -> None:
 
     model = default_model_path()
     inside = Path(model).resolve().relative_to(Path(sysconfig.get_paths()["purelib"]).resolve())
-    image_key = onnx_cache_key(str(Path(image_site_packages) / inside))
+    host_key, image_key = onnx_cache_key(model), onnx_cache_key(str(Path(image_site_packages) / inside))
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         for precision in PRECISIONS:
             embedder = OnnxEmbedder(model, cache_dir=tmp, precision=precision)
             assert embedder.encode(["export check"]).shape == (1, embedder.dim)
             target = Path(out_dir) / onnx_file_name(image_key, precision)
-            os.replace(Path(tmp) / onnx_file_name(onnx_cache_key(model), precision), target)
+            os.replace(Path(tmp) / onnx_file_name(host_key, precision), target)
             print(f"exported {precision}: {target.name} (the model at {Path(image_site_packages) / inside})")
 
 

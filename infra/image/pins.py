@@ -13,14 +13,11 @@ import sys
 from importlib import metadata
 
 from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 # torch and the packages only torch pulls in (sentence-transformers stays: the ONNX embedder's fallback
 # path imports it lazily, and it is small).
 TORCH_ONLY = re.compile(r"^(torch|triton|nvidia-.*|cuda-.*|sympy|mpmath|networkx|jinja2|markupsafe)$")
-
-
-def _name(raw: str) -> str:
-    return re.sub(r"[-_.]+", "-", raw).lower()
 
 
 def pins(root: str, variant: str) -> list[str]:
@@ -35,7 +32,7 @@ def pins(root: str, variant: str) -> list[str]:
                 req.marker.evaluate({"extra": extra}) for extra in (extras or {""})
             ):
                 continue
-            dep = _name(req.name)
+            dep = canonicalize_name(req.name)
             if variant == "cpu" and TORCH_ONLY.match(dep):
                 continue
             if dep not in seen:

@@ -302,7 +302,7 @@ class HybridMemory:
         ]
         dense_scores = self._dense_group_scores(None if bests is None else bests[0], weights)
         dense = {g: v for g, v in dense_scores.items() if g not in gone}
-        lexical = {g: v for g, v in self._lexical_group_scores(per_text, weights).items() if g not in gone}
+        lexical = self._lexical_group_scores(per_text, weights)  # excluded groups are unscored already
         kept = [g for g in range(len(self._groups)) if g not in gone]
         by_recency = sorted(kept, key=lambda g: -self._groups[g].position)
         orders = None
