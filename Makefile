@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PROTO_SRC := $(wildcard proto/mars/v1/*.proto)
 PROTO_OUT := services/mars/v1/.generated
 
-.PHONY: install proto kafka litellm run test test-unit test-integration lint clean image test-image kube test-k8s test-k8s-kubelet
+.PHONY: install proto kafka litellm run test test-unit test-integration lint clean image test-image kube test-k8s test-k8s-kubelet node-tools test-k8s-e2e
 
 install: $(STAMP)
 
@@ -80,13 +80,26 @@ test-k8s: install proto kube
 # Past kwok: the upstream kubelet over Debian's containerd, runc and CNI plugins (installed when missing, as
 # root) runs the chart's ingress pod in a container of the image (tests/k8s/test_real_kubelet.py). Builds
 # the kubelet (~6 min cold) and the image (make image) first.
-test-k8s-kubelet: install proto image
+test-k8s-kubelet: install proto image node-tools
 	infra/k8s/build.sh --kubelet
-	@if ! command -v containerd >/dev/null || ! command -v runc >/dev/null || [ ! -e /usr/lib/cni/bridge ]; then \
-		[ "$$(id -u)" = 0 ] || { echo "need root to apt-get install containerd runc containernetworking-plugins" >&2; exit 2; }; \
-		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq containerd runc \
-			containernetworking-plugins >/dev/null; fi
 	$(PY) -m pytest -q tests/k8s/test_real_kubelet.py
+
+# What a real node runs on, from Debian (as root, when missing): containerd, runc, the CNI plugins, and
+# iptables and conntrack for kube-proxy.
+node-tools:
+	@if ! command -v containerd >/dev/null || ! command -v runc >/dev/null || [ ! -e /usr/lib/cni/bridge ] \
+		|| ! command -v iptables >/dev/null || ! command -v conntrack >/dev/null; then \
+		[ "$$(id -u)" = 0 ] || { echo "need root to apt-get install containerd runc containernetworking-plugins iptables conntrack" >&2; exit 2; }; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq containerd runc \
+			containernetworking-plugins iptables conntrack >/dev/null; fi
+
+# Turns answered inside Kubernetes (tests/k8s_e2e): the chart installed with Helm onto a real node (the
+# kubelet over containerd, kube-proxy, CoreDNS, all built from the Go modules: build.sh --e2e, ~15 min cold,
+# cached after), Kafka, Postgres and the stand-in LLM on the node's address behind Services; then turns
+# through the ingress and gateway Services. Prints the figures at the end. Needs root.
+test-k8s-e2e: install proto image node-tools
+	infra/k8s/build.sh --e2e
+	$(PY) -m pytest -q tests/k8s_e2e
 
 # The services' OCI image (infra/image): a Debian bookworm base made by mmdebstrap, the wheels fetched here,
 # built by podman with no network. Installs podman, buildah, mmdebstrap and runc from Debian when missing.

@@ -66,8 +66,11 @@ class KubePKI:
     service_account_pub: Path
 
 
-def make_kube_pki(folder: Path, service_ip: str = "10.96.0.1") -> KubePKI:
-    """Write a fresh cluster CA and the control plane's certificates into `folder` (valid one day)."""
+def make_kube_pki(
+    folder: Path, service_ip: str = "10.96.0.1", extra_hosts: tuple[str, ...] = ()
+) -> KubePKI:
+    """Write a fresh cluster CA and the control plane's certificates into `folder` (valid one day);
+    `extra_hosts`: more names or addresses the API server answers on (a real node's address)."""
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import ExtendedKeyUsageOID
@@ -80,6 +83,7 @@ def make_kube_pki(folder: Path, service_ip: str = "10.96.0.1") -> KubePKI:
         "kubernetes.default.svc",
         "127.0.0.1",
         service_ip,
+        *(h for h in extra_hosts if h not in ("127.0.0.1", service_ip)),
     )
     server_cert, server_key = leaf("kube-apiserver", ExtendedKeyUsageOID.SERVER_AUTH, _sans(hosts))
     admin_cert, admin_key = leaf("mars-admin", ExtendedKeyUsageOID.CLIENT_AUTH, [], "system:masters")

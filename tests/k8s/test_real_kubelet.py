@@ -11,7 +11,6 @@ Needs the kubelet (`infra/k8s/build.sh --kubelet`), containerd, runc, the CNI pl
 from __future__ import annotations
 
 import os
-import subprocess
 from collections.abc import Iterator
 from typing import Any
 
@@ -30,30 +29,15 @@ RELEASE = "real"
 TAINT = {"key": "mars.local/real-node", "value": "true", "effect": "NoSchedule"}
 
 
-def _podman_has(image: str) -> bool:
-    return subprocess.run(["podman", "image", "exists", image], capture_output=True).returncode == 0
-
-
-def _base_image() -> str:
-    """The image's Debian base when podman has it (small to import), else the image itself."""
-    listed = subprocess.run(
-        ["podman", "images", "--format", "{{.Repository}}:{{.Tag}}", "localhost/mars-base"],
-        capture_output=True,
-        text=True,
-    )
-    bases = [line for line in listed.stdout.split() if line.startswith("localhost/mars-base:")]
-    return bases[0] if bases else IMAGE
-
-
 @pytest.fixture(scope="module")
 def real_node(cluster: kube.LocalCluster) -> Iterator[kubelet.RealNode]:
     needs = kubelet.missing()
     if needs:
         pytest.skip("a real kubelet needs " + ", ".join(needs) + ": `make test-k8s-kubelet` provides them")
-    if not _podman_has(IMAGE):
+    if not kubelet.podman_has(IMAGE):
         pytest.skip(f"the MARS image {IMAGE} is not in podman's store: `make image` builds it")
     node = kubelet.RealNode(cluster, images=(IMAGE,))
-    node.start(_base_image())
+    node.start(kubelet.base_image(IMAGE))
     from kubernetes import client
 
     client.CoreV1Api(cluster.api_client()).patch_node(node.name, {"spec": {"taints": [TAINT]}})

@@ -310,3 +310,13 @@ MARS_IDENTITY_REQUIRED: "false"
   output_price_per_m: 0.10
   timeout_s: 60
 {{- end -}}
+
+{{/* The container's preStop: serve on while the Service drops the terminating pod (values shutdown). */}}
+{{- define "mars.lifecycle" -}}
+{{- if gt (int .Values.shutdown.preStopSeconds) 0 }}
+lifecycle:
+  preStop:
+    exec:
+      command: ["sleep", {{ .Values.shutdown.preStopSeconds | quote }}]
+{{- end }}
+{{- end -}}
