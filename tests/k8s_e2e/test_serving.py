@@ -3,8 +3,8 @@ the image, the GPU parts, small resource requests and a single broker's replicat
 real node: pods in containers, readiness from gRPC health, Services through kube-proxy, names through
 CoreDNS, Kafka and Postgres reached by Service name, identity on with the certificates the chart mints.
 
-The tests run in file order on one release (the first installs it). Figures go to the run's summary
-(conftest.REPORT).
+One release serves the session (conftest: `release` installs it); test_serving_faults.py runs after
+this file. Figures go to the run's summary (conftest.REPORT).
 """
 
 from __future__ import annotations
@@ -12,138 +12,36 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
-import time
 import uuid
-from typing import Any
 
 import grpc
 import pytest
-from conftest import REPORT
-from mars.auth import mint_key
+from conftest import (
+    COMPONENTS,
+    NAMESPACE,
+    RELEASE,
+    REPORT,
+    TENANT,
+    core,
+    service_address,
+)
 from mars.client import ingress_channel
 from mars.config import TOPIC_VIEW
 from mars.v1 import events_pb2 as ev
 from mars.v1 import services_pb2 as svc
 from mars.v1 import services_pb2_grpc as svc_grpc
-from mars_stack import helm, kube, serving_cluster
+from mars_stack import kube, serving_cluster
 
 pytestmark = pytest.mark.k8s_e2e
-
-NAMESPACE = "mars"
-RELEASE = "mars"
-TENANT = "k8s"
-HELM_TIMEOUT_S = 900
-RESTRICTED = {
-    "pod-security.kubernetes.io/enforce": "restricted",
-    "pod-security.kubernetes.io/enforce-version": "latest",
-}
-COMPONENTS = (*serving_cluster.STAGES, "gateway")
-
-
-# --- helpers ---------------------------------------------------------------------------------------------
-
-
-def core(serving: serving_cluster.ServingCluster) -> Any:
-    from kubernetes import client
-
-    return client.CoreV1Api(serving.cluster.api_client())
-
-
-def apps(serving: serving_cluster.ServingCluster) -> Any:
-    from kubernetes import client
-
-    return client.AppsV1Api(serving.cluster.api_client())
-
-
-def service_address(serving: serving_cluster.ServingCluster, component: str) -> str:
-    """The ClusterIP:port of the release's Service for `component` (reached through kube-proxy)."""
-    found = core(serving).read_namespaced_service(f"{RELEASE}-{component}", NAMESPACE)
-    return f"{found.spec.cluster_ip}:{found.spec.ports[0].port}"
-
-
-def all_ready(serving: serving_cluster.ServingCluster) -> bool:
-    found = apps(serving).list_namespaced_deployment(NAMESPACE).items
-    return len(found) == len(COMPONENTS) and all(
-        (d.status.ready_replicas or 0) == d.spec.replicas
-        and (d.status.updated_replicas or 0) == d.spec.replicas
-        and (d.status.replicas or 0) == d.spec.replicas
-        for d in found
-    )
-
-
-def view_events(serving: serving_cluster.ServingCluster, turn_ids: set[str]) -> dict[str, ev.ViewBuilt]:
-    """The views logged on the view topic for `turn_ids` (block text stays sealed: only ids are read)."""
-    from mars_tools.replay.readers import read_topics
-
-    async def read() -> dict[str, ev.ViewBuilt]:
-        found: dict[str, ev.ViewBuilt] = {}
-        async for record in read_topics(serving.kafka_bootstrap, (TOPIC_VIEW,)):
-            event = ev.ViewBuilt.FromString(record.value)
-            if event.turn.turn_id in turn_ids:
-                found[event.turn.turn_id] = event
-        return found
-
-    views: dict[str, ev.ViewBuilt] = {}
-
-    def all_logged() -> bool:
-        views.update(asyncio.run(read()))
-        return set(views) == turn_ids
-
-    kube.wait_for(all_logged, 60, "the views of the turns on the log")
-    return views
-
-
-def router_rows(serving: serving_cluster.ServingCluster) -> tuple[int, int]:
-    """(ledger rows, decisions) of the router's Postgres tables."""
-    import psycopg
-
-    with psycopg.connect(serving.postgres_dsn) as conn:
-        ledger = conn.execute("SELECT count(*) FROM router_ledger").fetchone()
-        decisions = conn.execute("SELECT count(*) FROM router_decisions").fetchone()
-    assert ledger is not None and decisions is not None
-    return int(ledger[0]), int(decisions[0])
-
-
-@pytest.fixture(scope="module")
-def api_key(serving: serving_cluster.ServingCluster, release: float) -> str:
-    return mint_key(serving.postgres_dsn, TENANT, label="k8s e2e").key
-
-
-@pytest.fixture(scope="module")
-def release(serving: serving_cluster.ServingCluster) -> float:
-    """`helm install` of the chart, waited on until every pod is Ready: the seconds it took."""
-    import helm_python
-
-    core(serving).create_namespace({"metadata": {"name": NAMESPACE, "labels": RESTRICTED}})
-    kube.wait_for(
-        lambda: core(serving).read_namespaced_service_account("default", NAMESPACE), 30, "default SA"
-    )
-    config = helm_python.Config(kubeconfig_path=str(serving.cluster.kubeconfig), namespace=NAMESPACE)
-    started = time.monotonic()
-    try:
-        installed = config.install(
-            str(helm.CHART_DIR),
-            RELEASE,
-            serving.chart_values(),
-            namespace=NAMESPACE,
-            wait="watcher",
-            timeout=HELM_TIMEOUT_S,
-        )
-    finally:
-        config.close()
-    assert installed["status"] == "deployed"
-    kube.wait_for(lambda: all_ready(serving), 300, "every pod Ready")
-    seconds = time.monotonic() - started
-    REPORT.append(f"helm install until every pod Ready: {seconds:.0f} s")
-    return seconds
 
 
 # --- the release -----------------------------------------------------------------------------------------
 
 
 def test_every_service_and_the_gateway_run_ready_on_the_real_node(
-    serving: serving_cluster.ServingCluster, release: float
+    serving: serving_cluster.ServingCluster, release: float, prometheus: object
 ) -> None:
+    """(Prometheus starts here, to see every turn of the session: test_serving_metrics.py.)"""
     pods = core(serving).list_namespaced_pod(NAMESPACE).items
     running = [p for p in pods if p.status.phase == "Running"]
     by_component: dict[str, int] = {}

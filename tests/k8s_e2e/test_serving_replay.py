@@ -1,0 +1,75 @@
+"""Replay in the cluster: `mars deploy replay-job --apply` runs `mars replay read` beside the release, over
+the topics every earlier test of the session wrote; the Job completes, and the summary in its log equals
+the one `mars replay read` computes from outside the cluster over the same topics (no turn flows between
+the two reads)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import IMAGE, NAMESPACE, RELEASE, REPORT, core
+from mars_stack import kube, serving_cluster
+
+pytestmark = pytest.mark.k8s_e2e
+
+JOB = "mars-replay-e2e"
+
+
+def mars(serving: serving_cluster.ServingCluster, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MARS_")}
+    env["KUBECONFIG"] = str(serving.cluster.kubeconfig)
+    return subprocess.run(
+        [sys.executable, "-m", "mars_tools.cli", *args], capture_output=True, text=True, env=env, timeout=300
+    )
+
+
+def summary_in(log: str) -> dict[str, Any]:
+    """The JSON summary `mars replay read` prints (an indented object from a line "{" to a line "}")."""
+    lines = log.splitlines()
+    start = lines.index("{")
+    end = lines.index("}", start)
+    found: dict[str, Any] = json.loads("\n".join(lines[start : end + 1]))
+    return found
+
+
+def test_the_replay_job_reports_what_a_replay_from_outside_reports(
+    serving: serving_cluster.ServingCluster, release: float, tmp_path: Path
+) -> None:
+    from kubernetes import client
+
+    created = mars(
+        serving,
+        "deploy", "replay-job", "--apply", "--release", RELEASE, "-n", NAMESPACE, "--image", IMAGE,
+        "--name", JOB, "--", "read",
+    )  # fmt: skip
+    assert created.returncode == 0, created.stdout + created.stderr
+    batch: Any = client.BatchV1Api(serving.cluster.api_client())
+
+    def finished() -> str:
+        job = batch.read_namespaced_job(JOB, NAMESPACE)
+        conditions = {c.type for c in job.status.conditions or [] if c.status == "True"}
+        return "Complete" if "Complete" in conditions else "Failed" if "Failed" in conditions else ""
+
+    outcome = kube.wait_for(finished, 300, "the replay Job to finish")
+    (pod,) = core(serving).list_namespaced_pod(NAMESPACE, label_selector=f"job-name={JOB}").items
+    log = core(serving).read_namespaced_pod_log(pod.metadata.name, NAMESPACE)
+    assert outcome == "Complete", log[-3000:]
+    in_cluster = summary_in(log)
+
+    out = tmp_path / "summary.json"
+    host = mars(serving, "replay", "read", "--bootstrap", serving.kafka_bootstrap, "--summary", str(out))
+    assert host.returncode == 0, host.stdout + host.stderr
+    outside = json.loads(out.read_text())
+    assert in_cluster["turns"] > 0
+    same = in_cluster == outside
+    REPORT.append(
+        f"replay Job's report equals the host replay: {same} ({in_cluster['turns']} turn traces, "
+        f"{in_cluster['complete']} complete)"
+    )
+    assert same, {k: (in_cluster.get(k), outside.get(k)) for k in set(in_cluster) | set(outside)}
