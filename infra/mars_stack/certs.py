@@ -66,9 +66,7 @@ class KubePKI:
     service_account_pub: Path
 
 
-def make_kube_pki(
-    folder: Path, service_ip: str = "10.96.0.1", extra_hosts: tuple[str, ...] = ()
-) -> KubePKI:
+def make_kube_pki(folder: Path, service_ip: str = "10.96.0.1", extra_hosts: tuple[str, ...] = ()) -> KubePKI:
     """Write a fresh cluster CA and the control plane's certificates into `folder` (valid one day);
     `extra_hosts`: more names or addresses the API server answers on (a real node's address)."""
     from cryptography.hazmat.primitives import serialization

@@ -272,7 +272,6 @@ state = "{self.workdir}/containerd/state"
 
         wait_for(ready, 60, f"the kubelet's node {self.name} Ready")
 
-
     def _empty_resolv_conf(self) -> Path:
         path = self.workdir / "resolv.conf"
         path.write_text("")
@@ -371,7 +370,8 @@ def publish_host_service(
         core.create_namespace({"metadata": {"name": namespace}})
     spec: dict[str, Any] = {
         "ports": [
-            {"name": n, "port": port, "targetPort": target, "protocol": proto} for n, port, target, proto in ports
+            {"name": n, "port": port, "targetPort": target, "protocol": proto}
+            for n, port, target, proto in ports
         ]
     }
     if cluster_ip:

@@ -40,7 +40,9 @@ class NetworkError(RuntimeError):
 
 def missing() -> list[str]:
     """What the node's network needs and this machine lacks."""
-    needs = [tool for tool in ("ip", "iptables", "iptables-restore", "conntrack") if shutil.which(tool) is None]
+    needs = [
+        tool for tool in ("ip", "iptables", "iptables-restore", "conntrack") if shutil.which(tool) is None
+    ]
     if not _FORWARD_SYSCTL.exists():
         needs.append("an IPv4 stack with forwarding")
     return needs
@@ -74,7 +76,9 @@ class NodeNetwork:
             _run("ip", "link", "set", self.link, "up")
             _run("ip", "route", "add", self.service_cidr, "dev", self.link)
             _run("iptables", "-w", "-N", GUARD_CHAIN)
-            _run("iptables", "-w", "-A", GUARD_CHAIN, "-s", self.pod_cidr, "-d", self.pod_cidr, "-j", "RETURN")
+            _run(
+                "iptables", "-w", "-A", GUARD_CHAIN, "-s", self.pod_cidr, "-d", self.pod_cidr, "-j", "RETURN"
+            )
             _run(
                 "iptables", "-w", "-A", GUARD_CHAIN, "-s", self.pod_cidr, "-j", "REJECT",
                 "--reject-with", "icmp-net-unreachable",

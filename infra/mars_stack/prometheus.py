@@ -66,7 +66,12 @@ def scrape_config(cluster: LocalCluster, namespace: str, release: str, interval_
 
 class LocalPrometheus:
     def __init__(
-        self, cluster: LocalCluster, namespace: str, release: str, interval_s: int = 5, workdir: Path | None = None
+        self,
+        cluster: LocalCluster,
+        namespace: str,
+        release: str,
+        interval_s: int = 5,
+        workdir: Path | None = None,
     ) -> None:
         self.cluster = cluster
         self.workdir = workdir or cluster.workdir / "prometheus"

@@ -60,7 +60,9 @@ class ServingCluster:
         self._own_workdir = workdir is None
         self.workdir = workdir or Path(tempfile.mkdtemp(prefix="mars-serving-"))
         self.network = node_net.NodeNetwork()
-        self.cluster = kube.LocalCluster(nodes=(), address=self.network.address, workdir=self.workdir / "kube")
+        self.cluster = kube.LocalCluster(
+            nodes=(), address=self.network.address, workdir=self.workdir / "kube"
+        )
         self.postgres_password = secrets.token_urlsafe(18)
         self.infra = LocalStack(
             StackSettings(

@@ -535,7 +535,9 @@ class LocalStack:
                 conn.execute("CREATE DATABASE mars")
             if self.settings.postgres_password:
                 conn.execute(
-                    sql.SQL("ALTER ROLE mars PASSWORD {}").format(sql.Literal(self.settings.postgres_password))
+                    sql.SQL("ALTER ROLE mars PASSWORD {}").format(
+                        sql.Literal(self.settings.postgres_password)
+                    )
                 )
         self.ports["postgres"] = port
         self.env["MARS_POSTGRES_DSN"] = f"postgresql://mars@127.0.0.1:{port}/mars"

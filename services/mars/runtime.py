@@ -200,7 +200,9 @@ async def serve(name: str, settings: ServiceSettings, build: Builder, migrations
     probes_task.cancel()
     for task in background:
         task.cancel()
-    await _set_health(grpc_parts.health_servicer, grpc_parts.names, health_pb2.HealthCheckResponse.NOT_SERVING)
+    await _set_health(
+        grpc_parts.health_servicer, grpc_parts.names, health_pb2.HealthCheckResponse.NOT_SERVING
+    )
     # Calls in flight finish before the consumers stop: the ingress's waiting turns get their answers from
     # its consumer, so stopping that first would fail every turn in flight on a rolling update.
     await grpc_parts.stop()

@@ -56,7 +56,9 @@ def serving() -> Iterator[serving_cluster.ServingCluster]:
     cluster = serving_cluster.ServingCluster(IMAGE, kubelet.base_image(IMAGE))
     started = time.monotonic()
     cluster.start(lambda message: print(f"[serving cluster] {message}", flush=True))
-    REPORT.append(f"cluster, node, Kafka, Postgres and the image on the node: {time.monotonic() - started:.0f} s")
+    REPORT.append(
+        f"cluster, node, Kafka, Postgres and the image on the node: {time.monotonic() - started:.0f} s"
+    )
     try:
         yield cluster
     finally:

@@ -35,6 +35,39 @@ from mars_stack import kube, serving_cluster
 pytestmark = pytest.mark.k8s_e2e
 
 
+def view_events(serving: serving_cluster.ServingCluster, turn_ids: set[str]) -> dict[str, ev.ViewBuilt]:
+    """The views logged on the view topic for `turn_ids` (block text stays sealed: only ids are read)."""
+    from mars_tools.replay.readers import read_topics
+
+    async def read() -> dict[str, ev.ViewBuilt]:
+        found: dict[str, ev.ViewBuilt] = {}
+        async for record in read_topics(serving.kafka_bootstrap, (TOPIC_VIEW,)):
+            event = ev.ViewBuilt.FromString(record.value)
+            if event.turn.turn_id in turn_ids:
+                found[event.turn.turn_id] = event
+        return found
+
+    views: dict[str, ev.ViewBuilt] = {}
+
+    def all_logged() -> bool:
+        views.update(asyncio.run(read()))
+        return set(views) == turn_ids
+
+    kube.wait_for(all_logged, 60, "the views of the turns on the log")
+    return views
+
+
+def router_rows(serving: serving_cluster.ServingCluster) -> tuple[int, int]:
+    """(ledger rows, decisions) of the router's Postgres tables."""
+    import psycopg
+
+    with psycopg.connect(serving.postgres_dsn) as conn:
+        ledger = conn.execute("SELECT count(*) FROM router_ledger").fetchone()
+        decisions = conn.execute("SELECT count(*) FROM router_decisions").fetchone()
+    assert ledger is not None and decisions is not None
+    return int(ledger[0]), int(decisions[0])
+
+
 # --- the release -----------------------------------------------------------------------------------------
 
 

@@ -71,7 +71,9 @@ class ReadyFloor:
 
 
 @contextmanager
-def turns_flowing(serving: serving_cluster.ServingCluster, api_key: str) -> Iterator[tuple[OpenLoop, ReadyFloor]]:
+def turns_flowing(
+    serving: serving_cluster.ServingCluster, api_key: str
+) -> Iterator[tuple[OpenLoop, ReadyFloor]]:
     """Turns at RATE through the ingress Service around the block, for at least RUN_S; then counted."""
     load = OpenLoop(service_address(serving, "ingress"), api_key, TENANT, rate=RATE).start()
     with ReadyFloor(serving) as floor:
@@ -189,8 +191,10 @@ def test_deleting_one_ingress_pod_while_the_other_serves_fails_no_turn(
     with turns_flowing(serving, api_key) as (load, floor):
         core(serving).delete_namespaced_pod(victim, NAMESPACE)
         kube.wait_for(
-            lambda: victim not in {p.metadata.name for p in component_pods(serving, "ingress")}
-            and len(component_pods(serving, "ingress")) == 2,
+            lambda: (
+                victim not in {p.metadata.name for p in component_pods(serving, "ingress")}
+                and len(component_pods(serving, "ingress")) == 2
+            ),
             120,
             "a new ingress pod in place of the deleted one",
         )
