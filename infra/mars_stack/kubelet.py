@@ -11,7 +11,7 @@ What this sandbox needed, and why (found by running it; see charts/README.md):
 - the hosts here mount cgroup v1, which kubelet v1.37 refuses unless `failCgroupV1: false`;
 - lowering a process's oom_score_adj is denied, so the pause container (-998) failed in runc's nsexec
   until containerd's CRI `restrict_oom_score_adj` kept scores at containerd's own;
-- the node IP cannot be loopback (the kubelet refuses it), so it sits on a dummy link (node_net);
+- the node IP cannot be loopback (the kubelet refuses it), so it sits on a link of its own (node_net);
 - the sandbox ("pause") image cannot be pulled: it is built from the image's own Debian base.
 """
 
@@ -151,6 +151,9 @@ class RealNode:
                             "type": "bridge",
                             "bridge": "mars0",
                             "isGateway": True,
+                            # Pods route Service addresses through the host (kube-proxy's rules); what
+                            # is not on this machine is refused there (node_net's guard).
+                            "isDefaultGateway": True,
                             "ipMasq": False,
                             # A pod reaching itself through its Service (kube-proxy masquerades that).
                             "hairpinMode": True,

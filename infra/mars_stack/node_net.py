@@ -1,10 +1,11 @@
 """The network of the local cluster's real node (mars_stack.kubelet), all of it on this machine.
 
-- The node's address sits on a dummy link the run makes (`mars-node0`, 10.89.0.1/32), never on the
-  machine's own interface: the kubelet registers it, the API server listens there for the pods, and the
+- The node's address sits on a link the run makes (`mars-node0`, 10.89.0.1/32: a bridge with no ports,
+  which does what a dummy link would; this kernel has no dummy driver), never on the machine's own
+  interface: the kubelet registers it, the API server listens there for the pods, and the
   host processes the pods use (Kafka, Postgres, the LLM stand-in, CoreDNS) listen there too.
 - Pods live on the CNI bridge (`mars0`, 10.88.0.0/16, the bridge plugin's gateway 10.88.0.1).
-- The Service range (10.96.0.0/16) is routed into the dummy link, which drops whatever reaches it: a
+- The Service range (10.96.0.0/16) is routed into that portless link, which drops whatever reaches it: a
   ClusterIP is only ever reached through kube-proxy's DNAT, and a packet for one without rules goes
   nowhere, instead of following the default route off the machine.
 - A guard chain in FORWARD rejects anything a pod sends to an address outside the pod network (what is on
@@ -57,7 +58,7 @@ def _run(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
 
 @dataclass
 class NodeNetwork:
-    """The dummy link with the node's address, the Service route, forwarding and the guard."""
+    """The node's link and address, the Service route, forwarding and the guard."""
 
     address: str = NODE_ADDRESS
     link: str = NODE_LINK
@@ -71,7 +72,7 @@ class NodeNetwork:
         self.teardown()  # what a run that died left behind
         self._forwarding_was = _FORWARD_SYSCTL.read_text().strip()
         try:
-            _run("ip", "link", "add", self.link, "type", "dummy")
+            _run("ip", "link", "add", self.link, "type", "bridge")
             _run("ip", "addr", "add", f"{self.address}/32", "dev", self.link)
             _run("ip", "link", "set", self.link, "up")
             _run("ip", "route", "add", self.service_cidr, "dev", self.link)

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from mars_stack import kube, kubelet, node_net
+from mars_stack.settings import launcher_settings
 from mars_stack.stack import LocalStack, StackSettings
 
 INFRA_NAMESPACE = "mars-infra"
@@ -60,6 +61,7 @@ class ServingCluster:
         self._own_workdir = workdir is None
         self.workdir = workdir or Path(tempfile.mkdtemp(prefix="mars-serving-"))
         self.network = node_net.NodeNetwork()
+        (self.workdir / "kube").mkdir(parents=True, exist_ok=True)
         self.cluster = kube.LocalCluster(
             nodes=(), address=self.network.address, workdir=self.workdir / "kube"
         )
@@ -106,8 +108,8 @@ class ServingCluster:
     def stop(self) -> None:
         while self._started:
             self._started.pop()()
-        if self._own_workdir:
-            kubelet.unmount_below(self.workdir)
+        kubelet.unmount_below(self.workdir)
+        if self._own_workdir and not launcher_settings().keep_kube_workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
     def __enter__(self) -> ServingCluster:

@@ -1,6 +1,7 @@
 // Command coredns is CoreDNS (github.com/coredns/coredns, pinned in go.mod) with only the plugins a
 // cluster DNS needs, for the end-to-end cluster of infra/k8s (`infra/k8s/build.sh --e2e`): the stock
-// main links every plugin (clouds' SDKs among them), this one the kubeadm Corefile's and a few more.
+// main links every plugin (clouds' SDKs among them), this one the kubeadm Corefile's and a few more
+// (bind: the local cluster serves on the node's address only).
 // Equivalent to CoreDNS's own coredns.go with core/plugin/zplugin.go cut down; the execution order is
 // core/dnsserver/zdirectives.go's, kept to the plugins registered here.
 package main
@@ -14,6 +15,7 @@ import (
 	"github.com/coredns/coredns/core/dnsserver"
 	"github.com/coredns/coredns/coremain"
 
+	_ "github.com/coredns/coredns/plugin/bind"
 	_ "github.com/coredns/coredns/plugin/cache"
 	_ "github.com/coredns/coredns/plugin/errors"
 	_ "github.com/coredns/coredns/plugin/forward"
