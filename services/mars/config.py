@@ -252,6 +252,11 @@ class ServiceSettings(CallerSettings):
     #: gRPC reflection on a stage service's port (off: it lists the internal API to whoever asks); the
     #: ingress, the public API, always serves it.
     grpc_reflection: bool = False
+    #: Close each client connection (HTTP/2 GOAWAY, the calls on it finish) after this many seconds, so a
+    #: client behind a Kubernetes ClusterIP reconnects and is spread over the replicas, and a pod that is
+    #: stopping has lost every client before its SIGTERM (the chart keeps it below shutdown.preStopSeconds);
+    #: 0 keeps connections for as long as the client does.
+    grpc_max_connection_age_s: float = Field(default=0.0, ge=0.0)
     #: A plaintext port serving grpc.health.v1 only, for probes that cannot speak TLS (Kubernetes' native
     #: gRPC probes); 0 serves none (health is on the main port too).
     health_port: int = Field(default=0, ge=0, le=65535)

@@ -321,8 +321,16 @@ def grpc_server(
         log.warning("%s: MARS_IDENTITY_REQUIRED=false: any caller that reaches the port may call it", name)
     elif internal and verifier is None:
         log.warning("%s: no MARS_IDENTITY_CA_FILE: every call to %s is refused", name, ", ".join(internal))
+    options: list[tuple[str, int]] = []
+    if settings.grpc_max_connection_age_s > 0:
+        age_ms = int(settings.grpc_max_connection_age_s * 1000)
+        # A connection's calls in flight get STOP_GRACE_S after its GOAWAY, as at a stop.
+        options += [
+            ("grpc.max_connection_age_ms", age_ms),
+            ("grpc.max_connection_age_grace_ms", int(STOP_GRACE_S * 1000)),
+        ]
     server = grpc.aio.server(
-        interceptors=[identity.IdentityInterceptor(verifier, settings.identity_required)]
+        interceptors=[identity.IdentityInterceptor(verifier, settings.identity_required)], options=options
     )
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -9,6 +9,7 @@ them. Where one is missing every test here skips and names it.
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -148,3 +149,16 @@ def prometheus(serving: serving_cluster.ServingCluster, release: float) -> Itera
         pytest.skip("no Prometheus binary: `infra/k8s/build.sh --e2e` builds it (make test-k8s-e2e)")
     with LocalPrometheus(serving.cluster, NAMESPACE, RELEASE) as server:
         yield server
+
+
+def mars_cli(serving: serving_cluster.ServingCluster, *args: str) -> subprocess.CompletedProcess[str]:
+    """`mars ARGS` against the cluster (its kubeconfig), with none of this shell's MARS_* settings."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MARS_")}
+    env.update(KUBECONFIG=str(serving.cluster.kubeconfig), COLUMNS="200")
+    return subprocess.run(
+        [str(Path(sys.executable).parent / "mars"), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )

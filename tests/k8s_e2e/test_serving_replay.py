@@ -6,27 +6,16 @@ the two reads)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import IMAGE, NAMESPACE, RELEASE, REPORT, core
+from conftest import IMAGE, NAMESPACE, RELEASE, REPORT, core, mars_cli
 from mars_stack import kube, serving_cluster
 
 pytestmark = pytest.mark.k8s_e2e
 
 JOB = "mars-replay-e2e"
-
-
-def mars(serving: serving_cluster.ServingCluster, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MARS_")}
-    env["KUBECONFIG"] = str(serving.cluster.kubeconfig)
-    return subprocess.run(
-        [sys.executable, "-m", "mars_tools.cli", *args], capture_output=True, text=True, env=env, timeout=300
-    )
 
 
 def summary_in(log: str) -> dict[str, Any]:
@@ -43,7 +32,7 @@ def test_the_replay_job_reports_what_a_replay_from_outside_reports(
 ) -> None:
     from kubernetes import client
 
-    created = mars(
+    created = mars_cli(
         serving,
         "deploy", "replay-job", "--apply", "--release", RELEASE, "-n", NAMESPACE, "--image", IMAGE,
         "--name", JOB, "--", "read",
@@ -63,7 +52,7 @@ def test_the_replay_job_reports_what_a_replay_from_outside_reports(
     in_cluster = summary_in(log)
 
     out = tmp_path / "summary.json"
-    host = mars(serving, "replay", "read", "--bootstrap", serving.kafka_bootstrap, "--summary", str(out))
+    host = mars_cli(serving, "replay", "read", "--bootstrap", serving.kafka_bootstrap, "--summary", str(out))
     assert host.returncode == 0, host.stdout + host.stderr
     outside = json.loads(out.read_text())
     assert in_cluster["turns"] > 0

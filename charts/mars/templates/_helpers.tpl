@@ -148,6 +148,7 @@ MARS_KAFKA_SSL_CAFILE: /etc/mars/kafka-tls/{{ .Values.kafka.tls.caKey }}
 {{- end }}
 MARS_POSTGRES_DSN: {{ printf "postgresql://%s@%s:%d/%s?%s" .Values.postgres.user (required "postgres.host is required: the external Postgres server's host name" .Values.postgres.host) (int .Values.postgres.port) .Values.postgres.database (include "mars.postgresSsl" .) | quote }}
 MARS_GRPC_HOST: "0.0.0.0"
+MARS_GRPC_MAX_CONNECTION_AGE_S: {{ .Values.shutdown.maxConnectionAgeSeconds | quote }}
 MARS_METRICS_PORT: {{ .Values.metrics.port | quote }}
 {{- if .Values.eventSealing.enabled }}
 MARS_MASTER_KEY_FILE: /etc/mars/master-key/{{ .Values.eventSealing.key }}
