@@ -122,13 +122,23 @@ class RealNode:
     def stop(self) -> None:
         stop_processes(list(reversed(self._procs)), timeout_s=20)
         self._procs.clear()
-        # The kubelet leaves its pods' containers to the runtime: stop them with it.
-        subprocess.run(["pkill", "-f", f"containerd-shim-runc-v2 -namespace k8s.io -address {self.socket}"])
+        self._kill_containers()
         unmount_below(self.workdir)
         if self._own_network:
             self.network.teardown()
         else:
             node_net.remove_kube_proxy_rules()
+
+    def _kill_containers(self) -> None:
+        """The kubelet and containerd leave the pods' containers running under their shims: kill each
+        container's first process (its PID namespace goes with it), then the shim."""
+        pattern = f"containerd-shim-runc-v2 -namespace k8s.io .*-address {self.socket}"
+        found = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True)
+        shims = found.stdout.split()
+        for shim in shims:
+            subprocess.run(["pkill", "-KILL", "-P", shim], capture_output=True)
+        for shim in shims:
+            subprocess.run(["kill", "-KILL", shim], capture_output=True)
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
         log = self.cluster.logdir / f"{name}.log"

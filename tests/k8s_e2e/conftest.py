@@ -84,10 +84,13 @@ def release(serving: serving_cluster.ServingCluster) -> float:
             wait="watcher",
             timeout=HELM_TIMEOUT_S,
         )
+        assert installed["status"] == "deployed"
+        kube.wait_for(lambda: all_ready(serving), 300, "every pod Ready")
+    except BaseException:
+        print(diagnose(serving), flush=True)
+        raise
     finally:
         config.close()
-    assert installed["status"] == "deployed"
-    kube.wait_for(lambda: all_ready(serving), 300, "every pod Ready")
     seconds = time.monotonic() - started
     REPORT.append(f"helm install until every pod Ready: {seconds:.0f} s")
     return seconds
@@ -149,6 +152,30 @@ def prometheus(serving: serving_cluster.ServingCluster, release: float) -> Itera
         pytest.skip("no Prometheus binary: `infra/k8s/build.sh --e2e` builds it (make test-k8s-e2e)")
     with LocalPrometheus(serving.cluster, NAMESPACE, RELEASE) as server:
         yield server
+
+
+def diagnose(serving: serving_cluster.ServingCluster) -> str:
+    """What a failed install or rollout looks like: each pod's phase and readiness, the namespace's warning
+    events, and the log tail (this run's and the previous container's) of every pod that is not Ready."""
+    api = core(serving)
+    out = []
+    for pod in api.list_namespaced_pod(NAMESPACE).items:
+        ready = {c.type: c.status for c in pod.status.conditions or []}.get("Ready")
+        out.append(f"pod {pod.metadata.name}: {pod.status.phase}, Ready={ready}")
+        if ready == "True":
+            continue
+        for previous in (False, True):
+            try:
+                log = api.read_namespaced_pod_log(
+                    pod.metadata.name, NAMESPACE, previous=previous, tail_lines=40
+                )
+            except Exception as exc:  # no such container (yet): say so and go on
+                log = f"({type(exc).__name__})"
+            out.append(f"--- {'previous ' if previous else ''}log of {pod.metadata.name}:\n{log}")
+    for event in api.list_namespaced_event(NAMESPACE).items:
+        if event.type == "Warning":
+            out.append(f"event {event.involved_object.kind}/{event.involved_object.name}: {event.message}")
+    return "\n".join(out)
 
 
 def mars_cli(serving: serving_cluster.ServingCluster, *args: str) -> subprocess.CompletedProcess[str]:
