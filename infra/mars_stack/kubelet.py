@@ -259,6 +259,8 @@ state = "{self.workdir}/containerd/state"
             # Pods get the cluster DNS only: nothing of the machine's own resolver leaks into them.
             "resolvConf": str(self._empty_resolv_conf()),
             "clusterDomain": node_net.CLUSTER_DOMAIN,
+            # The containers' logs go with the node's work folder, not into the machine's /var/log/pods.
+            "podLogsDir": str(self.workdir / "pod-logs"),
             "clusterDNS": [node_net.DNS_SERVICE_IP] if self.services else [],
         }
         path = self.workdir / "kubelet.yaml"
