@@ -12,10 +12,12 @@ pod Running and Ready and a Job's pod Succeeded, so Deployments become Available
 from __future__ import annotations
 
 import base64
+import os
 import shutil
 import signal
 import ssl
 import subprocess
+import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -191,6 +193,19 @@ class LocalCluster:
                 config_file=str(self.kubeconfig), client_configuration=self._configuration
             )
         return client.ApiClient(self._configuration)
+
+    def run_mars(self, *args: str, timeout_s: float = 300) -> subprocess.CompletedProcess[str]:
+        """`mars ARGS` (this environment's CLI) against this cluster's kubeconfig, with none of the calling
+        shell's MARS_* settings (a test's tools see only what they are given)."""
+        env = {k: v for k, v in os.environ.items() if not k.startswith("MARS_")}
+        env.update(KUBECONFIG=str(self.kubeconfig), COLUMNS="200")
+        return subprocess.run(
+            [str(Path(sys.executable).parent / "mars"), *args],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=timeout_s,
+        )
 
     def add_node(self, node: KwokNode) -> None:
         """Register a node for kwok to play; `nodes` and wait_nodes_ready then count it."""

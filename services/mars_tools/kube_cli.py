@@ -1,6 +1,8 @@
-"""`mars kube build` and `mars kube up`: the local Kubernetes control plane of infra/k8s (etcd,
-kube-apiserver, kube-controller-manager and kube-scheduler v1.37 built from the Go modules, kwok nodes), to
-try the chart against a real API server on a laptop. `up` runs in the foreground until Ctrl-C."""
+"""`mars kube build`, `mars kube up` and `mars kube serve`: the local Kubernetes control plane of infra/k8s
+(etcd, kube-apiserver, kube-controller-manager and kube-scheduler v1.37 built from the Go modules), with kwok
+nodes (`up`: try the chart against a real API server) or one real node that runs the pods, with Kafka,
+Postgres and the stand-in LLM behind Services (`serve`: MARS answering turns in Kubernetes on a laptop).
+Both run in the foreground until Ctrl-C."""
 
 from __future__ import annotations
 
@@ -27,6 +29,64 @@ def cmd_build(args: argparse.Namespace) -> int:
     return 0
 
 
+def _until_stopped() -> None:
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())  # `kill` stops it as cleanly as Ctrl-C
+    try:
+        while not stop.wait(1):
+            pass
+    except KeyboardInterrupt:
+        pass
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import json
+    import os
+
+    from mars_stack import kube, kubelet, serving_cluster
+
+    if os.geteuid() != 0:
+        console.print("[red]a real node needs root (network links, iptables, containerd)[/]")
+        return 2
+    needs = serving_cluster.missing()
+    if needs:
+        console.print(
+            f"[red]missing: {escape(', '.join(needs))}[/] (make test-k8s-e2e installs and builds them)"
+        )
+        return 2
+    if not kubelet.podman_has(args.image):
+        console.print(
+            f"[red]the image {escape(args.image)} is not in podman's store: make image builds it[/]"
+        )
+        return 2
+    cluster = serving_cluster.ServingCluster(
+        args.image, kubelet.base_image(args.image), partitions=args.partitions
+    )
+    try:
+        with console.status("starting the cluster") as status:
+            cluster.start(progress=lambda msg: status.update(msg))
+    except (kube.ClusterError, OSError) as exc:
+        console.print(f"[red]{escape(str(exc))}[/]")
+        return 1
+    values = cluster.workdir / "values.json"
+    values.write_text(json.dumps(cluster.chart_values(), indent=2))
+    values.chmod(0o600)  # it holds the Postgres password
+    console.print(
+        f"[green]Kubernetes {kube.KUBERNETES_VERSION} with a real node up[/] (logs in {cluster.cluster.logdir})"
+    )
+    console.print(f"  export KUBECONFIG={cluster.cluster.kubeconfig}")
+    console.print(f"  helm install mars charts/mars -n mars --create-namespace -f {values}")
+    console.print(f"  then an API key: mars tenant create demo --postgres-dsn {cluster.postgres_dsn}")
+    console.print("  and turns through the ingress Service's ClusterIP (kubectl -n mars get svc mars-ingress)")
+    console.print("[bold]Ctrl-C stops it and removes its files, links and rules[/]")
+    try:
+        _until_stopped()
+    finally:
+        console.print("stopping the cluster")
+        cluster.stop()
+    return 0
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     from mars_stack import kube
 
@@ -47,13 +107,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     )
     console.print(f"  export KUBECONFIG={cluster.kubeconfig}")
     console.print("[bold]Ctrl-C stops it and removes its files[/]")
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())  # `kill` stops it as cleanly as Ctrl-C
     try:
-        while not stop.wait(1):
-            pass
-    except KeyboardInterrupt:
-        pass
+        _until_stopped()
     finally:
         console.print("stopping the control plane")
         cluster.stop()
@@ -84,3 +139,15 @@ def add_kube_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--gpu-nodes", type=int, default=1, help="nodes with one nvidia.com/gpu each (default 1)")
     p.add_argument("--volumes", type=int, default=4, help="PersistentVolumes to pre-make (default 4)")
     p.set_defaults(func=cmd_up)
+    p = kube_sub.add_parser(
+        "serve",
+        help="the control plane with one real node that runs the pods, and Kafka, Postgres and an LLM stand-in",
+        description="As root: the control plane on a node address of its own (10.89.0.1 on a link it makes), "
+        "the upstream kubelet over containerd, kube-proxy and CoreDNS (infra/k8s/build.sh --e2e), and Kafka, "
+        "Postgres and the stand-in LLM as Services in namespace mars-infra; writes the chart values for it "
+        "(the image, no vLLM, small requests) and prints how to install the chart. Everything stays on this "
+        "machine. Runs until Ctrl-C, then removes what it made (links, iptables rules, containers).",
+    )
+    p.add_argument("--image", default="localhost/mars:latest", help="the MARS image in podman's store")
+    p.add_argument("--partitions", type=int, default=12, help="partitions of the local broker (default 12)")
+    p.set_defaults(func=cmd_serve)

@@ -9,10 +9,7 @@ run in file order on one cluster: the release of one is what the next looks at.
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -110,14 +107,7 @@ def component_pods(cluster: kube.LocalCluster, namespace: str, component: str) -
 
 
 def mars_cli(cluster: kube.LocalCluster, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig), "COLUMNS": "200"}
-    return subprocess.run(
-        [str(Path(sys.executable).parent / "mars"), *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-    )
+    return cluster.run_mars(*args, timeout_s=120)
 
 
 # --- admission -------------------------------------------------------------------------------------------

@@ -179,13 +179,5 @@ def diagnose(serving: serving_cluster.ServingCluster) -> str:
 
 
 def mars_cli(serving: serving_cluster.ServingCluster, *args: str) -> subprocess.CompletedProcess[str]:
-    """`mars ARGS` against the cluster (its kubeconfig), with none of this shell's MARS_* settings."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MARS_")}
-    env.update(KUBECONFIG=str(serving.cluster.kubeconfig), COLUMNS="200")
-    return subprocess.run(
-        [str(Path(sys.executable).parent / "mars"), *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
+    """`mars ARGS` against the cluster."""
+    return serving.cluster.run_mars(*args)
