@@ -77,7 +77,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     console.print(f"  export KUBECONFIG={cluster.cluster.kubeconfig}")
     console.print(f"  helm install mars charts/mars -n mars --create-namespace -f {values}")
     console.print(f"  then an API key: mars tenant create demo --postgres-dsn {cluster.postgres_dsn}")
-    console.print("  and turns through the ingress Service's ClusterIP (kubectl -n mars get svc mars-ingress)")
+    console.print(
+        "  and turns through the ingress Service: mars send --target <its ClusterIP>:50051 --api-key KEY "
+        "--tenant demo 'hello' (kubectl -n mars get svc mars-ingress)"
+    )
     console.print("[bold]Ctrl-C stops it and removes its files, links and rules[/]")
     try:
         _until_stopped()
