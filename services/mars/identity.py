@@ -22,6 +22,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import math
 import logging
 import threading
 import time
@@ -168,6 +169,11 @@ class CallerIdentity:
             return token
 
 
+def _instant(value: object) -> bool:
+    """A finite number of seconds (JSON lets NaN and Infinity through; a bool is no time)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
 class _Verified(NamedTuple):
     caller: str
     audience: str
@@ -227,11 +233,12 @@ class IdentityVerifier:
         sub, aud, iat, exp = (claims.get(k) for k in ("sub", "aud", "iat", "exp"))
         if not (isinstance(sub, str) and isinstance(aud, str)):
             raise IdentityError("the token names no caller or service")
-        if not (isinstance(iat, int | float) and isinstance(exp, int | float)):
+        if not (_instant(iat) and _instant(exp)):
             raise IdentityError("the token has no lifetime")
         if sub != _common_name(cert):
             raise IdentityError("the token's caller is not its certificate's")
-        if exp - iat > MAX_TOKEN_LIFETIME_S or iat > now + CLOCK_SKEW_S:
+        # NaN compares false with everything: _instant refuses it, or "exp": NaN would never expire.
+        if exp < iat or exp - iat > MAX_TOKEN_LIFETIME_S or iat > now + CLOCK_SKEW_S:
             raise IdentityError("the token's lifetime is out of bounds")
         return _Verified(sub, aud, float(exp))
 

@@ -107,6 +107,39 @@ def test_a_token_minted_in_the_future_or_for_too_long_is_refused(ca: Path) -> No
         verifier(ca).verify(eternal.token("mars.v1.Memory"), "mars.v1.Memory")
 
 
+@pytest.mark.parametrize(
+    ("iat", "exp", "why"),
+    [
+        ("now", float("nan"), "no lifetime"),
+        (float("nan"), "now", "no lifetime"),
+        ("now", float("inf"), "no lifetime"),
+        (float("-inf"), "now", "no lifetime"),
+        (True, "now", "no lifetime"),
+        ("now", "before", "out of bounds"),
+    ],
+)
+def test_a_lifetime_that_is_not_two_finite_ordered_times_is_refused(
+    ca: Path, iat: object, exp: object, why: str
+) -> None:
+    """A token signed by a real identity whose claims say "exp": NaN (json writes and reads NaN) compared
+    false with every bound and never expired; infinite, boolean and reversed times are refused too."""
+    from mars import identity
+
+    now = float(int(datetime.datetime.now(datetime.UTC).timestamp()))
+    times = {"now": now, "before": now - 10}
+    claims = {
+        "sub": "operator",
+        "aud": "mars.v1.Memory",
+        "iat": times.get(iat, iat) if isinstance(iat, str) else iat,
+        "exp": times.get(exp, exp) if isinstance(exp, str) else exp,
+    }
+    signer = caller(ca, "operator")
+    head = "v1." + identity._b64(signer.cert_der) + "." + identity._b64(json.dumps(claims).encode())
+    token = head + "." + identity._b64(identity._sign(signer.key, head.encode("ascii")))
+    with pytest.raises(IdentityError, match=why):
+        verifier(ca).verify(token, "mars.v1.Memory")
+
+
 def rsa_authority(folder: Path, names: tuple[str, ...]) -> None:
     """An RSA CA and RSA leaves, as Helm's genCA and genSignedCert make them (the chart's identities)."""
     folder.mkdir(parents=True)
