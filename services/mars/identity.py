@@ -22,14 +22,14 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-import math
 import logging
+import math
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeGuard
 
 import grpc
 from cryptography import x509
@@ -169,7 +169,7 @@ class CallerIdentity:
             return token
 
 
-def _instant(value: object) -> bool:
+def _instant(value: object) -> TypeGuard[float]:
     """A finite number of seconds (JSON lets NaN and Infinity through; a bool is no time)."""
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
