@@ -32,3 +32,26 @@ def test_exclusive_never_replaces(tmp_path: Path) -> None:
     with pytest.raises(FileExistsError):
         open_private(key, exclusive=True)
     assert key.read_text() == "keep me"
+
+
+def test_a_link_at_the_path_is_refused_not_followed(tmp_path: Path) -> None:
+    target = tmp_path / "someone-elses-file"
+    target.write_text("theirs")
+    link = tmp_path / "traces.jsonl"
+    link.symlink_to(target)
+    with pytest.raises(OSError):
+        open_private(link)
+    assert target.read_text() == "theirs"
+
+
+def test_a_redrive_writes_its_traces_private(tmp_path: Path) -> None:
+    """`mars replay run --traces` writes opened turn text: 0600 whatever the umask."""
+    from mars_tools.replay.redrive import _write_traces
+    from mars_tools.replay.traces import TraceBuilder
+
+    old_umask = os.umask(0o022)
+    try:
+        _write_traces(tmp_path / "traces", "recorded", TraceBuilder())
+    finally:
+        os.umask(old_umask)
+    assert (tmp_path / "traces" / "recorded.jsonl").stat().st_mode & 0o777 == 0o600

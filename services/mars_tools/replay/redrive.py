@@ -40,6 +40,7 @@ from mars.v1 import services_pb2_grpc as svc_grpc
 from rich.console import Console
 from rich.progress import Progress
 
+from mars_tools.private_files import open_private
 from mars_tools.replay import presets
 from mars_tools.replay.compare import comparison_table, only, read_back
 from mars_tools.replay.readers import topic_prefix_arg
@@ -217,7 +218,8 @@ def _check_fixed_arm(overrides: dict[str, str], model_pool: str | None) -> None:
 
 def _write_traces(folder: Path, name: str, builder: TraceBuilder) -> None:
     folder.mkdir(parents=True, exist_ok=True)
-    with (folder / f"{name}.jsonl").open("w") as fh:
+    # Traces hold the turns' opened text: the owner's alone (as `mars replay read --out`).
+    with open_private(folder / f"{name}.jsonl") as fh:
         for trace in builder.traces.values():
             fh.write(json.dumps(trace.to_dict()) + "\n")
 
@@ -341,7 +343,8 @@ def _report(
     redriven: TraceBuilder | None,
 ) -> None:
     if args.out:
-        Path(args.out).write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+        with open_private(args.out) as fh:
+            fh.write("\n".join(json.dumps(r) for r in rows) + "\n")
     if redriven is not None:
         Console(soft_wrap=True).print(comparison_table(original, redriven, summary["config"]))
         if args.summary:
