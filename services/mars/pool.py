@@ -5,11 +5,16 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
+from typing import Any
 
 import yaml
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
 _ENV_REF = re.compile(r"\$\{([A-Z0-9_]+)(?::-([^}]*))?\}")
+#: What an arm's api_key_env may name: an upper-case variable ending in _API_KEY or _TOKEN.
+API_KEY_ENV_PATTERN = r"^[A-Z][A-Z0-9_]*_(API_KEY|TOKEN)$"
+#: Names of that shape that hold MARS's own secrets, never a provider's key.
+MARS_SECRETS = frozenset({"MARS_API_KEY"})
 
 
 #: The tokenizers a pool may name (mars.tokens loads them).
@@ -23,8 +28,10 @@ class ModelSpec(BaseModel):
     base_url: str = Field(min_length=1)
     #: Model id sent in the request body.
     model: str = "default"
-    #: Name of the environment variable holding the API key; no key is sent when unset.
-    api_key_env: str | None = None
+    #: Name of the environment variable holding the API key; no key is sent when unset. Only a provider-key
+    #: name (…_API_KEY or …_TOKEN, API_KEY_ENV_PATTERN) that is not one of MARS's own secrets: a pool that
+    #: could name any variable could send the Postgres or Kafka password to an endpoint it points at.
+    api_key_env: str | None = Field(default=None, pattern=API_KEY_ENV_PATTERN)
     context_window: int = Field(gt=0)
     output_reserve: int = Field(gt=0)
     safety_margin: int = Field(ge=0)
@@ -40,6 +47,10 @@ class ModelSpec(BaseModel):
 
     @model_validator(mode="after")
     def _budget_positive(self) -> ModelSpec:
+        if self.api_key_env in MARS_SECRETS:
+            raise ValueError(
+                f"{self.name}: api_key_env {self.api_key_env} is a MARS secret, not a provider's key"
+            )
         if self.context_window - self.output_reserve - self.safety_margin <= 0:
             raise ValueError(f"{self.name}: context_window must exceed output_reserve + safety_margin")
         if self.tokenizer and self.tokenizer.partition(":")[0] not in TOKENIZER_KINDS:
@@ -97,21 +108,31 @@ class PoolFileError(ValueError):
     pass
 
 
-def _expand_env(text: str) -> str:
-    def repl(m: re.Match[str]) -> str:
-        value = os.environ.get(m.group(1), m.group(2))
-        if value is None:
-            raise PoolFileError(f"model pool refers to ${{{m.group(1)}}}, which is not set")
-        return value
+def _expand_env(value: Any) -> Any:
+    """`${VAR}` and `${VAR:-default}` in every string of the parsed pool. After parsing, so a variable's
+    value is one scalar, whatever it holds: expanded into the text first, a newline and YAML in it could
+    add keys (an api_key_env of the value's choosing)."""
 
-    return _ENV_REF.sub(repl, text)
+    def repl(m: re.Match[str]) -> str:
+        found = os.environ.get(m.group(1), m.group(2))
+        if found is None:
+            raise PoolFileError(f"model pool refers to ${{{m.group(1)}}}, which is not set")
+        return found
+
+    if isinstance(value, str):
+        return _ENV_REF.sub(repl, value)
+    if isinstance(value, list):
+        return [_expand_env(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _expand_env(v) for k, v in value.items()}
+    return value
 
 
 def load_pool(path: str | Path) -> ModelPool:
     """Read and validate the pool file; `${VAR}` and `${VAR:-default}` are taken from the environment."""
     p = Path(path)
     try:
-        raw = yaml.safe_load(_expand_env(p.read_text(encoding="utf-8")))
+        raw = _expand_env(yaml.safe_load(p.read_text(encoding="utf-8")))
     except OSError as exc:
         raise PoolFileError(f"cannot read model pool {p}: {exc}") from exc
     except yaml.YAMLError as exc:

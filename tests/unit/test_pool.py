@@ -70,3 +70,41 @@ def test_paper_pool_has_table10_prices_and_exact_cost_arithmetic() -> None:
     assert pool.get("gpt-4o").cost_usd(12_345, 678) == pytest.approx(0.0308625 + 0.00678, abs=1e-15)
     assert pool.get("llama-3.2-3b").cost_usd(1_000_000, 1_000_000) == pytest.approx(0.15, abs=1e-15)
     assert pool.cheapest_first()[0] == "llama-3.2-3b" and pool.cheapest_first()[-1] == "gpt-4o"
+
+
+ARM = (
+    "models:\n  - name: a\n    base_url: {url}\n    context_window: 1000\n    output_reserve: 100\n"
+    "    safety_margin: 10\n    input_price_per_m: 0\n    output_price_per_m: 0\n{extra}"
+)
+
+
+@pytest.mark.parametrize(
+    "name", ["PGPASSWORD", "MARS_KAFKA_SASL_PASSWORD", "MARS_API_KEY", "HOME", "openai_api_key"]
+)
+def test_api_key_env_names_a_provider_key_never_a_mars_secret(tmp_path: Path, name: str) -> None:
+    """The arm's key is sent to its endpoint as a bearer token: a pool naming the Postgres password, the Kafka
+    password or a tenant's MARS key would hand it to whatever base_url says."""
+    path = tmp_path / "pool.yaml"
+    path.write_text(ARM.format(url="http://x/v1", extra=f"    api_key_env: {name}\n"))
+    with pytest.raises(PoolFileError):
+        load_pool(path)
+    path.write_text(ARM.format(url="http://x/v1", extra="    api_key_env: OPENAI_API_KEY\n"))
+    assert load_pool(path).models[0].api_key_env == "OPENAI_API_KEY"
+
+
+def test_a_variables_value_is_one_scalar_never_more_yaml(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """${VAR} is expanded after parsing: a value with a newline and YAML in it stays the URL's text instead of
+    adding keys to the arm."""
+    monkeypatch.setenv("POOL_URL", "http://x/v1\n    api_key_env: STOLEN_API_KEY")
+    path = tmp_path / "pool.yaml"
+    path.write_text(ARM.format(url="${POOL_URL}", extra=""))
+    arm = load_pool(path).models[0]
+    assert arm.api_key_env is None
+    assert arm.base_url == "http://x/v1\n    api_key_env: STOLEN_API_KEY"
+    # A variable mentioned only in a comment is no longer required.
+    path.write_text(
+        "# set ${NOT_SET_ANYWHERE} for the hosted arm\n" + ARM.format(url="http://x/v1", extra="")
+    )
+    assert load_pool(path).arms == ["a"]
