@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,8 +48,12 @@ def make_identities(folder: Path, names: tuple[str, ...]) -> IdentityFiles:
 
 
 def _write(path: Path, data: bytes) -> Path:
-    path.write_bytes(data)
-    path.chmod(0o600)
+    """Written 0600 from the start (write_bytes then chmod left a key readable to all for a moment), and
+    never through a symbolic link at `path`."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    os.fchmod(fd, 0o600)  # a file that was there keeps its old mode otherwise
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(data)
     return path
 
 

@@ -642,6 +642,23 @@ def test_replay_job_fits_the_release_it_runs_beside() -> None:
             assert all(reachable(policies, tool, pods[s], "grpc") for s in STAGES)
 
 
+def test_every_secret_volume_that_holds_a_key_is_the_pod_groups_alone() -> None:
+    """The services' TLS key, the clients' certificate key, the identity key and the master key are mounted
+    0440 (fsGroup), never Kubernetes' default 0644 (every user in the container)."""
+    keyed = {"tls", "tls-client", "identity", "master-key", "master-key-previous"}
+    values = merged(PROFILES["tls-mutual"], {"eventSealing": {"previousSecret": "old-key"}})
+    seen: set[str] = set()
+    for name, pod in pod_specs(render(values)):
+        for volume in pod.get("volumes", []):
+            if volume["name"] in keyed and "secret" in volume:
+                holds = {item["key"] for item in volume["secret"].get("items", [])}
+                if holds and not holds - {"ca.crt"}:
+                    continue  # a CA certificate alone (the gateway's view of the services' Secret)
+                seen.add(volume["name"])
+                assert volume["secret"].get("defaultMode") == 0o440, (name, volume)
+    assert seen == keyed, seen
+
+
 def test_tls_mounts_the_secret_and_probes_health_in_plaintext() -> None:
     objects = render(PROFILES["tls-mutual"])
     for service in SERVICES:

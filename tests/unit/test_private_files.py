@@ -55,3 +55,26 @@ def test_a_redrive_writes_its_traces_private(tmp_path: Path) -> None:
     finally:
         os.umask(old_umask)
     assert (tmp_path / "traces" / "recorded.jsonl").stat().st_mode & 0o777 == 0o600
+
+
+def test_local_certificates_and_keys_are_0600_from_the_start(tmp_path: Path) -> None:
+    """mars_stack.certs writes every key file with mode 0600 at creation (no window at the umask's 0644)."""
+    from mars_stack import certs
+
+    modes: list[int] = []
+    real_open = os.open
+
+    def watching(path: str, flags: int, mode: int = 0o777, *args: object) -> int:
+        modes.append(mode)
+        return real_open(path, flags, mode)
+
+    old_umask = os.umask(0o022)
+    try:
+        import unittest.mock
+
+        with unittest.mock.patch.object(certs.os, "open", watching):
+            made = certs.make_local_ca(tmp_path / "tls")
+    finally:
+        os.umask(old_umask)
+    assert modes and set(modes) == {0o600}
+    assert made.server_key.stat().st_mode & 0o777 == 0o600

@@ -250,6 +250,8 @@ MARS_IDENTITY_REQUIRED: "false"
 - name: tls
   secret:
     secretName: {{ required "tls.secretName is required with tls.enabled: a kubernetes.io/tls Secret" .Values.tls.secretName }}
+    # It holds the server's key: the pod's group alone, as the master key.
+    defaultMode: 0440
 {{- end }}
 {{- if .Values.identity.enabled }}
 - name: identity-ca
