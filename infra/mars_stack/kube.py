@@ -486,6 +486,13 @@ def stop_processes(procs: list[subprocess.Popen[bytes]], timeout_s: float = 15.0
                 proc.wait()
 
 
-def wait_for(check: Callable[[], Any], timeout_s: float, what: str) -> Any:
-    """Poll `check` until it returns something truthy (returned), or ClusterError after `timeout_s`."""
-    return wait_until(check, timeout_s, what, every_s=0.25, error=ClusterError)
+def wait_for(
+    check: Callable[[], Any],
+    timeout_s: float,
+    what: str,
+    proc: subprocess.Popen[bytes] | None = None,
+    log: Path | None = None,
+) -> Any:
+    """Poll `check` until it returns something truthy (returned), or ClusterError after `timeout_s`, or at
+    once when `proc` exits first (with the tail of its `log`)."""
+    return wait_until(check, timeout_s, what, proc, log, every_s=0.25, error=ClusterError)

@@ -318,11 +318,9 @@ state = "{self.workdir}/containerd/state"
         import httpx
 
         def healthy() -> bool:
-            if popen.poll() is not None:
-                raise ClusterError(f"kube-proxy exited with {popen.returncode} (logs/kube-proxy.log)")
             return httpx.get(f"http://127.0.0.1:{health}/healthz", timeout=2).status_code == 200
 
-        wait_for(healthy, 60, "kube-proxy healthy")
+        wait_for(healthy, 60, "kube-proxy healthy", popen, self.cluster.logdir / "kube-proxy.log")
 
     def _start_cluster_dns(self) -> None:
         """CoreDNS on the node's address, answering for the cluster domain from the API server (and
@@ -350,11 +348,9 @@ state = "{self.workdir}/containerd/state"
         import httpx
 
         def serving() -> bool:
-            if popen.poll() is not None:
-                raise ClusterError(f"CoreDNS exited with {popen.returncode} (logs/coredns.log)")
             return httpx.get(f"http://127.0.0.1:{ready}/ready", timeout=2).status_code == 200
 
-        wait_for(serving, 60, "CoreDNS ready")
+        wait_for(serving, 60, "CoreDNS ready", popen, self.cluster.logdir / "coredns.log")
         publish_host_service(
             self.cluster,
             "kube-system",

@@ -108,11 +108,9 @@ class LocalPrometheus:
         import httpx
 
         def ready() -> bool:
-            if proc.poll() is not None:
-                raise ClusterError(f"Prometheus exited with {proc.returncode} (logs/prometheus.log)")
             return httpx.get(f"{self.url}/-/ready", timeout=2).status_code == 200
 
-        wait_for(ready, 60, "Prometheus ready")
+        wait_for(ready, 60, "Prometheus ready", proc, log)
         return self
 
     def stop(self) -> None:
