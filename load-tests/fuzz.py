@@ -12,8 +12,10 @@ in ids and in text, huge text fields (up to ~1 MB, the broker's record limit), u
 seq <= 0, missing tenant / user / turn id, a record key that disagrees with the envelope, non-finite or
 out-of-range numbers, bodies fuzzed field by field behind a valid envelope, replays of turns that were
 already answered, events naming a real user's data key whose text is not that key's ciphertext (dead-lettered
-as unsealable), and events naming a data key that does not exist (a forgotten user's: dropped). Checked
-afterwards:
+as unsealable), user text without any data key on a stack that seals (dead-lettered as unsealed: the
+services take sealed text only), and events naming a data key that does not exist (a forgotten user's:
+dropped). Events that must reach a handler's own checks go sealed with their user's key where the stack
+seals, as the ingress would publish them. Checked afterwards:
   crashes              service processes that exited (the launcher restarts them; each exit counts)
   not_dead_lettered    malformed events without a dead letter from every consumer group of their topic
   vague_reasons        dead letters of malformed events whose reason does not name the problem
@@ -70,6 +72,7 @@ from mars.config import (  # noqa: E402
     TOPIC_STATE,
     TOPIC_VIEW,
 )
+from mars.sealing import has_user_text  # noqa: E402
 from mars.topology import STAGE_GROUPS  # noqa: E402
 from mars.v1 import events_pb2 as ev  # noqa: E402
 from mars.v1 import services_pb2 as svc  # noqa: E402
@@ -359,6 +362,10 @@ class Context:
     replays: list[tuple[str, bytes | None, bytes, str]] = field(default_factory=list)
     #: A real user's data key (from the warm-up turns' envelopes); "" where events travel unsealed.
     data_key_id: str = ""
+    #: Seals an event with its user's data key, as the ingress would (None where the stack does not seal):
+    #: the services of a stack that seals take no plaintext text, so events that must reach a handler's own
+    #: checks (numbers, NUL or huge text, fuzzed bodies) go sealed, and the `unsealed` kind goes without.
+    seal: Callable[[Message], Message] | None = None
 
     def user(self) -> str:
         # Of one length: what the strategy draws (a cut inside the envelope) must not depend on it.
@@ -382,6 +389,7 @@ KINDS = (
     "replay",
     "deadletter_garbage",
     "bad_seal",
+    "unsealed",
     "unknown_key",
 )
 
@@ -396,6 +404,10 @@ def cases(draw: st.DrawFn, ctx: Context, kind: str) -> Case:
 
     def case(payload: bytes, must: bool, words: tuple[str, ...] = (), **kw: Any) -> Case:
         return Case(kind, kw.pop("topic", topic), kw.pop("key", key), payload, must, words, turn.turn_id)
+
+    def sealed(e: Message) -> bytes:
+        """`e` as the ingress would publish it on a stack that seals (as it is elsewhere)."""
+        return (ctx.seal(e) if ctx.seal is not None else e).SerializeToString()
 
     if kind == "random_bytes":
         payload = draw(st.binary(min_size=1, max_size=512))
@@ -456,10 +468,10 @@ def cases(draw: st.DrawFn, ctx: Context, kind: str) -> Case:
         if topic == TOPIC_JUDGED:
             bad = draw(st.sampled_from([math.nan, math.inf, -math.inf, 1e300, -1e300, 7.0]))  # -5 is a reward
             event.reward = bad  # type: ignore[attr-defined]
-            return case(event.SerializeToString(), True, ("reward",))
+            return case(sealed(event), True, ("reward",))
         if topic == TOPIC_FEEDBACK:
             event.rating = bad  # type: ignore[attr-defined]
-            return case(event.SerializeToString(), True, ("rating",))
+            return case(sealed(event), True, ("rating",))
         # Elsewhere numbers the stage reads: scores, costs, confidences, features.
         if topic in (TOPIC_VIEW, TOPIC_ROUTED):
             event.view.load.max_retrieval_score = bad  # type: ignore[attr-defined]
@@ -474,7 +486,7 @@ def cases(draw: st.DrawFn, ctx: Context, kind: str) -> Case:
         if topic in (TOPIC_STATE, TOPIC_VIEW, TOPIC_ROUTED, TOPIC_GENERATED):
             event.state.lens_confidence = bad  # type: ignore[attr-defined]
             event.state.top_k_hint = draw(st.sampled_from([-(2**31), -1, 0, 2**31 - 1]))  # type: ignore[attr-defined]
-        return case(event.SerializeToString(), False)
+        return case(sealed(event), False)
     if kind == "nul_text":
         text = draw(st.sampled_from(["\x00", "ferry\x00times", "\x00\x00 plan a trip \x00"]))
         event = valid_event(topic, turn, text)
@@ -482,9 +494,10 @@ def cases(draw: st.DrawFn, ctx: Context, kind: str) -> Case:
             event.text = text  # type: ignore[attr-defined]
         if topic == TOPIC_FEEDBACK:
             event.comment = text  # type: ignore[attr-defined]
-        return case(event.SerializeToString(), False)
+        return case(sealed(event), False)
     if kind == "huge_text":
-        size = draw(st.integers(100_000, HUGE_MAX_CHARS))  # bytes of UTF-8
+        # Bytes of UTF-8; sealed text grows by a third (base64), and must still fit the broker's record.
+        size = draw(st.integers(100_000, HUGE_MAX_CHARS if ctx.seal is None else HUGE_MAX_CHARS * 7 // 10))
         unit = draw(st.sampled_from(["x", "word ", "é"]))
         chars = size // len(unit.encode()) * len(unit)
         text = (unit * (chars // len(unit) + 1))[:chars]
@@ -496,11 +509,11 @@ def cases(draw: st.DrawFn, ctx: Context, kind: str) -> Case:
             event.comment = text  # type: ignore[attr-defined]
         if topic == TOPIC_JUDGED:
             event.arm = text  # type: ignore[attr-defined]
-        return case(event.SerializeToString(), False)
+        return case(sealed(event), False)
     if kind == "fuzzed_body":
         body = draw(messages(TOPIC_TYPES[topic].DESCRIPTOR, huge=False))
         body.turn.CopyFrom(turn)  # type: ignore[attr-defined]
-        return case(body.SerializeToString(), False)
+        return case(sealed(body), False)
     if kind == "replay":
         r_topic, r_key, r_payload, r_turn = draw(st.sampled_from(ctx.replays))
         return Case(kind, r_topic, r_key, r_payload, False, (), r_turn)
@@ -511,9 +524,13 @@ def cases(draw: st.DrawFn, ctx: Context, kind: str) -> Case:
         event.turn.data_key_id = ctx.data_key_id  # type: ignore[attr-defined]
         words = ("does not open", "is not the key of the turn's tenant and user")
         return case(event.SerializeToString(), _has_text_to_open(event), words)
+    if kind == "unsealed":
+        # User text without a data key, on a stack that seals: whoever may write the topic could plant it
+        # for any user, so every reader dead-letters it, naming the missing seal. (Text-free types pass.)
+        return case(event.SerializeToString(), has_user_text(TOPIC_TYPES[topic]), ("unsealed",))
     if kind == "unknown_key":
         # A key that does not exist is a forgotten user's: the event is dropped, nothing to dead-letter.
-        event.turn.data_key_id = draw(st.sampled_from(["", uuid.uuid4().hex[:24], "x" * 200]))  # type: ignore[attr-defined]
+        event.turn.data_key_id = draw(st.sampled_from([uuid.uuid4().hex[:24], "x" * 200]))  # type: ignore[attr-defined]
         return case(event.SerializeToString(), False)
     # deadletter_garbage: ingress reads the dead-letter topic; it must shrug off anything there.
     letter = draw(messages(ev.DeadLetter.DESCRIPTOR, huge=False))
@@ -544,7 +561,13 @@ def draw_cases(n: int, ctx: Context, rng_seed: int) -> list[Case]:
     """n cases drawn by hypothesis, about as many of each kind (generation only: the checks run after all
     of them were sent). A kind with few distinct shapes is drawn again under another seed until it has its
     share (every case has fresh ids anyway)."""
-    kinds = [k for k in KINDS if (k != "replay" or ctx.replays) and (k != "bad_seal" or ctx.data_key_id)]
+    kinds = [
+        k
+        for k in KINDS
+        if (k != "replay" or ctx.replays)
+        and (k != "bad_seal" or ctx.data_key_id)
+        and (k != "unsealed" or ctx.seal is not None)
+    ]
     out: list[Case] = []
     for k, kind in enumerate(kinds):
         share = n // len(kinds) + (1 if k < n % len(kinds) else 0)
@@ -671,14 +694,20 @@ class ConsumerReport:
         }
 
 
-def send_valid_turns(bootstrap: str, n: int) -> list[ev.TurnReceived]:
+def send_valid_turns(
+    bootstrap: str, n: int, seal: Callable[[Message], Message] | None = None
+) -> list[ev.TurnReceived]:
+    """n valid turns of fresh users, sealed with `seal` where the stack seals (as the ingress would)."""
     turns = [
         ev.TurnReceived(
             turn=envelope(f"valid-{uuid.uuid4().hex[:8]}"), text=f"Plan trip number {i} by ferry."
         )
         for i in range(n)
     ]
-    cases_ = [Case("valid", TOPIC_RECEIVED, key_of(t.turn), t.SerializeToString(), False) for t in turns]
+    cases_ = [
+        Case("valid", TOPIC_RECEIVED, key_of(t.turn), (seal(t) if seal else t).SerializeToString(), False)
+        for t in turns
+    ]
     asyncio.run(send_records(bootstrap, cases_))
     return turns
 
@@ -712,13 +741,15 @@ def fuzz_consumers(
     report = ConsumerReport()
     exits_before = len([e for e in stack.events if e.kind == "exited"])
 
-    warm = send_valid_turns(bootstrap, 3)
+    keys = stack.keyring()
+    seal = keys.seal if keys is not None else None
+    warm = send_valid_turns(bootstrap, 3, seal)
     warm_ids = {t.turn.turn_id for t in warm}
     got = wait_answered(bootstrap, warm_ids, 120)
     if got != warm_ids:
         raise RuntimeError(f"warm-up turns were not answered: {sorted(warm_ids - got)}")
     topics = asyncio.run(read_topics(bootstrap, [TOPIC_RECEIVED, *OUTPUT_TOPICS[:-1], TOPIC_FEEDBACK]))
-    ctx = Context()
+    ctx = Context(seal=seal)
     for topic, records in topics.items():
         for r in records:
             parsed = _parse(TOPIC_TYPES.get(topic, ev.TurnReceived), r.value)
@@ -726,7 +757,7 @@ def fuzz_consumers(
             if turn_id in warm_ids:
                 ctx.replays.append((topic, r.key, r.value, turn_id))
 
-    if (keys := stack.keyring()) is not None:  # a real user's data key, for events that misuse it
+    if keys is not None:  # a real user's data key, for events that misuse it
         ctx.data_key_id = keys.for_user(TENANT, "fz-key-owner")
     log(f"drawing {n} fuzz events")
     fuzz = draw_cases(n, ctx, rng_seed)
@@ -736,7 +767,7 @@ def fuzz_consumers(
     asyncio.run(send_records(bootstrap, fuzz))
     report.refused_by_broker = sum(1 for c in fuzz if c.refused)
 
-    valid = send_valid_turns(bootstrap, valid_after)
+    valid = send_valid_turns(bootstrap, valid_after, seal)
     report.valid_turns = len(valid)
     valid_ids = {t.turn.turn_id for t in valid}
     log(f"sent {valid_after} valid turns after the storm; waiting for their answers")

@@ -56,7 +56,7 @@ from mars.config import (
 )
 from mars.data_keys import Forgotten, Keyring, is_sealed
 from mars.kafka_options import kafka_client_options
-from mars.sealing import SealError
+from mars.sealing import SealError, has_user_text
 from mars.telemetry import context_from_headers, inject_headers, step
 from mars.v1 import events_pb2 as ev
 
@@ -752,6 +752,19 @@ class StageConsumer:
             if (clash := wire_type_clash(event)) is not None:
                 kind = "undecodable"
                 raise PoisonEvent(f"cannot decode {sub.message_type.__name__}: {clash}")
+            if (
+                sub.requires_envelope
+                and self._producer.keyring is not None
+                and not event.turn.data_key_id  # type: ignore[attr-defined]
+                and has_user_text(sub.message_type)
+            ):
+                # A service that seals takes no plaintext: anyone who may write the topic could otherwise
+                # plant text for any user. The reason names the missing seal, never the text.
+                kind = "unsealed"
+                raise PoisonEvent(
+                    f"unsealed {sub.message_type.__name__}: its envelope names no data key, and this "
+                    "service takes user text only sealed with the user's data key"
+                )
             if sub.requires_envelope and is_sealed(event):
                 kind = "unsealable"
                 if self._producer.keyring is None:

@@ -62,6 +62,7 @@ STAGE_OUTCOMES = ("ok", "dead_lettered", "retried", "forgotten")
 DEAD_LETTER_KINDS = (
     "undecodable",  # not a protobuf of the topic's type
     "unsealable",  # sealed text that does not open with its data key, or no master key to open it
+    "unsealed",  # user text without a data key, read by a service that seals (it takes sealed text only)
     "invalid_envelope",  # envelope fields or the record key wrong
     "oversized_text",  # text over MARS_MAX_EVENT_TEXT_CHARS
     "rejected",  # the stage's handler refused the content (PoisonEvent)

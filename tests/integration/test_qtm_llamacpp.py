@@ -80,10 +80,12 @@ def test_state_event_from_the_log_carries_the_controller_usage(llm_state: LocalS
         received_at_ms=int(time.time() * 1000),
         schema_version=SCHEMA_VERSION,
     )
+    received = ev.TurnReceived(turn=turn, text="Draft a short toast for my sister's wedding.")
+    keys = llm_state.keyring()  # the stack's services take user text only sealed, as the ingress seals it
     produce_raw(
         bootstrap,
         TOPIC_RECEIVED,
-        ev.TurnReceived(turn=turn, text="Draft a short toast for my sister's wedding.").SerializeToString(),
+        (keys.seal(received) if keys is not None else received).SerializeToString(),
         event_key(turn),
     )
 
