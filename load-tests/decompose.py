@@ -263,22 +263,23 @@ async def floor_hop(bootstrap: str, env: dict[str, str], hops: int) -> float:
     settings (acks=all, idempotence as configured, the same fetch wait)."""
     from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
     from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+    from mars_stack import stack_kafka_options
 
     topic = f"mars.load.floor.{uuid.uuid4().hex[:8]}"
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    admin = AIOKafkaAdminClient(**stack_kafka_options(bootstrap))
     await admin.start()
     try:
         await admin.create_topics([NewTopic(topic, num_partitions=1, replication_factor=1)])
     finally:
         await admin.close()
     producer = AIOKafkaProducer(
-        bootstrap_servers=bootstrap,
+        **stack_kafka_options(bootstrap),
         acks="all",
         linger_ms=1,
         enable_idempotence=env.get("MARS_KAFKA_IDEMPOTENCE", "false") == "true",
     )
     consumer = AIOKafkaConsumer(
-        bootstrap_servers=bootstrap,
+        **stack_kafka_options(bootstrap),
         enable_auto_commit=False,
         fetch_max_wait_ms=int(env.get("MARS_KAFKA_FETCH_MAX_WAIT_MS", "500")),
     )

@@ -77,6 +77,7 @@ from mars.topology import STAGE_GROUPS  # noqa: E402
 from mars.v1 import events_pb2 as ev  # noqa: E402
 from mars.v1 import services_pb2 as svc  # noqa: E402
 from mars.v1 import services_pb2_grpc as svc_grpc  # noqa: E402
+from mars_stack import stack_kafka_options  # noqa: E402
 
 TENANT = "fuzz"
 ARMS = ("standin-short", "standin-long")
@@ -587,7 +588,7 @@ def draw_cases(n: int, ctx: Context, rng_seed: int) -> list[Case]:
 async def send_records(bootstrap: str, records: Sequence[Case]) -> None:
     """Send every case (in order), filling in where it landed, or why the broker refused it."""
     producer = AIOKafkaProducer(
-        bootstrap_servers=bootstrap, enable_idempotence=False, max_request_size=4 * 1024 * 1024, linger_ms=5
+        **stack_kafka_options(bootstrap), enable_idempotence=False, max_request_size=4 * 1024 * 1024, linger_ms=5
     )
     await producer.start()
     try:
@@ -608,7 +609,7 @@ async def send_records(bootstrap: str, records: Sequence[Case]) -> None:
 async def read_topics(bootstrap: str, topics: Sequence[str], idle_s: float = 1.5) -> dict[str, list[Any]]:
     """Every record of each topic, from the beginning, until the topics have been idle for `idle_s`."""
     consumer = AIOKafkaConsumer(
-        bootstrap_servers=bootstrap,
+        **stack_kafka_options(bootstrap),
         enable_auto_commit=False,
         fetch_max_wait_ms=50,
         max_partition_fetch_bytes=4 * 1024 * 1024,
@@ -642,7 +643,7 @@ def _parse(cls: type[Message], raw: bytes | None) -> Message | None:
 async def total_lag(bootstrap: str) -> dict[str, int]:
     from mars_tools.deploy.lag import fetch_lag
 
-    lags = await fetch_lag({"bootstrap_servers": bootstrap})
+    lags = await fetch_lag(stack_kafka_options(bootstrap))
     return {f"{lag.group}:{lag.topic}": int(lag.lag or 0) for lag in lags if lag.lag}
 
 

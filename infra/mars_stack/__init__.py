@@ -7,6 +7,6 @@ import os
 # exec now and then (Postgres restarts dying with SIGSEGV, no log line): the launcher needs none of them.
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
-from mars_stack.stack import LocalStack, StackError, StackSettings
+from mars_stack.stack import LocalStack, StackError, StackSettings, stack_kafka_options
 
-__all__ = ["LocalStack", "StackError", "StackSettings"]
+__all__ = ["LocalStack", "StackError", "StackSettings", "stack_kafka_options"]

@@ -43,11 +43,11 @@ def make_identities(folder: Path, names: tuple[str, ...]) -> IdentityFiles:
     callers = {}
     for name in names:
         cert, key = leaf(name, ExtendedKeyUsageOID.CLIENT_AUTH, [])
-        callers[name] = (_write(folder / f"{name}.crt", cert), _write(folder / f"{name}.key", key))
+        callers[name] = (write_private(folder / f"{name}.crt", cert), write_private(folder / f"{name}.key", key))
     return IdentityFiles(ca=ca, callers=callers)
 
 
-def _write(path: Path, data: bytes) -> Path:
+def write_private(path: Path, data: bytes) -> Path:
     """Written 0600 from the start (write_bytes then chmod left a key readable to all for a moment), and
     never through a symbolic link at `path`."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
@@ -99,12 +99,12 @@ def make_kube_pki(folder: Path, service_ip: str = "10.96.0.1", extra_hosts: tupl
     )
     return KubePKI(
         ca=ca,
-        apiserver_cert=_write(folder / "apiserver.crt", server_cert),
-        apiserver_key=_write(folder / "apiserver.key", server_key),
-        admin_cert=_write(folder / "admin.crt", admin_cert),
-        admin_key=_write(folder / "admin.key", admin_key),
-        service_account_key=_write(folder / "sa.key", sa_private),
-        service_account_pub=_write(folder / "sa.pub", sa_public),
+        apiserver_cert=write_private(folder / "apiserver.crt", server_cert),
+        apiserver_key=write_private(folder / "apiserver.key", server_key),
+        admin_cert=write_private(folder / "admin.crt", admin_cert),
+        admin_key=write_private(folder / "admin.key", admin_key),
+        service_account_key=write_private(folder / "sa.key", sa_private),
+        service_account_pub=write_private(folder / "sa.pub", sa_public),
     )
 
 
@@ -130,10 +130,10 @@ def make_local_ca(folder: Path, hosts: tuple[str, ...] = ("localhost", "127.0.0.
     client_cert, client_key = leaf("mars-client", ExtendedKeyUsageOID.CLIENT_AUTH, [])
     return LocalCerts(
         ca=ca,
-        server_cert=_write(folder / "tls.crt", server_cert),
-        server_key=_write(folder / "tls.key", server_key),
-        client_cert=_write(folder / "client.crt", client_cert),
-        client_key=_write(folder / "client.key", client_key),
+        server_cert=write_private(folder / "tls.crt", server_cert),
+        server_key=write_private(folder / "tls.key", server_key),
+        client_cert=write_private(folder / "client.crt", client_cert),
+        client_key=write_private(folder / "client.key", client_key),
     )
 
 
@@ -195,5 +195,5 @@ def _authority(folder: Path, ca_name: str) -> tuple[Path, Leaf]:
         cert = builder.sign(ca_key, hashes.SHA256())
         return cert.public_bytes(serialization.Encoding.PEM), key_pem(key)
 
-    ca = _write(folder / "ca.crt", ca_cert.public_bytes(serialization.Encoding.PEM))
+    ca = write_private(folder / "ca.crt", ca_cert.public_bytes(serialization.Encoding.PEM))
     return ca, leaf

@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import base64
 import re
+import secrets
 import shutil
 import subprocess
 import uuid
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
+from mars_stack.certs import write_private
 from mars_stack.settings import launcher_settings
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -134,6 +137,78 @@ def sasl_listener_properties(sasl_port: int, users: Mapping[str, str]) -> dict[s
     }
 
 
+#: The broker's own principal (inter-broker and controller links, and whoever creates the ACLs): its only
+#: super user. It logs in with PLAIN on the two loopback listeners, never on the clients' listener.
+BROKER_ADMIN = "admin"
+#: The clients' SASL mechanism on the SASL_SSL listener.
+SCRAM = "SCRAM-SHA-512"
+
+
+@dataclass(frozen=True)
+class BrokerSecurity:
+    """The broker's clients' listener as SASL_SSL: SCRAM-SHA-512 logins for `users` (principal -> password),
+    TLS with the PEM `keystore` (private key and certificate chain), and Kafka's StandardAuthorizer with no
+    rule allowing anything by default (the rules come from mars.kafka_acls once it runs). The broker's own
+    links (inter-broker, controller) are SASL_PLAINTEXT with PLAIN on loopback, as `admin_password`'s
+    BROKER_ADMIN, the only super user; `internal_port` is that inter-broker listener."""
+
+    users: Mapping[str, str]
+    admin_password: str
+    keystore: Path
+    internal_port: int
+
+
+def new_password() -> str:
+    """A login password: URL-safe characters only (JAAS and --add-scram quote nothing)."""
+    return secrets.token_urlsafe(24)
+
+
+def _jaas_plain(password: str) -> str:
+    return (
+        "org.apache.kafka.common.security.plain.PlainLoginModule required "
+        f'username="{BROKER_ADMIN}" password="{password}" user_{BROKER_ADMIN}="{password}";'
+    )
+
+
+def secure_properties(host: str, port: int, controller_port: int, security: BrokerSecurity) -> dict[str, str]:
+    """Listeners, logins, TLS and the authorizer of a SASL_SSL broker (see BrokerSecurity)."""
+    bad = [u for u in security.users if not _SASL_NAME.fullmatch(u)]
+    bad += [u for u, pw in security.users.items() if not _SASL_NAME.fullmatch(pw)]
+    if bad or not _SASL_NAME.fullmatch(security.admin_password):
+        raise ValueError(f"SCRAM users need plain names and URL-safe passwords: {bad}")
+    internal = f"INTERNAL://127.0.0.1:{security.internal_port}"
+    return {
+        "listeners": f"SASL_SSL://{host}:{port},{internal},CONTROLLER://127.0.0.1:{controller_port}",
+        "advertised.listeners": f"SASL_SSL://{host}:{port},{internal}",
+        "listener.security.protocol.map": "CONTROLLER:SASL_PLAINTEXT,INTERNAL:SASL_PLAINTEXT,SASL_SSL:SASL_SSL",
+        "inter.broker.listener.name": "INTERNAL",
+        "sasl.mechanism.inter.broker.protocol": "PLAIN",
+        "sasl.mechanism.controller.protocol": "PLAIN",
+        "listener.name.controller.sasl.enabled.mechanisms": "PLAIN",
+        "listener.name.controller.plain.sasl.jaas.config": _jaas_plain(security.admin_password),
+        "listener.name.internal.sasl.enabled.mechanisms": "PLAIN",
+        "listener.name.internal.plain.sasl.jaas.config": _jaas_plain(security.admin_password),
+        "listener.name.sasl_ssl.sasl.enabled.mechanisms": SCRAM,
+        "listener.name.sasl_ssl.scram-sha-512.sasl.jaas.config": (
+            "org.apache.kafka.common.security.scram.ScramLoginModule required;"
+        ),
+        "ssl.keystore.type": "PEM",
+        "ssl.keystore.location": str(security.keystore),
+        "ssl.client.auth": "none",
+        "authorizer.class.name": "org.apache.kafka.metadata.authorizer.StandardAuthorizer",
+        "super.users": f"User:{BROKER_ADMIN}",
+        "allow.everyone.if.no.acl.found": "false",
+    }
+
+
+def scram_format_args(security: BrokerSecurity) -> list[str]:
+    """StorageTool format's --add-scram arguments: the users exist in the metadata from the first start."""
+    args: list[str] = []
+    for user, password in security.users.items():
+        args += ["--add-scram", f"{SCRAM}=[name={user},password={password}]"]
+    return args
+
+
 def server_properties(
     log_dir: Path,
     port: int,
@@ -143,12 +218,16 @@ def server_properties(
     sasl_users: Mapping[str, str] | None = None,
     extra: Mapping[str, str] | None = None,
     host: str = "127.0.0.1",
+    security: BrokerSecurity | None = None,
 ) -> str:
     """One node that is both broker and controller, sized for one machine: single replicas, a handful of
     internal partitions (fast start), no initial rebalance delay (services join groups as they start).
     `host`: the address the client listeners bind and advertise (the controller's stays on loopback).
     `sasl_port`: also a SASL_PLAINTEXT listener there, for `sasl_users` (see sasl_listener_properties).
+    `security`: the client listener is SASL_SSL with ACLs instead of PLAINTEXT (see BrokerSecurity).
     `extra`: properties that override these (MARS_KAFKA_SERVER_PROPERTIES, see parse_server_properties)."""
+    if security is not None and sasl_port is not None:
+        raise ValueError("a SASL_SSL broker has no second SASL_PLAINTEXT listener")
     listeners = f"PLAINTEXT://{host}:{port}"
     if sasl_port is not None:
         listeners += f",SASL_PLAINTEXT://{host}:{sasl_port}"
@@ -176,6 +255,8 @@ def server_properties(
     }
     if sasl_port is not None:
         props.update(sasl_listener_properties(sasl_port, sasl_users or {}))
+    if security is not None:
+        props.update(secure_properties(host, port, controller_port, security))
     props.update(extra or {})
     return "".join(f"{k}={v}\n" for k, v in props.items())
 
@@ -200,6 +281,7 @@ def prepare(
     sasl_port: int | None = None,
     sasl_users: Mapping[str, str] | None = None,
     host: str = "127.0.0.1",
+    security: BrokerSecurity | None = None,
 ) -> list[str]:
     """Write the config, format the log dir once (a restart reuses it, data included), and return the
     command that runs the broker in the foreground (client listeners on `host`)."""
@@ -210,8 +292,11 @@ def prepare(
     config.parent.mkdir(parents=True, exist_ok=True)
     launcher = launcher_settings()
     extra = parse_server_properties(launcher.kafka_server_properties)
-    config.write_text(
-        server_properties(log_dir, port, controller_port, partitions, sasl_port, sasl_users, extra, host)
+    write_private(  # it holds the broker's passwords when it runs SASL_SSL
+        config,
+        server_properties(
+            log_dir, port, controller_port, partitions, sasl_port, sasl_users, extra, host, security
+        ).encode(),
     )
     if not (log_dir / "meta.properties").exists():
         done = subprocess.run(
@@ -224,6 +309,7 @@ def prepare(
                 f"--cluster-id={cluster_id()}",
                 "-c",
                 str(config),
+                *(scram_format_args(security) if security is not None else []),
             ],
             capture_output=True,
             text=True,

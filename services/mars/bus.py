@@ -420,6 +420,17 @@ def check_group(service: str, group_id: str, subscriptions: Sequence[Subscriptio
         )
 
 
+def check_broadcast(service: str, subscriptions: Sequence[Subscription]) -> None:
+    """A broadcast reader reads only what the topology says the service reads outside its groups (its Kafka
+    principal may read nothing else)."""
+    allowed = set(topology.service(service).broadcast_reads)
+    if extra := sorted({s.topic for s in subscriptions} - allowed):
+        raise ValueError(
+            f"{service} reads {', '.join(extra)} outside its groups; the topology gives it "
+            f"{', '.join(sorted(allowed)) or 'nothing'} (mars.topology broadcast_reads)"
+        )
+
+
 class StageConsumer:
     """A consumer group over one or more topics.
 
@@ -449,6 +460,8 @@ class StageConsumer:
     ) -> None:
         if not broadcast:
             check_group(service, group_id, subscriptions)
+        else:
+            check_broadcast(service, subscriptions)
         self._settings = settings
         self._producer = producer
         self._service = service

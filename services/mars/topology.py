@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from mars.config import (
+    TOPIC_CONTROL,
     TOPIC_DEAD_LETTER,
     TOPIC_FEEDBACK,
     TOPIC_GENERATED,
@@ -22,6 +23,7 @@ from mars.config import (
     TOPIC_RECEIVED,
     TOPIC_ROUTED,
     TOPIC_STATE,
+    TOPIC_TOKENS,
     TOPIC_VIEW,
     ServiceSettings,
 )
@@ -80,6 +82,21 @@ class ServiceSpec:
     #: Method name -> the caller identities allowed (mars.identity). Empty for the ingress, whose callers
     #: are tenants with API keys (mars.auth), not services.
     permissions: Mapping[str, frozenset[str]] = field(default_factory=dict)
+    #: Topics it publishes to (the dead-letter topic besides, which every stage writes): its Kafka
+    #: principal may write these and no others (mars.kafka_acls).
+    produces: tuple[str, ...] = ()
+    #: Topics each of its replicas reads outside any group (broadcast readers: replies, control events).
+    broadcast_reads: tuple[str, ...] = ()
+
+    @property
+    def reads(self) -> tuple[str, ...]:
+        """Every topic the service reads, in its groups or broadcast."""
+        topics = [t for g in self.groups for t in g.topics] + list(self.broadcast_reads)
+        return tuple(dict.fromkeys(topics))
+
+    @property
+    def writes(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys((*self.produces, TOPIC_DEAD_LETTER)))
 
     def settings_class(self) -> type[ServiceSettings]:
         module, _, name = self.settings.partition(":")
@@ -103,6 +120,8 @@ SERVICES: tuple[ServiceSpec, ...] = (
         (STATE,),
         # ImportContext: the ingress hands over the context a history import leaves (state owns the table).
         {"Estimate": _allow("operator", "replay"), "ImportContext": _allow("ingress")},
+        produces=(TOPIC_STATE,),
+        broadcast_reads=(TOPIC_CONTROL,),
     ),
     ServiceSpec(
         "memory",
@@ -111,6 +130,8 @@ SERVICES: tuple[ServiceSpec, ...] = (
         "mars.v1.Memory",
         (MEMORY_VIEW, MEMORY_WRITER),
         {"BuildView": _allow("operator", "replay"), "DescribeIndex": _allow("operator", "replay", "chaos")},
+        produces=(TOPIC_VIEW, TOPIC_MEMORY_COMMITTED),
+        broadcast_reads=(TOPIC_CONTROL,),
     ),
     ServiceSpec(
         "router",
@@ -123,6 +144,7 @@ SERVICES: tuple[ServiceSpec, ...] = (
             "GetPolicy": _allow("operator", "replay", "deploy"),
             "ResetPolicy": _allow("operator"),
         },
+        produces=(TOPIC_ROUTED,),
     ),
     ServiceSpec(
         "dispatch",
@@ -131,6 +153,7 @@ SERVICES: tuple[ServiceSpec, ...] = (
         "mars.v1.Dispatch",
         (DISPATCH,),
         {"Generate": _allow("operator", "replay"), "ListModels": _allow("operator", "replay", "deploy")},
+        produces=(TOPIC_GENERATED, TOPIC_TOKENS),
     ),
     ServiceSpec(
         "judge",
@@ -139,6 +162,7 @@ SERVICES: tuple[ServiceSpec, ...] = (
         "mars.v1.Judge",
         (JUDGE,),
         {"Score": _allow("operator", "replay")},
+        produces=(TOPIC_JUDGED,),
     ),
     ServiceSpec(
         "ingress",
@@ -146,6 +170,10 @@ SERVICES: tuple[ServiceSpec, ...] = (
         "mars_ingress.schema",
         "mars.v1.Ingress",
         (INGRESS_OUTCOMES,),
+        # Generated: the answers of an imported history (they go to memory as answered turns do).
+        produces=(TOPIC_RECEIVED, TOPIC_FEEDBACK, TOPIC_GENERATED, TOPIC_CONTROL),
+        # Each replica reads every reply, streamed token, dead letter and forget (the calls wait there).
+        broadcast_reads=(TOPIC_GENERATED, TOPIC_TOKENS, TOPIC_DEAD_LETTER, TOPIC_CONTROL),
     ),
 )
 NAMES: tuple[str, ...] = tuple(s.name for s in SERVICES)

@@ -21,7 +21,7 @@ from mars.client import ingress_channel
 from mars.data_keys import Forgotten
 from mars.v1 import events_pb2 as ev
 from mars.v1 import services_pb2_grpc as svc_grpc
-from mars_stack import LocalStack, StackSettings
+from mars_stack import LocalStack, StackSettings, stack_kafka_options
 from mars_stack.kafka import choose_broker
 from mars_tools.replay.presets import check as check_settings
 
@@ -113,7 +113,7 @@ def read_topic(bootstrap: str, topic: str, idle_s: float = 1.5) -> list[Any]:
 
     async def _read() -> list[Any]:
         consumer = AIOKafkaConsumer(
-            bootstrap_servers=bootstrap, enable_auto_commit=False, fetch_max_wait_ms=50
+            **stack_kafka_options(bootstrap), enable_auto_commit=False, fetch_max_wait_ms=50
         )
         await consumer.start()
         try:
@@ -144,7 +144,7 @@ def keys_env(stack: LocalStack) -> dict[str, str]:
     import os
 
     keys = {k: stack.env[k] for k in ("MARS_MASTER_KEY_FILE", "MARS_POSTGRES_DSN") if k in stack.env}
-    return {**os.environ, **keys}
+    return {**os.environ, **keys, **stack.kafka_env("operator")}  # and the tools' Kafka login
 
 
 def read_events(stack: LocalStack, topic: str, cls: type[M], idle_s: float = 1.5) -> list[M]:
@@ -163,9 +163,11 @@ def read_events(stack: LocalStack, topic: str, cls: type[M], idle_s: float = 1.5
     return out
 
 
-def produce_raw(bootstrap: str, topic: str, payload: bytes, key: bytes) -> None:
+def produce_raw(bootstrap: str, topic: str, payload: bytes, key: bytes, principal: str = "operator") -> None:
+    """One record, produced as `principal` (a service, or the tools' operator) where the broker has logins."""
+
     async def _send() -> None:
-        producer = AIOKafkaProducer(bootstrap_servers=bootstrap, enable_idempotence=False)
+        producer = AIOKafkaProducer(**stack_kafka_options(bootstrap, principal), enable_idempotence=False)
         await producer.start()
         try:
             await producer.send_and_wait(topic, payload, key=key)

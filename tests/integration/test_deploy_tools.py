@@ -45,6 +45,7 @@ def kafka(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
             services=(),
             broker="kafka",
             kafka_sasl_users={SASL_USER: SASL_PASSWORD},
+            kafka_security="plaintext",  # beside the SASL_PLAINTEXT listener these tests log in to
         )
     ).start()
     try:

@@ -424,7 +424,8 @@ def test_a_plaintext_answer_planted_for_a_real_user_never_reaches_memory(
         schema_version=SCHEMA_VERSION,
     )
     planted = ev.Generated(turn=turn, text=planted_text, query="what is my zebra budget?", status=ev.OK)
-    produce_raw(bootstrap, TOPIC_GENERATED, planted.SerializeToString(), event_key(turn))
+    # As dispatch, whose principal may write the topic (the broker refuses the others, test_kafka_acls).
+    produce_raw(bootstrap, TOPIC_GENERATED, planted.SerializeToString(), event_key(turn), "dispatch")
 
     def letters() -> dict[str, ev.DeadLetter]:
         out = {}

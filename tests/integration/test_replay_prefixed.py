@@ -16,7 +16,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 from conftest import HERE, ingress_stub, keys_env, start_stack
 from mars.config import ALL_TOPICS, Topics
 from mars.v1 import services_pb2 as svc
-from mars_stack import LocalStack
+from mars_stack import LocalStack, stack_kafka_options
 
 pytestmark = pytest.mark.integration
 
@@ -52,7 +52,7 @@ def mars(*args: str, stack: LocalStack | None = None) -> subprocess.CompletedPro
 
 def list_topics(bootstrap: str) -> set[str]:
     async def run() -> set[str]:
-        admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+        admin = AIOKafkaAdminClient(**stack_kafka_options(bootstrap))
         await admin.start()
         try:
             return set(await admin.list_topics())
@@ -71,12 +71,12 @@ def test_prefixed_run_writes_only_prefixed_topics_and_reads_back(
     assert not topics & set(ALL_TOPICS)  # no service touched a plain topic name
     run = mars(
         "replay", "read", "--bootstrap", bootstrap, "--topic-prefix", PREFIX, "--idle-s", "2",
-        "--summary", str(tmp_path / "summary.json"),
+        "--summary", str(tmp_path / "summary.json"), stack=prefixed_stack,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["turns"] == summary["complete"] == TURNS and summary["incomplete"] == {}
-    bad = mars("replay", "read", "--bootstrap", bootstrap, "--topic-prefix", "no/slash")
+    bad = mars("replay", "read", "--bootstrap", bootstrap, "--topic-prefix", "no/slash", stack=prefixed_stack)
     assert bad.returncode == 2 and "characters Kafka does not allow" in bad.stderr
 
 
@@ -84,7 +84,7 @@ def test_replay_run_with_a_preset_on_a_stack_of_its_own(prefixed_stack: LocalSta
     log = tmp_path / "log.jsonl"
     export = mars(
         "replay", "export", "--bootstrap", prefixed_stack.env["MARS_KAFKA_BOOTSTRAP"],
-        "--topic-prefix", PREFIX, "--idle-s", "2", "--out", str(log),
+        "--topic-prefix", PREFIX, "--idle-s", "2", "--out", str(log), stack=prefixed_stack,
     )  # fmt: skip
     assert export.returncode == 0, export.stderr[-2000:]
     # Exports carry the base topic names, so a prefixed run's file reads like any other.

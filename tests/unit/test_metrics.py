@@ -110,6 +110,7 @@ async def _consumer(handler: Any, attempts: int = 2) -> tuple[StageConsumer, lis
     letters: list[str] = []
     settings = ServiceSettings(handler_attempts=attempts, uvloop=False)
     producer = EventProducer.__new__(EventProducer)
+    producer.keyring = None  # a stack without a master key: plaintext events are taken
 
     async def dead_letter(record: Any, reason: str, consumer: str, turn_id: str) -> None:
         letters.append(reason)
