@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PROTO_SRC := $(wildcard proto/mars/v1/*.proto)
 PROTO_OUT := services/mars/v1/.generated
 
-.PHONY: install proto kafka litellm run test test-unit test-integration lint clean image test-image kube test-k8s test-k8s-kubelet node-tools test-k8s-e2e
+.PHONY: chart-acls install proto kafka litellm run test test-unit test-integration lint clean image test-image kube test-k8s test-k8s-kubelet node-tools test-k8s-e2e
 
 install: $(STAMP)
 
@@ -61,6 +61,11 @@ run: install proto kafka
 
 test: install proto kafka litellm
 	$(PY) -m pytest -q
+
+# The chart's KafkaUser ACLs (charts/mars/files/kafka-acls.json) from mars.kafka_acls: the one table, written
+# for the chart (tests/unit/test_kafka_acls.py fails when the file is stale).
+chart-acls: install proto
+	PYTHONPATH=services $(PY) -c "from mars.kafka_acls import chart_table_json; print(chart_table_json(), end='')" > charts/mars/files/kafka-acls.json
 
 test-unit: install proto
 	$(PY) -m pytest -q tests/unit

@@ -204,11 +204,12 @@ def run_faults(stack: Any, faults: list[Fault], sc: Scenario, t0: float, log: Ca
 
 def read_log(bootstrap: str, topics: tuple[str, ...]) -> dict[str, list[bytes]]:
     """Every record of the stage topics (base names), through the replay tool's reader."""
+    from mars_stack import stack_kafka_options
     from mars_tools.replay.readers import read_topics
 
     async def _read() -> dict[str, list[bytes]]:
         out: dict[str, list[bytes]] = {t: [] for t in topics}
-        async for record in read_topics(bootstrap, topics):
+        async for record in read_topics(bootstrap, topics, kafka=stack_kafka_options(bootstrap)):
             out[record.topic].append(record.value)
         return out
 

@@ -166,9 +166,16 @@ def check(
             keyring.unseal(event)
         return event
 
+    from mars_stack import stack_kafka_options
+
     async def read() -> None:
         async for record in read_topics(
-            bootstrap, (TOPIC_VIEW, TOPIC_GENERATED), since_ms, 3.0, prefix=prefix
+            bootstrap,
+            (TOPIC_VIEW, TOPIC_GENERATED),
+            since_ms,
+            3.0,
+            prefix=prefix,
+            kafka=stack_kafka_options(bootstrap),
         ):
             if record.topic == TOPIC_VIEW:
                 built = opened(ev.ViewBuilt.FromString(record.value))

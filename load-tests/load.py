@@ -14,6 +14,10 @@ call time from the reply; LiteLLM: the upstream's fixed latency). OUT is
 
 LiteLLM runs from its own virtual environment (`make litellm` creates load-tests/.venv-litellm);
 `--no-litellm` measures MARS alone.
+
+`--kafka-security both` measures what the broker's SASL_SSL (per-service SCRAM logins over TLS, ACLs; the
+local stack's default) costs: MARS alone, once with a plaintext broker and once with SASL_SSL, one after
+the other in this session, then the two side by side per rate.
 """
 
 from __future__ import annotations
@@ -326,6 +330,77 @@ def plot(out: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def _without(argv: list[str], option: str) -> list[str]:
+    """`argv` without `option` and its value (either `--opt v` or `--opt=v`)."""
+    out: list[str] = []
+    skip = False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == option:
+            skip = True
+        elif not a.startswith(option + "="):
+            out.append(a)
+    return out
+
+
+def compare_kafka_security(argv: list[str], args: argparse.Namespace) -> int:
+    """MARS alone on a plaintext broker, then on SASL_SSL (fresh stacks, same session, same rates), and
+    the difference per rate: end-to-end and overhead percentiles, and the services' CPU per turn."""
+    import tempfile
+
+    base = _without(_without(_without(argv, "--kafka-security"), "--json"), "--workdir")
+    if "--no-litellm" not in base:
+        base.append("--no-litellm")
+    rows: dict[str, list[dict[str, Any]]] = {}
+    folder = Path(tempfile.mkdtemp(prefix="mars-load-security-"))
+    for security in ("plaintext", "sasl_ssl"):
+        print(f"\n[load] ===== MARS with a {security} broker =====", flush=True)
+        out_file = folder / f"{security}.json"
+        code = main([*base, "--kafka-security", security, "--json", str(out_file)])
+        if code:
+            return code
+        rows[security] = json.loads(out_file.read_text())["mars"]
+    plain = {r["rate"]: r for r in rows["plaintext"]}
+    print("\nWhat SASL_SSL costs (plaintext -> sasl_ssl; ms; CPU: the services' ms per turn)")
+    print(
+        f"{'rate':>6s} {'e2e p50':>17s} {'e2e p99':>17s} {'ovh p50':>17s} {'ovh p99':>17s} {'CPU/turn':>17s} "
+        f"{'errors':>9s}"
+    )
+    compared = []
+    for r in rows["sasl_ssl"]:
+        p = plain.get(r["rate"])
+        if p is None:
+            continue
+
+        def cpu(row: dict[str, Any]) -> float:
+            return sum(v for k, v in row["cpu_ms_per_turn"].items() if k != "load generator")
+
+        pair = {
+            "rate": r["rate"],
+            **{
+                f"{k}_{side}": row[k]
+                for k in ("e2e_p50_ms", "e2e_p99_ms", "overhead_p50_ms", "overhead_p99_ms", "errors")
+                for side, row in (("plaintext", p), ("sasl_ssl", r))
+            },
+            "cpu_ms_per_turn_plaintext": cpu(p),
+            "cpu_ms_per_turn_sasl_ssl": cpu(r),
+        }
+        compared.append(pair)
+        cells = [
+            f"{pair[k + '_plaintext']:7.1f} -> {pair[k + '_sasl_ssl']:7.1f}"
+            for k in ("e2e_p50_ms", "e2e_p99_ms", "overhead_p50_ms", "overhead_p99_ms", "cpu_ms_per_turn")
+        ]
+        print(
+            f"{r['rate']:6g} {' '.join(f'{c:>17s}' for c in cells)} "
+            f"{p['errors']:>4d}/{r['errors']:<4d}"
+        )
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"runs": rows, "compared": compared}, indent=2))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
@@ -374,6 +449,13 @@ def main(argv: list[str] | None = None) -> int:
         "--profile-rate", type=float, help="the rate to profile (default: the first of --rates)"
     )
     parser.add_argument(
+        "--kafka-security",
+        choices=("sasl_ssl", "plaintext", "both"),
+        default="sasl_ssl",
+        help="the local broker's client listener (default sasl_ssl, as the stack runs it); both: MARS alone "
+        "on each, then what SASL_SSL costs per turn",
+    )
+    parser.add_argument(
         "--service-env",
         action="append",
         default=[],
@@ -389,6 +471,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("rates and --seconds must be positive")
     if not 0 < args.trace_sample <= 1:
         parser.error(f"--trace-sample is a share of turns in (0, 1], got {args.trace_sample:g}")
+    if args.kafka_security == "both":
+        return compare_kafka_security(argv if argv is not None else sys.argv[1:], args)
     if args.profile_rate is None:
         args.profile_rate = rates[0]
     elif args.profile_rate not in rates:
@@ -421,6 +505,7 @@ def main(argv: list[str] | None = None) -> int:
             llm="standin",
             standin_latency_ms=args.latency_ms,
             trace_dir=trace_dir,
+            kafka_security=args.kafka_security,
             postgres_settings=pg_statements.SERVER_SETTINGS,
             extra_env={
                 "MARS_TURN_TIMEOUT_S": str(args.timeout_s),

@@ -25,6 +25,7 @@ NEWEST_KUBE = "1.37.0"
 
 #: Optional APIs the chart renders for when the cluster has them.
 STRIMZI_API = "kafka.strimzi.io/v1beta2/KafkaTopic"
+STRIMZI_USER_API = "kafka.strimzi.io/v1beta2/KafkaUser"
 
 
 class ChartError(Exception):

@@ -154,7 +154,13 @@ class ServingCluster:
         small = {"resources": {"requests": dict(SMALL_REQUESTS)}}
         return {
             "image": {"repository": repository, "tag": tag},
-            "kafka": {"bootstrapServers": f"{KAFKA_SERVICE}:{KAFKA_PORT}", "replicationFactor": 1},
+            "kafka": {
+                "bootstrapServers": f"{KAFKA_SERVICE}:{KAFKA_PORT}",
+                "replicationFactor": 1,
+                # The node's broker is plaintext (no KafkaUser operator here to make the logins' Secrets).
+                "securityProtocol": "PLAINTEXT",
+                "allowPlaintext": True,
+            },
             "postgres": {"host": POSTGRES_SERVICE, "port": POSTGRES_PORT, "password": self.postgres_password},
             "vllm": {"enabled": False},
             "state": {

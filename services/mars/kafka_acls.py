@@ -94,6 +94,34 @@ def acl_bindings(topics: Topics, services: Iterable[str] = topology.NAMES) -> di
     return table
 
 
+def chart_table() -> dict[str, list[dict[str, Any]]]:
+    """The table as the chart's KafkaUsers carry it (charts/mars/files/kafka-acls.json, written by `make
+    chart-acls`): principal -> Strimzi ACL rules, names before the release's topic prefix (the chart puts
+    it in front, as `acl_bindings` does here), operations merged per resource."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for principal, rules in acl_bindings(Topics("")).items():
+        merged: dict[tuple[str, str, str], list[str]] = {}
+        for b in rules:
+            merged.setdefault((b.resource, b.name, b.pattern), []).append(b.operation.capitalize())
+        out[principal] = [
+            # Strimzi says "prefix" where Kafka says PREFIXED.
+            {
+                "type": resource,
+                "name": name,
+                "patternType": "prefix" if pattern == "prefixed" else pattern,
+                "operations": sorted(set(ops)),
+            }
+            for (resource, name, pattern), ops in merged.items()
+        ]
+    return out
+
+
+def chart_table_json() -> str:
+    import json
+
+    return json.dumps(chart_table(), indent=2, sort_keys=True) + "\n"
+
+
 class _CreateAcls(Request[CreateAclsRequest_v1]):
     """CreateAcls v1 with many creations in one request (aiokafka's CreateAclsRequest carries one)."""
 
@@ -135,6 +163,8 @@ __all__ = [
     "AclBinding",
     "AclsRefused",
     "acl_bindings",
+    "chart_table",
+    "chart_table_json",
     "create_acls",
     "operator_bindings",
     "service_bindings",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 from aiokafka.errors import KafkaError
@@ -110,7 +111,12 @@ def render(rows: list[DemoRow], console: Console, rewards: dict[str, float] | No
 
 
 def judged_rewards(
-    bootstrap: str, turn_ids: list[str], since_ms: int, prefix: str = "", wait_s: float = 30.0
+    bootstrap: str,
+    turn_ids: list[str],
+    since_ms: int,
+    prefix: str = "",
+    wait_s: float = 30.0,
+    kafka: dict[str, Any] | None = None,
 ) -> dict[str, float]:
     """Each turn's reward (Eq. 17) from its judged event on Kafka: rewards arrive after the answer, on the
     learning path, so the judged topic is read until every turn has one or `wait_s` ran out. The events are
@@ -128,7 +134,9 @@ def judged_rewards(
     async def read() -> None:
         # One reader from the demo's start, until every turn has its reward or `wait_s` has passed.
         deadline = time.monotonic() + wait_s
-        records = read_topics(bootstrap, (TOPIC_JUDGED,), since_ms=since_ms, idle_s=wait_s, prefix=prefix)
+        records = read_topics(
+            bootstrap, (TOPIC_JUDGED,), since_ms=since_ms, idle_s=wait_s, prefix=prefix, kafka=kafka
+        )
         async with contextlib.aclosing(records):  # stops the consumer however the loop ends
             async for record in records:
                 judged = ev.Judged.FromString(record.value)

@@ -97,6 +97,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             [r.reply.turn_id for r in rows if r.reply],
             since_ms=started_ms,
             prefix=stack.settings.topic_prefix,
+            kafka=stack.kafka_options(),  # the tools' login on the stack's broker
         )
         render(rows, console, rewards)
         if args.no_serve:

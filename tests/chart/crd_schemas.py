@@ -1,6 +1,6 @@
 """Small schemas of our own for the CRD kinds the chart renders (Kubernetes' schemas have none of them).
 
-They check the fields the chart sets, after the CRDs' published shapes (Strimzi KafkaTopic v1beta2, KEDA
+They check the fields the chart sets, after the CRDs' published shapes (Strimzi KafkaTopic and KafkaUser v1beta2, KEDA
 ScaledObject / TriggerAuthentication v1alpha1, prometheus-operator ServiceMonitor v1). Any other kind
 without a Kubernetes schema is a test failure.
 """
@@ -47,6 +47,69 @@ KAFKA_TOPIC = _kind(
             "partitions": {"type": "integer", "minimum": 1},
             "replicas": {"type": "integer", "minimum": 1, "maximum": 32767},
             "config": {"type": "object"},
+        },
+    },
+)
+
+_ACL_RULE = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["resource", "operations"],
+    "properties": {
+        "resource": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["type"],
+            "properties": {
+                "type": {"enum": ["topic", "group", "cluster", "transactionalId"]},
+                "name": _STR,
+                "patternType": {"enum": ["literal", "prefix"]},
+            },
+        },
+        "operations": {
+            "type": "array",
+            "minItems": 1,
+            "items": {
+                "enum": [
+                    "Read",
+                    "Write",
+                    "Create",
+                    "Delete",
+                    "Alter",
+                    "Describe",
+                    "ClusterAction",
+                    "AlterConfigs",
+                    "DescribeConfigs",
+                    "IdempotentWrite",
+                    "All",
+                ]
+            },
+        },
+        "host": {"type": "string"},
+        "type": {"enum": ["allow", "deny"]},
+    },
+}
+
+KAFKA_USER = _kind(
+    "kafka.strimzi.io/v1beta2",
+    "KafkaUser",
+    {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["authentication", "authorization"],
+        "properties": {
+            "authentication": {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["type"],
+                "properties": {"type": {"enum": ["scram-sha-512", "tls", "tls-external"]}},
+            },
+            "authorization": {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["type", "acls"],
+                "properties": {"type": {"const": "simple"}, "acls": {"type": "array", "items": _ACL_RULE}},
+            },
         },
     },
 )
@@ -163,6 +226,7 @@ SERVICE_MONITOR = _kind(
 #: (apiVersion, kind) -> schema: the allow-list of CRD kinds.
 CRD_SCHEMAS: dict[tuple[str, str], dict[str, Any]] = {
     ("kafka.strimzi.io/v1beta2", "KafkaTopic"): KAFKA_TOPIC,
+    ("kafka.strimzi.io/v1beta2", "KafkaUser"): KAFKA_USER,
     ("keda.sh/v1alpha1", "ScaledObject"): SCALED_OBJECT,
     ("keda.sh/v1alpha1", "TriggerAuthentication"): TRIGGER_AUTHENTICATION,
     ("monitoring.coreos.com/v1", "ServiceMonitor"): SERVICE_MONITOR,

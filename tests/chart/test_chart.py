@@ -51,7 +51,13 @@ def _merge(into: dict[str, Any], part: dict[str, Any]) -> None:
 SASL_TLS = {
     "kafka": {
         "securityProtocol": "SASL_SSL",
-        "sasl": {"mechanism": "SCRAM-SHA-512", "username": "mars", "existingSecret": "kafka-user"},
+        # One shared login (the per-service logins of the default are tested on their own).
+        "sasl": {
+            "mechanism": "SCRAM-SHA-512",
+            "perService": False,
+            "username": "mars",
+            "existingSecret": "kafka-user",
+        },
         "tls": {"caSecret": "kafka-ca"},
     },
     "postgres": {"existingSecret": "pg-credentials", "sslMode": "verify-full"},
@@ -106,7 +112,8 @@ KUBE_VERSIONS = (helm.OLDEST_KUBE, helm.NEWEST_KUBE)
 def render(
     values: dict[str, Any], kube: str = helm.NEWEST_KUBE, strimzi: bool = False
 ) -> list[dict[str, Any]]:
-    return helm.render(values, kube_version=kube, api_versions=[helm.STRIMZI_API] if strimzi else [])
+    apis = [helm.STRIMZI_API, helm.STRIMZI_USER_API] if strimzi else []
+    return helm.render(values, kube_version=kube, api_versions=apis)
 
 
 def by_component(objects: list[dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:
@@ -186,11 +193,15 @@ def test_an_unknown_kind_is_not_waved_through() -> None:
         (merged(BASE, {"replicas": 3}), "additional properties 'replicas' not allowed"),
         (merged(BASE, {"services": {"memory": {"gpus": 1}}}), "additional properties 'gpus' not allowed"),
         (merged(BASE, {"autoscaling": {"mode": "always"}}), "/autoscaling/mode"),
-        (merged(BASE, {"kafka": {"securityProtocol": "SASL_SSL"}}), "kafka.sasl.username is required"),
         (
-            merged(BASE, {"kafka": {"securityProtocol": "SASL_SSL", "sasl": {"username": "u"}}}),
+            merged(BASE, {"kafka": {"securityProtocol": "SASL_SSL", "sasl": {"perService": False}}}),
+            "kafka.sasl.username is required",
+        ),
+        (
+            merged(BASE, {"kafka": {"sasl": {"perService": False, "username": "u"}}}),
             "kafka.sasl.password or kafka.sasl.existingSecret is required",
         ),
+        (merged(BASE, {"kafka": {"securityProtocol": "PLAINTEXT"}}), "set kafka.allowPlaintext=true"),
         (merged(BASE, {"vllm": {"gpuMemoryUtilization": 1.5}}), "/vllm/gpuMemoryUtilization"),
         (merged(BASE, {"vllm": {"enabled": False}}), "state.qtmUrl is required"),
         (merged(BASE, {"modelPool": [{"name": "x", "model": "m"}]}), "missing properties"),
@@ -583,8 +594,11 @@ def test_notes_tell_how_to_send_a_first_turn() -> None:
 
 def test_notes_name_each_insecure_default_in_one_line() -> None:
     (line,) = [x for x in helm.notes(BASE).splitlines() if x.startswith("Insecure defaults")]
-    assert "gRPC without TLS" in line and "Kafka in PLAINTEXT" in line and "sslmode=prefer" in line
-    assert "identity" not in line  # on by default
+    assert "gRPC without TLS" in line and "sslmode=prefer" in line
+    assert "identity" not in line and "Kafka" not in line  # both secure by default
+    plaintext = merged(BASE, {"kafka": {"securityProtocol": "PLAINTEXT", "allowPlaintext": True}})
+    (line,) = [x for x in helm.notes(plaintext).splitlines() if x.startswith("Insecure defaults")]
+    assert "Kafka in PLAINTEXT" in line
     hardened = merged(
         PROFILES["tls-mutual"],
         {"kafka": {"securityProtocol": "SSL"}},
@@ -748,7 +762,9 @@ def test_the_chart_mints_identities_the_stage_services_verify(tmp_path: Any) -> 
         assert secret["type"] == "kubernetes.io/tls"
         for key in ("tls.crt", "tls.key"):
             (tmp_path / f"{tool}-{key}").write_bytes(base64.b64decode(secret["data"][key]))
-        caller = CallerIdentity.from_files(str(tmp_path / f"{tool}-tls.crt"), str(tmp_path / f"{tool}-tls.key"))
+        caller = CallerIdentity.from_files(
+            str(tmp_path / f"{tool}-tls.crt"), str(tmp_path / f"{tool}-tls.key")
+        )
         assert caller.name == tool
         assert verifier.verify(caller.token("mars.v1.Router"), "mars.v1.Router") == tool
     for service in SERVICES:
@@ -782,7 +798,9 @@ def test_postgres_certificates_are_verified_where_tls_is_on() -> None:
     plain = helm.service_env(render(BASE), "memory")["MARS_POSTGRES_DSN"]
     assert plain.endswith("?sslmode=prefer")
     tls = render(PROFILES["tls-mutual"])
-    assert helm.service_env(tls, "memory")["MARS_POSTGRES_DSN"].endswith("?sslmode=verify-full&sslrootcert=system")
+    assert helm.service_env(tls, "memory")["MARS_POSTGRES_DSN"].endswith(
+        "?sslmode=verify-full&sslrootcert=system"
+    )
     own_ca = render(merged(PROFILES["tls-mutual"], {"postgres": {"caSecret": "pg-ca", "caKey": "root.crt"}}))
     dsn = helm.service_env(own_ca, "judge")["MARS_POSTGRES_DSN"]
     assert dsn.endswith("?sslmode=verify-full&sslrootcert=/etc/mars/postgres-tls/root.crt")
@@ -821,7 +839,9 @@ def test_gateway_is_a_keyless_caller_of_the_ingress() -> None:
         env = {e["name"]: e.get("value") for e in container["env"]}
         assert set(env) <= fields, sorted(set(env) - fields)
         # The values parse as the gateway parses them (Helm renders big numbers in e-notation unless cast).
-        settings = GatewaySettings.model_validate({k.removeprefix("MARS_").lower(): v for k, v in env.items()})
+        settings = GatewaySettings.model_validate(
+            {k.removeprefix("MARS_").lower(): v for k, v in env.items()}
+        )
         assert settings.max_body_bytes == 4 * 1024 * 1024 and settings.http_port == 8080
         assert env["MARS_INGRESS_ADDR"] == "mars-ingress:50051" and env["MARS_HTTP_HOST"] == "0.0.0.0"
         assert "envFrom" not in container and all("valueFrom" not in e for e in container["env"])
@@ -865,3 +885,74 @@ def test_the_ingress_calls_state_with_the_client_certificate_under_mutual_tls() 
     # No other service holds a client certificate or an identity key.
     state = by_component(objects, "Deployment")["state"]["spec"]["template"]["spec"]
     assert not {"tls-client", "identity"} & {v["name"] for v in state["volumes"]}
+
+
+# --- Kafka logins: one principal per service, KafkaUsers with the ACLs of mars.kafka_acls ------------------
+
+
+def _env_of(container: dict[str, Any]) -> dict[str, Any]:
+    return {v["name"]: v.get("value", v.get("valueFrom")) for v in container.get("env", [])}
+
+
+def test_each_service_logs_in_to_kafka_as_its_own_principal_by_default() -> None:
+    objects = render(BASE)
+    deployments = by_component(objects, "Deployment")
+    for name in SERVICES:
+        env = _env_of(deployments[name]["spec"]["template"]["spec"]["containers"][0])
+        assert env["MARS_KAFKA_SASL_USERNAME"] == f"mars-kafka-{name}"
+        assert env["MARS_KAFKA_SASL_PASSWORD"] == {
+            "secretKeyRef": {"name": f"mars-kafka-{name}", "key": "password"}
+        }
+    # Nothing shared: the ConfigMap names no Kafka user, and the chart stores no Kafka password.
+    (config_map,) = [c for c in helm.find(objects, "ConfigMap") if c["metadata"]["name"] == "mars-env"]
+    assert config_map["data"]["MARS_KAFKA_SECURITY_PROTOCOL"] == "SASL_SSL"
+    assert "MARS_KAFKA_SASL_USERNAME" not in config_map["data"]
+    # The hook Jobs (schema, topics) as the tools' principal.
+    for job in helm.find(objects, "Job"):
+        for container in job["spec"]["template"]["spec"]["containers"]:
+            env = _env_of(container)
+            if "MARS_KAFKA_BOOTSTRAP" in env:
+                assert env["MARS_KAFKA_SASL_USERNAME"] == "mars-kafka-operator", job["metadata"]["name"]
+
+
+def test_kafka_users_carry_the_acl_table_under_the_release_prefix() -> None:
+    from mars.kafka_acls import PRINCIPALS, chart_table
+
+    assert not helm.find(render(BASE), "KafkaUser")  # only where Strimzi's API is installed
+    objects = render(merged(BASE, {"kafka": {"topicPrefix": "prod."}}), strimzi=True)
+    users = {u["metadata"]["name"]: u for u in helm.find(objects, "KafkaUser")}
+    assert set(users) == {f"mars-kafka-{p}" for p in PRINCIPALS}
+    table = chart_table()
+    for principal in PRINCIPALS:
+        spec = users[f"mars-kafka-{principal}"]["spec"]
+        assert spec["authentication"] == {"type": "scram-sha-512"}
+        got = {
+            (a["resource"]["type"], a["resource"].get("name"), tuple(a["operations"]))
+            for a in spec["authorization"]["acls"]
+        }
+        want = {
+            (r["type"], None if r["type"] == "cluster" else ("*" if r["name"] == "*" else "prod." + r["name"]),
+             tuple(r["operations"]))
+            for r in table[principal]
+        }  # fmt: skip
+        assert got == want, principal
+    dispatch = {
+        a["resource"]["name"]: a["operations"]
+        for a in users["mars-kafka-dispatch"]["spec"]["authorization"]["acls"]
+    }
+    assert "Write" in dispatch["prod.mars.turn.generated"]
+    assert dispatch["prod.mars.turn.received"] == ["Describe"]  # sees that it exists, nothing more
+
+
+def test_plaintext_kafka_needs_an_acknowledgement_that_notes_repeat() -> None:
+    values = merged(BASE, {"kafka": {"securityProtocol": "PLAINTEXT", "allowPlaintext": True}})
+    objects = helm.install_dry_run(values)
+    env = helm.service_env(objects, "router")
+    assert env["MARS_KAFKA_SECURITY_PROTOCOL"] == "PLAINTEXT" and "MARS_KAFKA_SASL_USERNAME" not in env
+    assert "Kafka in PLAINTEXT (kafka.securityProtocol)" in helm.notes(values)
+
+
+def test_notes_name_the_per_service_logins_and_where_their_secrets_come_from() -> None:
+    notes = helm.notes(BASE)
+    assert "mars-kafka-<service>" in notes and "mars-kafka-operator" in notes
+    assert "kafka-acls.json" in notes  # no Strimzi here: the user makes the users and ACLs

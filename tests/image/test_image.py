@@ -101,6 +101,9 @@ def chart_values(stack: LocalStack) -> dict[str, Any]:
             "bootstrapServers": stack.env["MARS_KAFKA_BOOTSTRAP"],
             "partitions": stack.settings.partitions,
             "replicationFactor": 1,
+            # The containers get the chart's plain env (no Secrets here): a plaintext broker.
+            "securityProtocol": "PLAINTEXT",
+            "allowPlaintext": True,
         },
         "postgres": {
             "host": dsn.hostname,
@@ -223,6 +226,7 @@ def infra(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
             services=(),
             llm="standin",
             model_pool=POOL,
+            kafka_security="plaintext",  # the containers run with the chart's env, which has no Secrets here
         )
     ).start()
     try:

@@ -5,6 +5,7 @@ for a judge."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -30,9 +31,11 @@ def eval_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]
         s.stop()
 
 
-def mars(*args: str) -> subprocess.CompletedProcess[str]:
+def mars(*args: str, stack: LocalStack | None = None) -> subprocess.CompletedProcess[str]:
+    """The CLI; with `stack`, with its tools' Kafka login (it reads that stack's topics)."""
     exe = str(Path(sys.executable).parent / "mars")
-    return subprocess.run([exe, *args], capture_output=True, text=True, timeout=600, check=False)
+    env = {**os.environ, **stack.kafka_env()} if stack is not None else None
+    return subprocess.run([exe, *args], capture_output=True, text=True, timeout=600, check=False, env=env)
 
 
 def session(uuid: str, turns: list[dict[str, object]]) -> dict[str, object]:
@@ -106,6 +109,7 @@ def test_eval_realmem_scores_the_logged_views(eval_stack: LocalStack, tmp_path: 
         "ev1",
         "--out",
         str(out),
+        stack=eval_stack,
     )
     assert run.returncode == 0, run.stderr[-3000:] + run.stdout[-3000:]
     # The three earlier sessions are imported as recorded; only the scored query is sent.
@@ -165,6 +169,7 @@ def test_eval_locomo_maps_view_blocks_back_to_dialogue_ids(eval_stack: LocalStac
         "ev2",
         "--out",
         str(out),
+        stack=eval_stack,
     )
     assert run.returncode == 0, run.stderr[-3000:] + run.stdout[-3000:]
     results = json.loads((out / "results.json").read_text())

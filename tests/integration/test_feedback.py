@@ -145,6 +145,12 @@ def test_the_demo_reads_each_turns_reward_from_its_judged_event(fb_stack: LocalS
 
     since_ms = int(time.time() * 1000) - 1000
     turn_id = _turn(fb_stack, "demo-rewards", "u1")  # returns once the router has applied the reward
-    rewards = judged_rewards(fb_stack.env["MARS_KAFKA_BOOTSTRAP"], [turn_id, "no-such-turn"], since_ms, wait_s=5)
+    rewards = judged_rewards(
+        fb_stack.env["MARS_KAFKA_BOOTSTRAP"],
+        [turn_id, "no-such-turn"],
+        since_ms,
+        wait_s=5,
+        kafka=fb_stack.kafka_options(),
+    )
     ((ledger,),) = query(fb_stack, "SELECT reward FROM router_ledger WHERE turn_id = %s", (turn_id,))
     assert rewards == {turn_id: pytest.approx(float(ledger))}

@@ -114,7 +114,9 @@ def every_record(stack: LocalStack) -> list[RawRecord]:
     """Every record of every topic of the stack (dead letters and control events included)."""
 
     async def read() -> list[RawRecord]:
-        return [r async for r in read_topics(stack.env["MARS_KAFKA_BOOTSTRAP"], ALL_TOPICS, idle_s=1.5)]
+        bootstrap = stack.env["MARS_KAFKA_BOOTSTRAP"]
+        kafka = stack.kafka_options()
+        return [r async for r in read_topics(bootstrap, ALL_TOPICS, idle_s=1.5, kafka=kafka)]
 
     return asyncio.run(read())
 

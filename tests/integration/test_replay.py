@@ -84,6 +84,7 @@ def test_fifty_turns_read_back_as_fifty_complete_traces(replay_stack: LocalStack
     run = mars(
         "replay", "read", "--bootstrap", bootstrap, "--idle-s", "3",
         "--out", str(tmp_path / "traces.jsonl"), "--summary", str(tmp_path / "summary.json"),
+        stack=replay_stack,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]
     summary = json.loads((tmp_path / "summary.json").read_text())

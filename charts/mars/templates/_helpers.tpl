@@ -82,8 +82,53 @@ judge:
 {{- printf "%s-secrets" (include "mars.fullname" .) -}}
 {{- end -}}
 
+{{/* The Secret and key of the tools' Kafka password (hook Jobs, KEDA): with per-service logins the
+     operator's KafkaUser Secret, else the one shared login's. */}}
 {{- define "mars.kafkaPasswordSecret" -}}
+{{- if include "mars.kafkaPerService" . -}}
+{{- include "mars.kafkaUser" (list . "operator") -}}
+{{- else -}}
 {{- default (include "mars.secretName" .) .Values.kafka.sasl.existingSecret -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "mars.kafkaPasswordKey" -}}
+{{- ternary .Values.kafka.sasl.perServicePasswordKey .Values.kafka.sasl.passwordKey (eq (include "mars.kafkaPerService" .) "true") -}}
+{{- end -}}
+
+{{/* Each service logs in to Kafka as its own principal (mars.kafka_acls), the tools as "operator". */}}
+{{- define "mars.kafkaPerService" -}}
+{{- if and (include "mars.kafkaUsesSasl" .) .Values.kafka.sasl.perService -}}true{{- end -}}
+{{- end -}}
+
+{{/* (list root principal): the principal's Kafka user name, which is also its KafkaUser's name and so
+     the Secret Strimzi's User Operator makes with its password. */}}
+{{- define "mars.kafkaUser" -}}
+{{- $root := index . 0 -}}
+{{- printf "%s%s" (default (printf "%s-kafka-" (include "mars.fullname" $root)) $root.Values.kafka.sasl.usernamePrefix) (index . 1) -}}
+{{- end -}}
+
+{{/* The tools' Kafka user name (hook Jobs, KEDA). */}}
+{{- define "mars.kafkaToolsUser" -}}
+{{- if include "mars.kafkaPerService" . -}}
+{{- include "mars.kafkaUser" (list . "operator") -}}
+{{- else -}}
+{{- .Values.kafka.sasl.username -}}
+{{- end -}}
+{{- end -}}
+
+{{/* (list root principal): the container env of a per-service Kafka login (nothing otherwise). */}}
+{{- define "mars.kafkaLoginEnv" -}}
+{{- $root := index . 0 -}}
+{{- if include "mars.kafkaPerService" $root }}
+- name: MARS_KAFKA_SASL_USERNAME
+  value: {{ include "mars.kafkaUser" . | quote }}
+- name: MARS_KAFKA_SASL_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "mars.kafkaUser" . }}
+      key: {{ $root.Values.kafka.sasl.perServicePasswordKey }}
+{{- end }}
 {{- end -}}
 
 {{/* The Secret holding the identity CA's certificate (ca.crt), which the stage services trust. */}}
@@ -138,10 +183,15 @@ MARS_KAFKA_BOOTSTRAP: {{ required "kafka.bootstrapServers is required: the exter
 MARS_KAFKA_PARTITIONS: {{ .Values.kafka.partitions | quote }}
 MARS_KAFKA_REPLICATION_FACTOR: {{ .Values.kafka.replicationFactor | quote }}
 MARS_TOPIC_PREFIX: {{ .Values.kafka.topicPrefix | quote }}
+{{- if and (eq .Values.kafka.securityProtocol "PLAINTEXT") (not .Values.kafka.allowPlaintext) }}
+{{- fail "kafka.securityProtocol PLAINTEXT lets anyone who reaches a broker write any topic (plant text in a user's memory, fake feedback) and read every event: use SASL_SSL, or set kafka.allowPlaintext=true to say you accept that" }}
+{{- end }}
 MARS_KAFKA_SECURITY_PROTOCOL: {{ .Values.kafka.securityProtocol | quote }}
 {{- if include "mars.kafkaUsesSasl" . }}
 MARS_KAFKA_SASL_MECHANISM: {{ .Values.kafka.sasl.mechanism | quote }}
-MARS_KAFKA_SASL_USERNAME: {{ required "kafka.sasl.username is required with a SASL_* securityProtocol" .Values.kafka.sasl.username | quote }}
+{{- if not (include "mars.kafkaPerService" .) }}
+MARS_KAFKA_SASL_USERNAME: {{ required "kafka.sasl.username is required with a SASL_* securityProtocol and kafka.sasl.perService=false" .Values.kafka.sasl.username | quote }}
+{{- end }}
 {{- end }}
 {{- if include "mars.kafkaUsesTls" . }}
 MARS_KAFKA_SSL_CAFILE: /etc/mars/kafka-tls/{{ .Values.kafka.tls.caKey }}
@@ -176,7 +226,7 @@ MARS_IDENTITY_REQUIRED: "false"
 
 {{/* Secret-backed environment (passwords) of every MARS container. */}}
 {{- define "mars.secretEnv" -}}
-{{- if include "mars.kafkaUsesSasl" . }}
+{{- if and (include "mars.kafkaUsesSasl" .) (not (include "mars.kafkaPerService" .)) }}
 - name: MARS_KAFKA_SASL_PASSWORD
   valueFrom:
     secretKeyRef:

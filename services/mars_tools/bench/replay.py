@@ -90,7 +90,9 @@ def cmd_replay_bench(args: argparse.Namespace) -> int:
     console = Console(soft_wrap=True)
     console.print("starting the embedded broker")
     stack = LocalStack(
-        StackSettings(start_postgres=False, start_llm=False, services=(), partitions=3)
+        StackSettings(
+            start_postgres=False, start_llm=False, services=(), partitions=3, kafka_security="plaintext"
+        )
     ).start()
     try:
         bootstrap = stack.env["MARS_KAFKA_BOOTSTRAP"]
