@@ -57,7 +57,7 @@ from mars.config import (
 from mars.data_keys import Forgotten, Keyring, is_sealed
 from mars.kafka_options import kafka_client_options
 from mars.sealing import SealError, has_user_text
-from mars.telemetry import context_from_headers, inject_headers, step
+from mars.telemetry import context_from_headers, inject_headers, step, text_free_span
 from mars.v1 import events_pb2 as ev
 
 log = logging.getLogger(__name__)
@@ -805,7 +805,8 @@ class StageConsumer:
         parent = context_from_headers(record.headers)
         attempts = max(1, self._settings.handler_attempts)
         for attempt in range(1, attempts + 1):
-            with self._tracer.start_as_current_span(
+            with text_free_span(
+                self._tracer,
                 f"{self._service} {record.topic}",
                 context=parent,
                 kind=trace.SpanKind.CONSUMER,
@@ -822,7 +823,7 @@ class StageConsumer:
                     return
                 except PoisonEvent as exc:
                     self._timed(record.topic, "dead_lettered", started)
-                    span.record_exception(exc)
+                    span.set_attribute("exception.type", type(exc).__name__)  # never its text
                     await self._dead_letter(record, str(exc), turn_id, "rejected")
                     return
                 except Forgotten:
@@ -831,7 +832,7 @@ class StageConsumer:
                     self._timed(record.topic, "forgotten", started)
                     return
                 except Exception as exc:
-                    span.record_exception(exc)
+                    span.set_attribute("exception.type", type(exc).__name__)  # never its text
                     if (reason := poison_reason(exc)) is not None:
                         self._timed(record.topic, "dead_lettered", started)
                         kind = "output_too_large" if isinstance(exc, TOO_LARGE) else "data_refused"

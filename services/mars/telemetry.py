@@ -11,10 +11,11 @@ service's MeterProvider.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -196,10 +197,28 @@ def tracer_provider(
     return provider
 
 
+@contextlib.contextmanager
+def text_free_span(tracer: trace.Tracer, name: str, **kwargs: Any) -> Iterator[trace.Span]:
+    """`tracer.start_as_current_span(name, ...)`, but an exception that ends it is recorded by its type
+    alone: OpenTelemetry's default records the exception's message and traceback on the span, and a
+    message can quote a user's text (a turn, an answer) that the events carry sealed. Traces leave the
+    deployment (OTLP, files); the service log keeps the whole exception."""
+    with tracer.start_as_current_span(
+        name, record_exception=False, set_status_on_exception=False, **kwargs
+    ) as span:
+        try:
+            yield span
+        except BaseException as exc:
+            if not isinstance(exc, GeneratorExit):
+                span.set_attribute("exception.type", type(exc).__name__)
+                span.set_status(trace.Status(trace.StatusCode.ERROR, type(exc).__name__))
+            raise
+
+
 def step(name: str) -> AbstractContextManager[trace.Span]:
     """A child span for one step of a stage (e.g. "memory embed-query"): the load harness's per-hop
     decomposition reads them; without a tracer provider they cost next to nothing."""
-    return _steps.start_as_current_span(name)
+    return text_free_span(_steps, name)
 
 
 _steps = trace.get_tracer("mars.steps")

@@ -30,7 +30,7 @@ from mars.config import (
 )
 from mars.domain.feedback import rating_from
 from mars.runtime import GrpcBinding, ServiceContext, ServiceParts, abort_rpc, run
-from mars.telemetry import context_from_metadata, current_trace_id, step
+from mars.telemetry import context_from_metadata, current_trace_id, step, text_free_span
 from mars.v1 import events_pb2 as ev
 from mars.v1 import services_pb2 as svc
 from mars.v1 import services_pb2_grpc as svc_grpc
@@ -152,8 +152,8 @@ class IngressServicer(svc_grpc.IngressServicer):
         options = await self._admission.admit(req, principal)
         started = time.perf_counter()
         parent = context_from_metadata(metadata)  # type: ignore[arg-type]
-        with self._tracer.start_as_current_span(
-            "ingress SendTurn", context=parent, kind=trace.SpanKind.SERVER
+        with text_free_span(
+            self._tracer, "ingress SendTurn", context=parent, kind=trace.SpanKind.SERVER
         ) as span:
             wait_s = self._settings.turn_timeout_s
             if caller_remaining_s is not None:
