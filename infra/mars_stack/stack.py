@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -29,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from mars import topology
 
 import mars_stack.kafka as kafka
+from mars_stack.certs import write_private
 from mars_stack.settings import launcher_settings
 
 if TYPE_CHECKING:
@@ -553,27 +555,39 @@ class LocalStack:
             pgdata.mkdir(exist_ok=True)
             shutil.chown(pgdata, user, user)
             self.workdir.chmod(0o755)
+        # Every login needs the role's password (SCRAM), loopback and the local socket too: any local user
+        # could otherwise log in as `mars` and read every user's memory. Made once per work directory.
+        password = self._postgres_password()
         if not (pgdata / "PG_VERSION").exists():
-            subprocess.run(
-                [
-                    str(POSTGRES_BIN_PATH / "initdb"),
-                    "-D",
-                    str(pgdata),
-                    "--auth=trust",
-                    "-U",
-                    "mars",
-                    "--encoding=utf8",
-                    "--no-sync",
-                ],
-                check=True,
-                capture_output=True,
-                user=user,
-            )
+            pwfile = pgdata.parent / "postgres.initdb-password"
+            write_private(pwfile, (password or "").encode())
+            if user is not None:
+                shutil.chown(pwfile, user, user)  # initdb runs as the Postgres user
+            try:
+                subprocess.run(
+                    [
+                        str(POSTGRES_BIN_PATH / "initdb"),
+                        "-D",
+                        str(pgdata),
+                        "--auth=scram-sha-256",
+                        f"--pwfile={pwfile}",
+                        "-U",
+                        "mars",
+                        "--encoding=utf8",
+                        "--no-sync",
+                    ],
+                    check=True,
+                    capture_output=True,
+                    user=user,
+                )
+            finally:
+                pwfile.unlink(missing_ok=True)
         _allow_postgres_clients(pgdata / "pg_hba.conf", self.settings.postgres_clients)
         port = free_port()
         sockdir = pgdata  # keep the unix socket out of shared /tmp
         proc = self._spawn("postgres", self._postgres_command(pgdata, port, sockdir), user=user)
-        dsn_admin = f"postgresql://mars@127.0.0.1:{port}/postgres"
+        login = f"mars:{password}" if password else "mars"  # none: a work directory from before (trust)
+        dsn_admin = f"postgresql://{login}@127.0.0.1:{port}/postgres"
 
         def ready() -> bool:
             import psycopg
@@ -597,7 +611,21 @@ class LocalStack:
                     )
                 )
         self.ports["postgres"] = port
-        self.env["MARS_POSTGRES_DSN"] = f"postgresql://mars@127.0.0.1:{port}/mars"
+        self.env["MARS_POSTGRES_DSN"] = f"postgresql://{login}@127.0.0.1:{port}/mars"
+
+    def _postgres_password(self) -> str | None:
+        """The `mars` role's password: `settings.postgres_password`, else one made with the data directory
+        (kept 0600 in the work directory). None for a data directory made before passwords (trust)."""
+        path = self.workdir / "postgres.password"
+        if self.settings.postgres_password:
+            return self.settings.postgres_password
+        if path.exists():
+            return path.read_text().strip()
+        if (self.workdir / "pgdata" / "PG_VERSION").exists():
+            return None
+        password = secrets.token_urlsafe(24)
+        write_private(path, password.encode())
+        return password
 
     def _local_tls(self) -> None:
         """Certificates from a local CA: every service serves with the server certificate and asks callers
@@ -758,7 +786,7 @@ class LocalStack:
 
         from mars.kafka_acls import PRINCIPALS
 
-        from mars_stack.certs import make_local_ca, write_private
+        from mars_stack.certs import make_local_ca
 
         folder = self.workdir / "kafka"
         folder.mkdir(parents=True, exist_ok=True)

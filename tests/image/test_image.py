@@ -293,6 +293,8 @@ def test_six_services_and_the_gateway_serve_and_answer_turns(
     try:
         for service in topology.NAMES:
             env = service_env(objects, service, ports[service], metrics_ports[service], health_ports[service])
+            # The Secret-backed password, as the pod gets it from postgres.existingSecret (PGPASSWORD).
+            env["PGPASSWORD"] = urlsplit(infra.env["MARS_POSTGRES_DSN"]).password or ""
             own: list[str] = []
             if service == "ingress":
                 assert env["MARS_STATE_ADDR"] == "mars-state:50052"  # the chart's; host networking here
