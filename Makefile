@@ -63,7 +63,7 @@ test: install proto kafka litellm
 	$(PY) -m pytest -q
 
 # The chart's KafkaUser ACLs (charts/mars/files/kafka-acls.json) from mars.kafka_acls: the one table, written
-# for the chart (tests/unit/test_kafka_acls.py fails when the file is stale).
+# for the chart (tests/unit/test_kafka_acl_table.py fails when the file is stale).
 chart-acls: install proto
 	PYTHONPATH=services $(PY) -c "from mars.kafka_acls import chart_table_json; print(chart_table_json(), end='')" > charts/mars/files/kafka-acls.json
 

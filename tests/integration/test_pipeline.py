@@ -449,6 +449,26 @@ def test_a_plaintext_answer_planted_for_a_real_user_never_reaches_memory(
     assert not query(stack, "SELECT 1 FROM judge_rewards WHERE turn_id = %s", (turn.turn_id,))
 
 
+def test_the_local_postgres_asks_every_login_for_its_password(stack: LocalStack) -> None:
+    """Trust let any local user log in as `mars` and read every user's memory; now every login (loopback
+    included) needs the role's password, which the stack keeps 0600 and hands out in its DSN."""
+    import os
+    from urllib.parse import urlsplit
+
+    import psycopg
+
+    dsn = urlsplit(stack.env["MARS_POSTGRES_DSN"])
+    assert dsn.password and "PGPASSWORD" not in os.environ
+    for login in ("mars", "mars:not-the-password"):
+        with pytest.raises(psycopg.OperationalError, match="password"):
+            psycopg.connect(
+                f"postgresql://{login}@127.0.0.1:{dsn.port}/mars?passfile=/nonexistent", connect_timeout=5
+            )
+    with psycopg.connect(stack.env["MARS_POSTGRES_DSN"]) as conn:
+        assert conn.execute("SELECT 1").fetchone() == (1,)
+    assert (stack.workdir / "postgres.password").stat().st_mode & 0o077 == 0
+
+
 def test_feedback_is_validated_and_recorded(
     stack: LocalStack, conversation: dict[str, list[svc.TurnReply]]
 ) -> None:
