@@ -75,6 +75,7 @@ def export(stack: LocalStack, path: Path) -> None:
         "3",
         "--out",
         str(path),
+        stack=stack,
     )
     assert run.returncode == 0, run.stderr[-2000:]
 

@@ -391,6 +391,7 @@ def test_crd_parts_are_validated_by_the_api_server(cluster: kube.LocalCluster) -
     )
     plurals = {
         "KafkaTopic": "kafkatopics",
+        "KafkaUser": "kafkausers",
         "ScaledObject": "scaledobjects",
         "TriggerAuthentication": "triggerauthentications",
         "ServiceMonitor": "servicemonitors",
@@ -428,6 +429,7 @@ def test_crd_parts_are_validated_by_the_api_server(cluster: kube.LocalCluster) -
         for api_version, kind in CRD_SCHEMAS
     }
     assert counts["ScaledObject"] >= 5 and counts["ServiceMonitor"] >= 1 and counts["KafkaTopic"] >= 5, counts
+    assert counts["KafkaUser"] == 7, counts  # each service and the tools' operator, with their ACLs
     # The API server checks these kinds for real: a wrong type or an unknown field is refused.
     topic = dyn.resources.get(api_version="kafka.strimzi.io/v1beta2", kind="KafkaTopic").get(
         namespace=namespace

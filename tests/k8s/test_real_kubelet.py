@@ -65,6 +65,8 @@ def test_the_chart_pod_runs_in_a_real_container_under_restricted(
         elif obj["kind"] == "ServiceAccount":
             core.create_namespaced_service_account(NAMESPACE, obj)
     core.create_namespaced_secret(NAMESPACE, secret_manifest(f"{RELEASE}-mars-master-key", "master.key", {}))
+    # The ingress's own Kafka login, as Strimzi's User Operator makes it for its KafkaUser (key password).
+    core.create_namespaced_secret(NAMESPACE, secret_manifest(f"{RELEASE}-mars-kafka-ingress", "password", {}))
 
     (ingress,) = [o for o in helm.find(objects, "Deployment") if o["metadata"]["name"].endswith("-ingress")]
     pod = pod_from_template(ingress)

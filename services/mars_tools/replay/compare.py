@@ -25,14 +25,20 @@ def only(builder: TraceBuilder, turn_ids: Iterable[str]) -> TraceBuilder:
 
 
 def read_back(
-    bootstrap: str, prefix: str, turn_ids: list[str], timeout_s: float = 60.0, idle_s: float = 2.0
+    bootstrap: str,
+    prefix: str,
+    turn_ids: list[str],
+    timeout_s: float = 60.0,
+    idle_s: float = 2.0,
+    kafka: dict[str, Any] | None = None,
 ) -> TraceBuilder:
     """The traces of `turn_ids` from the run with topic prefix `prefix`, read again until all are complete
-    (rewards arrive after the answers) or `timeout_s` has passed."""
+    (rewards arrive after the answers) or `timeout_s` has passed. `kafka`: client options (default: the
+    MARS_* environment's)."""
     deadline = time.monotonic() + timeout_s
     while True:
         builder = TraceBuilder()
-        asyncio.run(_read_into(builder, bootstrap, prefix, idle_s))
+        asyncio.run(_read_into(builder, bootstrap, prefix, idle_s, kafka))
         mine = only(builder, turn_ids)
         done = len(mine.traces) == len(set(turn_ids)) and all(t.missing is None for t in mine.traces.values())
         if done or time.monotonic() > deadline:
@@ -40,10 +46,12 @@ def read_back(
         time.sleep(1.0)
 
 
-async def _read_into(builder: TraceBuilder, bootstrap: str, prefix: str, idle_s: float) -> None:
+async def _read_into(
+    builder: TraceBuilder, bootstrap: str, prefix: str, idle_s: float, kafka: dict[str, Any] | None = None
+) -> None:
     from mars_tools.replay.readers import read_topics
 
-    async for record in read_topics(bootstrap, idle_s=idle_s, prefix=prefix):
+    async for record in read_topics(bootstrap, idle_s=idle_s, prefix=prefix, kafka=kafka):
         builder.add(record)
 
 

@@ -326,7 +326,10 @@ def _drive_own_stack(
         target = (stack.addr("ingress"), stack.addr("router"))
         rows = _drive(args, console, turns, target, suffix, keys, stack.caller("replay"))
         redriven = read_back(
-            stack.env["MARS_KAFKA_BOOTSTRAP"], prefix, [r["turn_id"] for r in rows if "turn_id" in r]
+            stack.env["MARS_KAFKA_BOOTSTRAP"],
+            prefix,
+            [r["turn_id"] for r in rows if "turn_id" in r],
+            kafka=stack.kafka_options(),  # the replay stack's own broker and login, not the environment's
         )
     finally:
         console.print("stopping the replay stack")
