@@ -35,16 +35,33 @@ class IdentityFiles:
         return {"MARS_IDENTITY_CERT_FILE": str(cert), "MARS_IDENTITY_KEY_FILE": str(key)}
 
 
-def make_identities(folder: Path, names: tuple[str, ...]) -> IdentityFiles:
-    """Write a fresh identity CA and a certificate for each name into `folder` (valid one day)."""
+def make_identities(folder: Path, names: tuple[str, ...], scope: str = "") -> IdentityFiles:
+    """Write a fresh identity CA and a certificate for each name into `folder` (valid one day), for client
+    authentication; with `scope` (spiffe://<trust-domain>/ns/<namespace>/<release>), each also carries its
+    SPIFFE ID <scope>/<name> as a URI SAN (mars.identity: bound to that release)."""
+    ca, mint = identity_authority(folder)
+    return IdentityFiles(ca=ca, callers={name: mint(name, scope) for name in names})
+
+
+Mint = Callable[..., tuple[Path, Path]]
+
+
+def identity_authority(folder: Path) -> tuple[Path, Mint]:
+    """A fresh identity CA in `folder` (ca.crt) and a function mint(name, scope="", server_only=False) that
+    writes <name>.crt / <name>.key signed by it: a client certificate (clientAuth), with the SPIFFE ID
+    <scope>/<name> where a scope is given; `server_only` marks it for server authentication alone."""
+    from cryptography import x509
     from cryptography.x509.oid import ExtendedKeyUsageOID
 
     ca, leaf = _authority(folder, "MARS identity CA")
-    callers = {}
-    for name in names:
-        cert, key = leaf(name, ExtendedKeyUsageOID.CLIENT_AUTH, [])
-        callers[name] = (write_private(folder / f"{name}.crt", cert), write_private(folder / f"{name}.key", key))
-    return IdentityFiles(ca=ca, callers=callers)
+
+    def mint(name: str, scope: str = "", server_only: bool = False) -> tuple[Path, Path]:
+        sans = [x509.UniformResourceIdentifier(f"{scope}/{name}")] if scope else []
+        usage = ExtendedKeyUsageOID.SERVER_AUTH if server_only else ExtendedKeyUsageOID.CLIENT_AUTH
+        cert, key = leaf(name, usage, sans)
+        return write_private(folder / f"{name}.crt", cert), write_private(folder / f"{name}.key", key)
+
+    return ca, mint
 
 
 def write_private(path: Path, data: bytes) -> Path:

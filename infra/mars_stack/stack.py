@@ -652,8 +652,12 @@ class LocalStack:
         if not self.settings.identity:
             self.env["MARS_IDENTITY_REQUIRED"] = "false"
             return
-        self.identities = make_identities(self.workdir / "identity", IDENTITIES)
+        # Bound to this stack: a release of its own (a SPIFFE ID per identity); another stack's, even from a
+        # CA made the same way, opens nothing here.
+        scope = f"spiffe://mars.local/ns/local/stack-{secrets.token_hex(4)}"
+        self.identities = make_identities(self.workdir / "identity", IDENTITIES, scope)
         self.env["MARS_IDENTITY_CA_FILE"] = str(self.identities.ca)
+        self.env["MARS_IDENTITY_SCOPE"] = scope
 
     def identity_env(self, name: str = "operator") -> dict[str, str]:
         """A tool's identity as environment (MARS_IDENTITY_CERT_FILE and _KEY_FILE), for a subprocess;

@@ -246,6 +246,11 @@ class ServiceSettings(CallerSettings):
     #: The CA (PEM) that signs service identities (mars.identity): a stage service checks each internal
     #: call's token against it. Unset while identity_required: every internal call is refused (fails closed).
     identity_ca_file: str = ""
+    #: The release this service answers (mars.identity): spiffe://<trust-domain>/ns/<namespace>/<release>. Set,
+    #: a caller's certificate must carry the URI SAN <scope>/<name> and its tokens name the scope, so another
+    #: release's identities (same CA or not) open nothing. Empty: the certificate's common name names the
+    #: caller (certificates without a SPIFFE ID, as Helm's genSignedCert makes them).
+    identity_scope: str = ""
     #: Require a service identity on the stage services' RPCs; false lets any caller that reaches the port in
     #: (a laptop setting, warned at start).
     identity_required: bool = True

@@ -2,13 +2,22 @@
 
 Inside the deployment nothing is trusted: a NetworkPolicy on pod labels is no proof, since anyone who can
 create a pod can set the labels. So every call to a stage service (state, memory, router, dispatch, judge)
-carries a token in the `x-mars-identity` metadata: a JSON claim {sub, aud, iat, exp} signed by the caller's
-private key, with the caller's certificate, which the identity CA signed and whose common name is the caller's
-name. The stage checks the signature, the certificate's issuer and validity, that the token is for this
-service (aud: the gRPC service's full name, so a token for Memory opens nothing at Router) and unexpired, then
-that PERMISSIONS lets that caller call that method. No token, or a tenant's API key, is UNAUTHENTICATED; a
-known caller on a method not its own is PERMISSION_DENIED. Health (and reflection, where a setting turns it
-on) stays open; the ingress is the public edge and answers API keys (mars.auth), not identities.
+carries a token in the `x-mars-identity` metadata: a JSON claim {sub, aud, mth, iat, exp} signed by the
+caller's private key, with the caller's certificate, which the identity CA signed, which is for client
+authentication (extended key usage clientAuth) and which names the caller. The stage checks the signature,
+the certificate's issuer, usage and validity (and the CA's own), that the token is for this service (aud: the
+gRPC service's full name, so a token for Memory opens nothing at Router) and for the method called (mth), and
+unexpired, then that PERMISSIONS lets that caller call that method. No token, or a tenant's API key, is
+UNAUTHENTICATED; a known caller on a method not its own is PERMISSION_DENIED.
+
+Identities bound to their release: where a scope is set (MARS_IDENTITY_SCOPE, a SPIFFE ID prefix
+`spiffe://<trust-domain>/ns/<namespace>/<release>`), a caller's certificate must carry the URI SAN
+`<scope>/<name>` (its common name is then no proof), and the token's audience names the scope: a certificate
+from the same CA for another release, or a token minted by a staging release's tool, opens nothing. Without a
+scope (certificates Helm's genSignedCert makes carry no URI SAN) the common name names the caller.
+
+Health (and reflection, where a setting turns it on) stays open; the ingress is the public edge and answers
+API keys (mars.auth), not identities.
 
 Why tokens rather than mutual TLS alone: a refused TLS handshake reaches the caller as UNAVAILABLE, which
 reads as an outage; a token check answers with the status that says what is wrong, works on the local
@@ -36,7 +45,7 @@ from cryptography import x509
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, padding, rsa
-from cryptography.x509.oid import NameOID
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from mars.config import CallerSettings
 from mars.tls import read_pem
@@ -60,6 +69,24 @@ TOOL_IDENTITIES = ("operator", "replay", "chaos", "deploy")
 SERVICE_IDENTITIES = ("ingress",)
 #: Every identity a deployment mints.
 IDENTITIES = TOOL_IDENTITIES + SERVICE_IDENTITIES
+
+
+#: URI SAN scheme of the identities bound to a release.
+SPIFFE = "spiffe://"
+
+
+def check_scope(scope: str) -> str:
+    """The scope itself when it is a SPIFFE ID prefix spiffe://<trust-domain>/<path> (no trailing slash)."""
+    if scope and (not scope.startswith(SPIFFE) or scope.endswith("/") or "/" not in scope[len(SPIFFE) :]):
+        raise IdentityConfigError(
+            f"identity scope {scope!r} is not spiffe://<trust-domain>/ns/<namespace>/<release>"
+        )
+    return scope
+
+
+def audience(scope: str, service: str) -> str:
+    """A token's audience: the gRPC service, behind the release's scope where there is one."""
+    return f"{scope}/{service}" if scope else service
 
 
 class IdentityError(ValueError):
@@ -88,6 +115,34 @@ def _common_name(cert: x509.Certificate) -> str:
     return value if isinstance(value, str) else value.decode("utf-8", "replace")
 
 
+def spiffe_ids(cert: x509.Certificate) -> list[str]:
+    """The certificate's spiffe:// URI SANs."""
+    try:
+        sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return []
+    return [u for u in sans.get_values_for_type(x509.UniformResourceIdentifier) if u.startswith(SPIFFE)]
+
+
+def _scoped_name(cert: x509.Certificate) -> tuple[str, str]:
+    """(scope, name) of a certificate: from its one SPIFFE ID <scope>/<name>, else ("", common name)."""
+    ids = spiffe_ids(cert)
+    if not ids:
+        return "", _common_name(cert)
+    if len(ids) > 1:
+        raise IdentityConfigError(f"the identity certificate carries {len(ids)} SPIFFE IDs, not one")
+    scope, _, name = ids[0].rpartition("/")
+    return scope, name
+
+
+def _for_clients(cert: x509.Certificate) -> bool:
+    try:
+        usages = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    except x509.ExtensionNotFound:
+        return False
+    return ExtendedKeyUsageOID.CLIENT_AUTH in usages
+
+
 def service_of(method: str) -> str:
     """ "mars.v1.Memory" of "/mars.v1.Memory/BuildView"."""
     return method.lstrip("/").split("/", 1)[0]
@@ -112,13 +167,15 @@ def _verify_signature(key: Any, signature: bytes, data: bytes) -> None:
 
 @dataclass
 class CallerIdentity:
-    """A caller's name, certificate and key; mints a token per target service and reuses it until near
-    its end."""
+    """A caller's name, certificate and key; mints a token per method called (bound to the method's service,
+    behind the release's scope when the certificate names one) and reuses it until near its end."""
 
     name: str
     cert_der: bytes
     key: Any
     lifetime_s: float = TOKEN_LIFETIME_S
+    #: The release the certificate's SPIFFE ID names ("" for a certificate without one).
+    scope: str = ""
     clock: Callable[[], float] = time.time
     _tokens: dict[str, tuple[str, float]] = field(default_factory=dict, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -132,12 +189,12 @@ class CallerIdentity:
             key = serialization.load_pem_private_key(key_pem, password=None)
         except ValueError as exc:
             raise IdentityConfigError(f"identity certificate or key is not PEM: {exc}") from None
-        name = _common_name(cert)
+        scope, name = _scoped_name(cert)
         if not name:
             raise IdentityConfigError(
-                f"MARS_IDENTITY_CERT_FILE={cert_file}: the certificate has no common name"
+                f"MARS_IDENTITY_CERT_FILE={cert_file}: the certificate names no caller (no common name)"
             )
-        return cls(name, cert.public_bytes(serialization.Encoding.DER), key)
+        return cls(name, cert.public_bytes(serialization.Encoding.DER), key, scope=scope)
 
     @classmethod
     def from_settings(cls, settings: CallerSettings) -> CallerIdentity | None:
@@ -154,18 +211,25 @@ class CallerIdentity:
         """`from_settings` of the caller settings in `env` (None: of this process)."""
         return cls.from_settings(CallerSettings.from_env(env))
 
-    def token(self, audience: str) -> str:
+    def token(self, method: str) -> str:
+        """A token for calling `method` ("/mars.v1.Memory/BuildView") and nothing else."""
         now = self.clock()
         with self._lock:
-            cached = self._tokens.get(audience)
+            cached = self._tokens.get(method)
             if cached is not None and cached[1] - now > min(60.0, self.lifetime_s / 2):
                 return cached[0]
-            claims = {"sub": self.name, "aud": audience, "iat": int(now), "exp": int(now + self.lifetime_s)}
+            claims = {
+                "sub": self.name,
+                "aud": audience(self.scope, service_of(method)),
+                "mth": method,
+                "iat": int(now),
+                "exp": int(now + self.lifetime_s),
+            }
             head = (
                 "v1." + _b64(self.cert_der) + "." + _b64(json.dumps(claims, separators=(",", ":")).encode())
             )
             token = head + "." + _b64(_sign(self.key, head.encode("ascii")))
-            self._tokens[audience] = (token, now + self.lifetime_s)
+            self._tokens[method] = (token, now + self.lifetime_s)
             return token
 
 
@@ -177,6 +241,7 @@ def _instant(value: object) -> TypeGuard[float]:
 class _Verified(NamedTuple):
     caller: str
     audience: str
+    method: str
     expires: float
 
 
@@ -184,7 +249,15 @@ class IdentityVerifier:
     """Checks tokens against the identity CA; a verified token is remembered until it expires, so a caller
     that reuses its token (as CallerIdentity does) pays for the signature check once."""
 
-    def __init__(self, ca_pem: bytes, clock: Callable[[], float] = time.time, cache_size: int = 4096) -> None:
+    def __init__(
+        self,
+        ca_pem: bytes,
+        clock: Callable[[], float] = time.time,
+        cache_size: int = 4096,
+        scope: str = "",
+    ) -> None:
+        #: The release whose identities this service answers ("": any certificate the CA signed).
+        self._scope = check_scope(scope)
         try:
             self._cas = x509.load_pem_x509_certificates(ca_pem)
         except ValueError as exc:
@@ -194,20 +267,23 @@ class IdentityVerifier:
         self._cache_size = cache_size
 
     @classmethod
-    def from_file(cls, ca_file: str) -> IdentityVerifier:
-        return cls(_read(ca_file, "MARS_IDENTITY_CA_FILE"))
+    def from_file(cls, ca_file: str, scope: str = "") -> IdentityVerifier:
+        return cls(_read(ca_file, "MARS_IDENTITY_CA_FILE"), scope=scope)
 
-    def verify(self, token: str, audience: str) -> str:
-        """The caller's name, or IdentityError saying why the token proves nothing."""
+    def verify(self, token: str, method: str) -> str:
+        """The caller's name for a call of `method`, or IdentityError saying why the token proves nothing."""
         now = self._clock()
+        expected = audience(self._scope, service_of(method))
         hit = self._cache.get(token)
         if hit is None:
             hit = self._check(token, now)
             self._cache[token] = hit
             if len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
-        if hit.audience != audience:
-            raise IdentityError(f"the token is for {hit.audience}, not {audience}")
+        if hit.audience != expected:
+            raise IdentityError(f"the token is for {hit.audience}, not {expected}")
+        if hit.method != method:
+            raise IdentityError(f"the token is for calling {hit.method}, not {method}")
         if now > hit.expires + CLOCK_SKEW_S:
             self._cache.pop(token, None)
             raise IdentityError("the token has expired")
@@ -230,17 +306,31 @@ class IdentityVerifier:
             _verify_signature(cert.public_key(), signature, ".".join(parts[:3]).encode("ascii"))
         except InvalidSignature:
             raise IdentityError("the token's signature does not match its certificate") from None
-        sub, aud, iat, exp = (claims.get(k) for k in ("sub", "aud", "iat", "exp"))
-        if not (isinstance(sub, str) and isinstance(aud, str)):
-            raise IdentityError("the token names no caller or service")
+        sub, aud, mth, iat, exp = (claims.get(k) for k in ("sub", "aud", "mth", "iat", "exp"))
+        if not (isinstance(sub, str) and isinstance(aud, str) and isinstance(mth, str)):
+            raise IdentityError("the token names no caller, service or method")
         if not (_instant(iat) and _instant(exp)):
             raise IdentityError("the token has no lifetime")
-        if sub != _common_name(cert):
+        if sub != self._caller_of(cert):
             raise IdentityError("the token's caller is not its certificate's")
         # NaN compares false with everything: _instant refuses it, or "exp": NaN would never expire.
         if exp < iat or exp - iat > MAX_TOKEN_LIFETIME_S or iat > now + CLOCK_SKEW_S:
             raise IdentityError("the token's lifetime is out of bounds")
-        return _Verified(sub, aud, float(exp))
+        return _Verified(sub, aud, mth, float(exp))
+
+    def _caller_of(self, cert: x509.Certificate) -> str:
+        """Who the certificate names: with a scope, its SPIFFE ID <scope>/<name> (another release's, or none,
+        is refused); without one, its common name."""
+        if not self._scope:
+            return _common_name(cert)
+        ids = spiffe_ids(cert)
+        ours = [i[len(self._scope) + 1 :] for i in ids if i.startswith(self._scope + "/")]
+        if len(ids) != 1 or len(ours) != 1 or not ours[0] or "/" in ours[0]:
+            raise IdentityError(
+                "the token's certificate is not an identity of this release "
+                f"(its SPIFFE ID must be {self._scope}/<name>; it has {', '.join(ids) or 'none'})"
+            )
+        return ours[0]
 
     def _check_certificate(self, cert: x509.Certificate, now: float) -> None:
         for ca in self._cas:
@@ -251,14 +341,19 @@ class IdentityVerifier:
                 continue
         else:
             raise IdentityError("the token's certificate is not signed by the identity CA")
-        start, end = cert.not_valid_before_utc.timestamp(), cert.not_valid_after_utc.timestamp()
-        if not start - CLOCK_SKEW_S <= now <= end + CLOCK_SKEW_S:
-            raise IdentityError("the token's certificate is not valid now")
+        for signed, what in ((ca, "identity CA"), (cert, "token's certificate")):
+            start, end = signed.not_valid_before_utc.timestamp(), signed.not_valid_after_utc.timestamp()
+            if not start - CLOCK_SKEW_S <= now <= end + CLOCK_SKEW_S:
+                raise IdentityError(f"the {what} is not valid now")
         try:
             if cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca:
                 raise IdentityError("a CA certificate is no caller")
         except x509.ExtensionNotFound:
             pass
+        if not _for_clients(cert):
+            raise IdentityError(
+                "the token's certificate is not for client authentication (no clientAuth extended key usage)"
+            )
 
 
 # --- servers --------------------------------------------------------------------------------------------
@@ -304,7 +399,7 @@ class IdentityInterceptor(grpc.aio.ServerInterceptor):
                 f"{service} is internal: the call needs a service identity",
             )
         try:
-            caller = self._verifier.verify(token, service)
+            caller = self._verifier.verify(token, method)
         except IdentityError as exc:
             return grpc.StatusCode.UNAUTHENTICATED, f"service identity refused: {exc}"
         if caller not in self._permissions.get(method, frozenset()):
@@ -331,7 +426,7 @@ class IdentityInterceptor(grpc.aio.ServerInterceptor):
 
 def _with_token(metadata: Any, identity: CallerIdentity, method: str | bytes) -> list[tuple[str, str]]:
     name = method.decode() if isinstance(method, bytes) else method
-    return [*(metadata or ()), (IDENTITY_METADATA, identity.token(service_of(name)))]
+    return [*(metadata or ()), (IDENTITY_METADATA, identity.token(name))]
 
 
 class _CallDetails(NamedTuple):

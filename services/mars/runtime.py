@@ -312,7 +312,7 @@ def grpc_server(
     verifier = None
     if settings.identity_ca_file:
         try:
-            verifier = identity.IdentityVerifier.from_file(settings.identity_ca_file)
+            verifier = identity.IdentityVerifier.from_file(settings.identity_ca_file, settings.identity_scope)
         except identity.IdentityConfigError as exc:
             raise SystemExit(f"{name}: {exc}") from exc
     names = [b.full_name for b in bindings]

@@ -119,7 +119,7 @@ SERVICES: tuple[ServiceSpec, ...] = (
         "mars.v1.StateEstimator",
         (STATE,),
         # ImportContext: the ingress hands over the context a history import leaves (state owns the table).
-        {"Estimate": _allow("operator", "replay"), "ImportContext": _allow("ingress")},
+        {"Estimate": _allow("operator"), "ImportContext": _allow("ingress")},
         produces=(TOPIC_STATE,),
         broadcast_reads=(TOPIC_CONTROL,),
     ),
@@ -129,7 +129,7 @@ SERVICES: tuple[ServiceSpec, ...] = (
         "mars_memory.schema",
         "mars.v1.Memory",
         (MEMORY_VIEW, MEMORY_WRITER),
-        {"BuildView": _allow("operator", "replay"), "DescribeIndex": _allow("operator", "replay", "chaos")},
+        {"BuildView": _allow("operator"), "DescribeIndex": _allow("operator", "chaos")},
         produces=(TOPIC_VIEW, TOPIC_MEMORY_COMMITTED),
         broadcast_reads=(TOPIC_CONTROL,),
     ),
@@ -140,7 +140,7 @@ SERVICES: tuple[ServiceSpec, ...] = (
         "mars.v1.Router",
         (ROUTER, ROUTER_UPDATES),
         {
-            "Route": _allow("operator", "replay"),
+            "Route": _allow("operator"),
             "GetPolicy": _allow("operator", "replay", "deploy"),
             "ResetPolicy": _allow("operator"),
         },
@@ -152,7 +152,7 @@ SERVICES: tuple[ServiceSpec, ...] = (
         None,
         "mars.v1.Dispatch",
         (DISPATCH,),
-        {"Generate": _allow("operator", "replay"), "ListModels": _allow("operator", "replay", "deploy")},
+        {"Generate": _allow("operator"), "ListModels": _allow("operator", "deploy")},
         produces=(TOPIC_GENERATED, TOPIC_TOKENS),
     ),
     ServiceSpec(
@@ -161,7 +161,7 @@ SERVICES: tuple[ServiceSpec, ...] = (
         "mars_judge.schema",
         "mars.v1.Judge",
         (JUDGE,),
-        {"Score": _allow("operator", "replay")},
+        {"Score": _allow("operator")},
         produces=(TOPIC_JUDGED,),
     ),
     ServiceSpec(

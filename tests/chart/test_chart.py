@@ -766,7 +766,8 @@ def test_the_chart_mints_identities_the_stage_services_verify(tmp_path: Any) -> 
             str(tmp_path / f"{tool}-tls.crt"), str(tmp_path / f"{tool}-tls.key")
         )
         assert caller.name == tool
-        assert verifier.verify(caller.token("mars.v1.Router"), "mars.v1.Router") == tool
+        method = "/mars.v1.Router/GetPolicy"
+        assert verifier.verify(caller.token(method), method) == tool
     for service in SERVICES:
         env = helm.service_env(objects, service)
         assert env["MARS_IDENTITY_CA_FILE"] == "/etc/mars/identity-ca/ca.crt"

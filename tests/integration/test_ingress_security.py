@@ -357,13 +357,14 @@ def test_a_stage_answers_the_operator_and_keeps_health_open(stack: LocalStack) -
     # A token for memory opens nothing at the router: tokens are minted per service.
     operator = stack.caller("operator")
     assert operator is not None
-    token = operator.token("mars.v1.Memory")
+    token = operator.token("/mars.v1.Memory/BuildView")
     with grpc.insecure_channel(stack.addr("router")) as plain:
         with pytest.raises(grpc.RpcError) as info:
             svc_grpc.RouterStub(plain).GetPolicy(
                 svc.PolicyRequest(tenant="demo", user_id="u1"), metadata=[("x-mars-identity", token)], timeout=30
             )
-    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED and "not mars.v1.Router" in info.value.details()
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert "/mars.v1.Memory, not " in info.value.details() and "/mars.v1.Router" in info.value.details()
     # Only the ingress hands over an imported context (state owns the table); the operator may not.
     handover = svc.ImportContextRequest(
         tenant="demo", user_id="ctx-probe", recent_texts=["a"], thread_depth=1, last_seq=1

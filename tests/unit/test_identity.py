@@ -13,7 +13,7 @@ import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
-from cryptography.x509.oid import NameOID
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from mars.identity import (
     IDENTITY_METADATA,
     PERMISSIONS,
@@ -23,7 +23,7 @@ from mars.identity import (
     IdentityInterceptor,
     IdentityVerifier,
 )
-from mars_stack.certs import make_identities
+from mars_stack.certs import identity_authority, make_identities
 
 
 @pytest.fixture(scope="module")
@@ -43,68 +43,68 @@ def verifier(folder: Path) -> IdentityVerifier:
 
 
 def test_a_token_names_its_caller_for_the_service_it_was_minted_for(ca: Path) -> None:
-    token = caller(ca, "operator").token("mars.v1.Memory")
-    assert verifier(ca).verify(token, "mars.v1.Memory") == "operator"
+    token = caller(ca, "operator").token("/mars.v1.Memory/BuildView")
+    assert verifier(ca).verify(token, "/mars.v1.Memory/BuildView") == "operator"
     with pytest.raises(IdentityError, match=r"for mars\.v1\.Memory, not mars\.v1\.Router"):
-        verifier(ca).verify(token, "mars.v1.Router")
+        verifier(ca).verify(token, "/mars.v1.Router/GetPolicy")
 
 
 def test_a_caller_reuses_its_token_until_near_its_end() -> None:
     times = [1000.0]
     identity = CallerIdentity("x", b"", None, lifetime_s=300.0, clock=lambda: times[0])
-    identity._tokens["mars.v1.Judge"] = ("cached", 1300.0)
-    assert identity.token("mars.v1.Judge") == "cached"
+    identity._tokens["/mars.v1.Judge/Score"] = ("cached", 1300.0)
+    assert identity.token("/mars.v1.Judge/Score") == "cached"
     times[0] = 1250.0  # 50 s left: under a minute, so a new one would be minted (and this key cannot sign)
     with pytest.raises(IdentityConfigError, match="RSA or EC"):
-        identity.token("mars.v1.Judge")
+        identity.token("/mars.v1.Judge/Score")
 
 
 def test_a_certificate_from_another_ca_is_refused(ca: Path, tmp_path: Path) -> None:
     other = make_identities(tmp_path / "other", ("operator",))
-    forged = CallerIdentity.from_files(*map(str, other.callers["operator"])).token("mars.v1.Memory")
+    forged = CallerIdentity.from_files(*map(str, other.callers["operator"])).token("/mars.v1.Memory/BuildView")
     with pytest.raises(IdentityError, match="not signed by the identity CA"):
-        verifier(ca).verify(forged, "mars.v1.Memory")
+        verifier(ca).verify(forged, "/mars.v1.Memory/BuildView")
 
 
 def test_a_changed_claim_breaks_the_signature(ca: Path) -> None:
-    version, cert, claims, signature = caller(ca, "chaos").token("mars.v1.Router").split(".")
+    version, cert, claims, signature = caller(ca, "chaos").token("/mars.v1.Router/GetPolicy").split(".")
     decoded = json.loads(base64.urlsafe_b64decode(claims + "=" * (-len(claims) % 4)))
     decoded["sub"] = "operator"
     forged_claims = base64.urlsafe_b64encode(json.dumps(decoded).encode()).rstrip(b"=").decode()
     with pytest.raises(IdentityError, match="signature does not match"):
-        verifier(ca).verify(".".join([version, cert, forged_claims, signature]), "mars.v1.Router")
+        verifier(ca).verify(".".join([version, cert, forged_claims, signature]), "/mars.v1.Router/GetPolicy")
 
 
 @pytest.mark.parametrize("token", ["", "Bearer mars_abc", "v1.a.b.c", "v1.!!.??.**", "v2.x.y.z"])
 def test_garbage_is_no_token(ca: Path, token: str) -> None:
     with pytest.raises(IdentityError, match="not a MARS identity token"):
-        verifier(ca).verify(token, "mars.v1.Memory")
+        verifier(ca).verify(token, "/mars.v1.Memory/BuildView")
 
 
 def test_an_expired_token_is_refused(ca: Path) -> None:
     minted_at = datetime.datetime.now(datetime.UTC).timestamp()
-    token = caller(ca, "operator", clock=minted_at).token("mars.v1.Memory")
+    token = caller(ca, "operator", clock=minted_at).token("/mars.v1.Memory/BuildView")
     late = IdentityVerifier.from_file(str(ca / "ca.crt"))
     late._clock = lambda: minted_at + 301 + 31  # past exp and the allowed skew
     with pytest.raises(IdentityError, match="expired"):
-        late.verify(token, "mars.v1.Memory")
+        late.verify(token, "/mars.v1.Memory/BuildView")
     # Once verified and cached, a token still expires on time.
     v = verifier(ca)
-    assert v.verify(token, "mars.v1.Memory") == "operator"
+    assert v.verify(token, "/mars.v1.Memory/BuildView") == "operator"
     v._clock = lambda: minted_at + 400
     with pytest.raises(IdentityError, match="expired"):
-        v.verify(token, "mars.v1.Memory")
+        v.verify(token, "/mars.v1.Memory/BuildView")
 
 
 def test_a_token_minted_in_the_future_or_for_too_long_is_refused(ca: Path) -> None:
     now = datetime.datetime.now(datetime.UTC).timestamp()
-    future = caller(ca, "operator", clock=now + 3600).token("mars.v1.Memory")
+    future = caller(ca, "operator", clock=now + 3600).token("/mars.v1.Memory/BuildView")
     with pytest.raises(IdentityError, match="lifetime is out of bounds"):
-        verifier(ca).verify(future, "mars.v1.Memory")
+        verifier(ca).verify(future, "/mars.v1.Memory/BuildView")
     eternal = caller(ca, "operator")
     eternal.lifetime_s = 86_400
     with pytest.raises(IdentityError, match="lifetime is out of bounds"):
-        verifier(ca).verify(eternal.token("mars.v1.Memory"), "mars.v1.Memory")
+        verifier(ca).verify(eternal.token("/mars.v1.Memory/BuildView"), "/mars.v1.Memory/BuildView")
 
 
 @pytest.mark.parametrize(
@@ -130,6 +130,7 @@ def test_a_lifetime_that_is_not_two_finite_ordered_times_is_refused(
     claims = {
         "sub": "operator",
         "aud": "mars.v1.Memory",
+        "mth": "/mars.v1.Memory/BuildView",
         "iat": times.get(iat, iat) if isinstance(iat, str) else iat,
         "exp": times.get(exp, exp) if isinstance(exp, str) else exp,
     }
@@ -137,7 +138,7 @@ def test_a_lifetime_that_is_not_two_finite_ordered_times_is_refused(
     head = "v1." + identity._b64(signer.cert_der) + "." + identity._b64(json.dumps(claims).encode())
     token = head + "." + identity._b64(identity._sign(signer.key, head.encode("ascii")))
     with pytest.raises(IdentityError, match=why):
-        verifier(ca).verify(token, "mars.v1.Memory")
+        verifier(ca).verify(token, "/mars.v1.Memory/BuildView")
 
 
 def rsa_authority(folder: Path, names: tuple[str, ...]) -> None:
@@ -158,8 +159,11 @@ def rsa_authority(folder: Path, names: tuple[str, ...]) -> None:
             .not_valid_before(now - datetime.timedelta(minutes=1))
             .not_valid_after(now + datetime.timedelta(days=1))
             .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
-            .sign(signer, hashes.SHA256())
         )
+        if not ca:  # genSignedCert marks its leaves for server and client authentication
+            usages = [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+            built = built.add_extension(x509.ExtendedKeyUsage(usages), critical=False)
+        built = built.sign(signer, hashes.SHA256())
         return built.public_bytes(serialization.Encoding.PEM)
 
     ca_key = rsa.generate_private_key(65537, 2048)
@@ -186,12 +190,12 @@ def rsa_authority(folder: Path, names: tuple[str, ...]) -> None:
 
 def test_rsa_identities_as_helm_mints_them_verify(tmp_path: Path) -> None:
     rsa_authority(tmp_path / "helm", ("replay",))
-    token = caller(tmp_path / "helm", "replay").token("mars.v1.Router")
-    assert verifier(tmp_path / "helm").verify(token, "mars.v1.Router") == "replay"
+    token = caller(tmp_path / "helm", "replay").token("/mars.v1.Router/GetPolicy")
+    assert verifier(tmp_path / "helm").verify(token, "/mars.v1.Router/GetPolicy") == "replay"
     # The CA's own certificate signs, but it is no caller.
     ca_as_caller = CallerIdentity.from_files(str(tmp_path / "helm/ca.crt"), str(tmp_path / "helm/ca.key"))
     with pytest.raises(IdentityError, match="CA certificate is no caller"):
-        verifier(tmp_path / "helm").verify(ca_as_caller.token("mars.v1.Router"), "mars.v1.Router")
+        verifier(tmp_path / "helm").verify(ca_as_caller.token("/mars.v1.Router/GetPolicy"), "/mars.v1.Router/GetPolicy")
 
 
 def test_identity_files_half_given_or_missing_are_named(tmp_path: Path) -> None:
@@ -214,27 +218,25 @@ def test_the_server_decides_by_token_and_permission(ca: Path) -> None:
     check = IdentityInterceptor(verifier(ca))
     operator, chaos = caller(ca, "operator"), caller(ca, "chaos")
     reset, describe = "/mars.v1.Router/ResetPolicy", "/mars.v1.Memory/DescribeIndex"
-    assert decide(check, reset, operator.token("mars.v1.Router")) is None
+    assert decide(check, reset, operator.token(reset)) is None
     assert decide(check, reset, None) == grpc.StatusCode.UNAUTHENTICATED  # a tenant's API key opens nothing
-    assert decide(check, reset, chaos.token("mars.v1.Router")) == grpc.StatusCode.PERMISSION_DENIED
-    assert decide(check, describe, chaos.token("mars.v1.Memory")) is None
-    assert decide(check, describe, chaos.token("mars.v1.Router")) == grpc.StatusCode.UNAUTHENTICATED
+    assert decide(check, reset, chaos.token(reset)) == grpc.StatusCode.PERMISSION_DENIED
+    assert decide(check, describe, chaos.token(describe)) is None
+    assert decide(check, describe, chaos.token("/mars.v1.Router/GetPolicy")) == grpc.StatusCode.UNAUTHENTICATED
+    # Bound to its method: a token for one method of the service opens no other.
+    assert decide(check, reset, operator.token("/mars.v1.Router/GetPolicy")) == grpc.StatusCode.UNAUTHENTICATED
     # A service's own certificate (memory) is an identity, but no method lists it.
-    assert (
-        decide(check, describe, caller(ca, "memory").token("mars.v1.Memory"))
-        == grpc.StatusCode.PERMISSION_DENIED
-    )
+    assert decide(check, describe, caller(ca, "memory").token(describe)) == grpc.StatusCode.PERMISSION_DENIED
     # A method nobody is listed for is refused to everyone.
-    assert decide(check, "/mars.v1.Memory/Unlisted", operator.token("mars.v1.Memory")) == (
-        grpc.StatusCode.PERMISSION_DENIED
-    )
+    unlisted = "/mars.v1.Memory/Unlisted"
+    assert decide(check, unlisted, operator.token(unlisted)) == grpc.StatusCode.PERMISSION_DENIED
     # Health, reflection and the public ingress are not the identity check's.
     for open_method in ("/grpc.health.v1.Health/Check", "/mars.v1.Ingress/SendTurn"):
         assert decide(check, open_method, None) is None
 
 
 def test_a_stage_without_its_ca_fails_closed_unless_identity_is_turned_off(ca: Path) -> None:
-    token = caller(ca, "operator").token("mars.v1.Judge")
+    token = caller(ca, "operator").token("/mars.v1.Judge/Score")
     assert decide(IdentityInterceptor(None), "/mars.v1.Judge/Score", token) == grpc.StatusCode.UNAUTHENTICATED
     assert decide(IdentityInterceptor(None, required=False), "/mars.v1.Judge/Score", None) is None
 
@@ -250,3 +252,66 @@ def test_every_internal_method_is_in_the_permissions() -> None:
         for m in s.methods
     }
     assert methods == set(PERMISSIONS)
+
+
+# --- bound to the release ---------------------------------------------------------------------------------
+
+SCOPE = "spiffe://mars.test/ns/prod/mars"
+
+
+def test_a_scoped_caller_names_its_release_and_is_refused_by_another(tmp_path: Path) -> None:
+    """Same CA, two releases (as one issuer shared by staging and production would make them): each
+    release's services answer only their own release's identities."""
+    ca, mint = identity_authority(tmp_path / "ids")
+    prod = IdentityVerifier.from_file(str(ca), SCOPE)
+    method = "/mars.v1.Router/GetPolicy"
+    operator = CallerIdentity.from_files(*map(str, mint("operator", SCOPE)))
+    assert (operator.name, operator.scope) == ("operator", SCOPE)
+    assert prod.verify(operator.token(method), method) == "operator"
+    # From the same CA, for another release: its token names staging, and its certificate is staging's.
+    stranger = CallerIdentity.from_files(*map(str, mint("replay", "spiffe://mars.test/ns/staging/mars")))
+    with pytest.raises(IdentityError):
+        prod.verify(stranger.token(method), method)
+    stranger.scope = SCOPE  # a token claiming this release: the certificate still says staging
+    with pytest.raises(IdentityError, match="not an identity of this release"):
+        prod.verify(stranger.token(method), method)
+    # From the same CA with no SPIFFE ID (its common name says "deploy"): refused where a scope is set.
+    bare = CallerIdentity.from_files(*map(str, mint("deploy")))
+    bare.scope = SCOPE
+    with pytest.raises(IdentityError, match="not an identity of this release"):
+        prod.verify(bare.token(method), method)
+
+
+def test_a_token_of_another_release_is_refused_even_from_a_shared_certificate(tmp_path: Path) -> None:
+    """The audience names the release: a verifier of another scope refuses a token minted for this one."""
+    files = make_identities(tmp_path / "ids", ("operator",), SCOPE)
+    method = "/mars.v1.Judge/Score"
+    token = CallerIdentity.from_files(*map(str, files.callers["operator"])).token(method)
+    staging = IdentityVerifier.from_file(str(files.ca), "spiffe://mars.test/ns/staging/mars")
+    with pytest.raises(IdentityError):
+        staging.verify(token, method)
+
+
+def test_a_certificate_without_client_authentication_usage_is_refused(tmp_path: Path) -> None:
+    ca, mint = identity_authority(tmp_path / "ids")
+    method = "/mars.v1.Router/GetPolicy"
+    server = CallerIdentity.from_files(*map(str, mint("operator", SCOPE, server_only=True)))
+    with pytest.raises(IdentityError, match="clientAuth"):
+        IdentityVerifier.from_file(str(ca), SCOPE).verify(server.token(method), method)
+
+
+def test_an_expired_identity_ca_opens_nothing(tmp_path: Path) -> None:
+    files = make_identities(tmp_path / "ids", ("operator",), SCOPE)
+    method = "/mars.v1.Router/GetPolicy"
+    token = CallerIdentity.from_files(*map(str, files.callers["operator"])).token(method)
+    ca = x509.load_pem_x509_certificate(files.ca.read_bytes())
+    after = ca.not_valid_after_utc.timestamp() + 3600  # the leaf is as old: checked first, the CA too
+    late = IdentityVerifier(files.ca.read_bytes(), clock=lambda: after, scope=SCOPE)
+    with pytest.raises(IdentityError, match="not valid now"):
+        late.verify(token, method)
+
+
+def test_a_scope_that_is_no_spiffe_id_is_a_configuration_error() -> None:
+    for bad in ("mars/prod", "spiffe://only-domain", "spiffe://d/ns/x/"):
+        with pytest.raises(IdentityConfigError, match="spiffe://"):
+            IdentityVerifier(b"", scope=bad)
