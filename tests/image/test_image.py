@@ -341,9 +341,10 @@ def test_six_services_and_the_gateway_serve_and_answer_turns(
             assert main_port_health(ports[service], ClientTls()) != serving, service
             assert main_port_health(ports[service], ClientTls(ca_file=str(certs.ca))) != serving, service
         assert health(health_ports["memory"], "mars.v1.Memory.dense") == serving
-        # The stage services answer the chart's tool identities only: the operator's Secret opens the router,
+        # The stage services answer the chart's tool identities only: the replay Secret opens the router,
         # the caller with the client certificate alone (no identity) gets UNAUTHENTICATED.
-        operator_dir = identity_secret(objects, "mars-identity-operator", tmp_path / "identity-operator")
+        # (The replay Job's identity, one the chart mints by default: it may read the router's policy.)
+        operator_dir = identity_secret(objects, "mars-identity-replay", tmp_path / "identity-replay")
         operator = CallerIdentity.from_files(str(operator_dir / "tls.crt"), str(operator_dir / "tls.key"))
         policy = svc.PolicyRequest(tenant="image", user_id="u1")
         with tls.channel(f"127.0.0.1:{ports['router']}", client) as channel:

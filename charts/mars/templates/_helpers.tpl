@@ -139,10 +139,9 @@ judge:
 {{/* Who holds a service identity (mars.identity.IDENTITIES): the tools, and the ingress (which hands a
      history import's context to the state service). */}}
 {{- define "mars.identities" -}}
-- operator
-- replay
-- chaos
-- deploy
+{{- range $tool := .Values.identity.tools }}
+- {{ $tool }}
+{{- end }}
 - ingress
 {{- end -}}
 
