@@ -33,6 +33,7 @@ import binascii
 import json
 import logging
 import math
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -238,6 +239,15 @@ def _instant(value: object) -> TypeGuard[float]:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def _file_state(path: str) -> tuple[int, int] | None:
+    """What tells a rewritten file apart: its modification time and inode (a Secret volume swaps a link)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_mtime_ns, st.st_ino
+
+
 class _Verified(NamedTuple):
     caller: str
     audience: str
@@ -258,21 +268,56 @@ class IdentityVerifier:
     ) -> None:
         #: The release whose identities this service answers ("": any certificate the CA signed).
         self._scope = check_scope(scope)
-        try:
-            self._cas = x509.load_pem_x509_certificates(ca_pem)
-        except ValueError as exc:
-            raise IdentityConfigError(f"the identity CA is not PEM: {exc}") from None
+        self._cas = self._load(ca_pem)
+        #: The CA file and when it was last looked at (from_file): a rotated or revoked bundle that the
+        #: kubelet writes into the mounted Secret is read within RELOAD_S, without a restart.
+        self._file: str | None = None
+        self._file_seen: tuple[int, int] | None = None
+        self._next_look = 0.0
         self._clock = clock
         self._cache: OrderedDict[str, _Verified] = OrderedDict()
         self._cache_size = cache_size
 
+    #: How often the CA file is looked at for a change.
+    RELOAD_S = 30.0
+
+    @staticmethod
+    def _load(ca_pem: bytes) -> list[x509.Certificate]:
+        try:
+            return x509.load_pem_x509_certificates(ca_pem)
+        except ValueError as exc:
+            raise IdentityConfigError(f"the identity CA is not PEM: {exc}") from None
+
     @classmethod
-    def from_file(cls, ca_file: str, scope: str = "") -> IdentityVerifier:
-        return cls(_read(ca_file, "MARS_IDENTITY_CA_FILE"), scope=scope)
+    def from_file(cls, ca_file: str, scope: str = "", clock: Callable[[], float] = time.time) -> IdentityVerifier:
+        verifier = cls(_read(ca_file, "MARS_IDENTITY_CA_FILE"), clock=clock, scope=scope)
+        verifier._file = ca_file
+        verifier._file_seen = _file_state(ca_file)
+        verifier._next_look = clock() + cls.RELOAD_S
+        return verifier
+
+    def _look_at_file(self, now: float) -> None:
+        """Read the CA file again when it changed; what was verified against the old bundle is forgotten. A
+        file that cannot be read or parsed now keeps the bundle there was (and says so)."""
+        if self._file is None or now < self._next_look:
+            return
+        self._next_look = now + self.RELOAD_S
+        state = _file_state(self._file)
+        if state is None or state == self._file_seen:
+            return
+        try:
+            cas = self._load(_read(self._file, "MARS_IDENTITY_CA_FILE"))
+        except IdentityConfigError as exc:
+            log.error("identity CA file changed but does not load (keeping the previous bundle): %s", exc)
+            return
+        self._cas, self._file_seen = cas, state
+        self._cache.clear()
+        log.info("identity CA bundle reloaded from %s (%d CA(s))", self._file, len(cas))
 
     def verify(self, token: str, method: str) -> str:
         """The caller's name for a call of `method`, or IdentityError saying why the token proves nothing."""
         now = self._clock()
+        self._look_at_file(now)
         expected = audience(self._scope, service_of(method))
         hit = self._cache.get(token)
         if hit is None:

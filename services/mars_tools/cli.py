@@ -28,6 +28,7 @@ COMMANDS: dict[str, str] = {
     "tenant": "mars_tools.tenant_cli:add_tenant_parser",
     "forget-user": "mars_tools.forget_cli:add_forget_parser",
     "keys": "mars_tools.keys_cli:add_keys_parser",
+    "identity": "mars_tools.identity_cli:add_identity_parser",
     "train": "mars_tools.train_cli:add_train_parser",
     "deploy": "mars_tools.deploy.cli:add_deploy_parser",
     "kube": "mars_tools.kube_cli:add_kube_parser",

@@ -21,7 +21,7 @@ import yaml
 from crd_schemas import CRD_SCHEMAS
 from mars import topology
 from mars.config import ServiceSettings
-from mars.identity import IDENTITIES, SERVICE_IDENTITIES
+from mars.identity import SERVICE_IDENTITIES
 from mars.pool import load_pool
 from mars_stack import helm
 from mars_tools import cli
@@ -312,8 +312,12 @@ def test_every_pod_is_hardened(profile: str) -> None:
     for name, pod in specs:
         assert pod["securityContext"]["runAsNonRoot"] is True, name
         assert pod["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault", name
-        # One pod talks to the API server: the Job that makes the master key Secret, with its own account.
-        api_caller = name == "Job/mars-master-key" and pod["serviceAccountName"] == "mars-master-key-maker"
+        # Two pods talk to the API server, each with its own account: the Jobs that make the master key
+        # Secret and the identity Secrets.
+        api_caller = (name, pod.get("serviceAccountName")) in {
+            ("Job/mars-master-key", "mars-master-key-maker"),
+            ("Job/mars-identity", "mars-identity-maker"),
+        }
         assert pod.get("automountServiceAccountToken") is api_caller, name
         for container in pod["containers"]:
             sc = container["securityContext"]
@@ -345,9 +349,6 @@ def test_passwords_come_from_secrets_never_from_config_maps() -> None:
     assert {s["metadata"]["name"] for s in own} == {
         "mars-secrets",
         "mars-secrets-api-keys",
-        "mars-identity-ca",
-        "mars-identity-replay",  # the tools that run in the cluster, and the ingress: no one else's
-        "mars-identity-ingress",
     }
 
 
@@ -380,11 +381,12 @@ def test_rendered_model_pool_loads(tmp_path: Any) -> None:
 def test_hook_jobs_run_real_cli_commands() -> None:
     objects = render(BASE)
     jobs = {j["metadata"]["name"]: j for j in helm.find(objects, "Job")}
-    assert set(jobs) == {"mars-migrate", "mars-topics", "mars-master-key"}
+    assert set(jobs) == {"mars-migrate", "mars-topics", "mars-master-key", "mars-identity"}
     parser = cli.build_parser()
     for job in jobs.values():
         # Schema and topics after install (the master key before: the pods mount it).
-        hook = "pre-install" if job["metadata"]["name"] == "mars-master-key" else "post-install"
+        before = job["metadata"]["name"] in ("mars-master-key", "mars-identity")
+        hook = "pre-install" if before else "post-install"
         assert hook in job["metadata"]["annotations"]["helm.sh/hook"]
         args = job["spec"]["template"]["spec"]["containers"][0]["args"]
         assert args[0] == "mars"
@@ -408,7 +410,7 @@ def test_strimzi_topics_only_where_the_api_exists() -> None:
     assert all(t["metadata"]["labels"]["strimzi.io/cluster"] == "kafka" for t in topics)
     # With Strimzi managing topics, no topic Job races it.
     jobs = {j["metadata"]["name"] for j in helm.find(render(BASE, strimzi=True), "Job")}
-    assert jobs == {"mars-migrate", "mars-master-key"}
+    assert jobs == {"mars-migrate", "mars-master-key", "mars-identity"}
 
 
 def test_keda_scales_each_stage_on_its_consumer_groups() -> None:
@@ -746,31 +748,70 @@ def test_every_service_and_job_opens_sealed_events_with_one_master_key() -> None
 
 
 def test_the_chart_mints_identities_the_stage_services_verify(tmp_path: Any) -> None:
-    """Helm's genCA / genSignedCert output is what mars.identity verifies: every tool's Secret gives a token
-    the CA Secret's ca.crt accepts; the services mount ca.crt alone (no tool's key) and fail closed without
-    it; identity.enabled=false turns the check off in the settings, mint=false renders no Secret."""
+    """The identity Job's command, run against a fake API server with the arguments the chart renders, makes
+    certificates that the stage services' settings (ca.crt, MARS_IDENTITY_SCOPE) accept, for the ingress and
+    the replay Job only; nothing of it is in the rendered manifest (so a rollback restores none of it); the
+    Job's account may read or replace those Secrets alone; the services mount ca.crt only and fail closed
+    without it; identity.enabled=false turns the check off, mint=false renders no Job."""
     import base64
+    import json
 
+    import httpx
     from mars.identity import CallerIdentity, IdentityVerifier
+    from mars_tools.deploy.identity_secrets import IdentityPlan, ensure_identities
+    from mars_tools.deploy.master_key_secret import ApiServer
 
     objects = render(BASE)
-    secrets = {s["metadata"]["name"]: s for s in helm.find(objects, "Secret")}
-    ca_pem = base64.b64decode(secrets["mars-identity-ca"]["data"]["ca.crt"])
-    assert set(secrets["mars-identity-ca"]["data"]) == {"ca.crt"}, "the CA's key is never stored"
-    verifier = IdentityVerifier(ca_pem)
-    minted = {s.removeprefix("mars-identity-") for s in secrets if s.startswith("mars-identity-")} - {"ca"}
-    assert minted == {"replay", "ingress"}, "only the identities that run in the cluster"
-    for tool in sorted(minted):
-        secret = secrets[f"mars-identity-{tool}"]
-        assert secret["type"] == "kubernetes.io/tls"
+    assert not [o for o in helm.find(objects, "Secret") if "-identity" in o["metadata"]["name"]]
+    (job,) = [j for j in helm.find(objects, "Job") if j["metadata"]["name"] == "mars-identity"]
+    assert job["metadata"]["annotations"]["helm.sh/hook"] == "pre-install,pre-upgrade"
+    args = job["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[:3] == ["mars", "identity", "ensure-secrets"]
+    flags: dict[str, list[str]] = {}
+    for flag, value in zip(args[3::2], args[4::2], strict=True):
+        flags.setdefault(flag, []).append(value)
+    scope = helm.service_env(objects, "router")["MARS_IDENTITY_SCOPE"]
+    assert flags["--scope"] == [scope] and scope.startswith("spiffe://cluster.local/ns/")
+    assert sorted(flags["--name"]) == ["ingress", "replay"], "only the identities that run in the cluster"
+    assert flags["--days"] == ["90"] and flags["--fullname"] == ["mars"]
+    (role,) = [r for r in helm.find(objects, "Role") if r["metadata"]["name"] == "mars-identity-maker"]
+    named = [r for r in role["rules"] if "resourceNames" in r]
+    assert named == [
+        {
+            "apiGroups": [""],
+            "resources": ["secrets"],
+            "resourceNames": [
+                "mars-identity-ca-key", "mars-identity-ca", "mars-identity-replay", "mars-identity-ingress"
+            ],
+            "verbs": ["get", "update"],
+        }
+    ]  # fmt: skip
+
+    secrets: dict[str, dict[str, Any]] = {}
+
+    def api(request: httpx.Request) -> httpx.Response:
+        name = request.url.path.rsplit("/", 1)[-1]
+        if request.method == "GET":
+            return httpx.Response(200, json=secrets[name]) if name in secrets else httpx.Response(404)
+        body = json.loads(request.content)
+        if request.method == "POST" and body["metadata"]["name"] in secrets:
+            return httpx.Response(409)
+        secrets[body["metadata"]["name"]] = body
+        return httpx.Response(201 if request.method == "POST" else 200, json=body)
+
+    plan = IdentityPlan(flags["--fullname"][0], scope, tuple(flags["--name"]), int(flags["--days"][0]))
+    ensure_identities(ApiServer("https://k", "t", False, "mars"), plan, httpx.MockTransport(api))
+    verifier = IdentityVerifier(base64.b64decode(secrets["mars-identity-ca"]["data"]["ca.crt"]), scope=scope)
+    for name in flags["--name"]:
         for key in ("tls.crt", "tls.key"):
-            (tmp_path / f"{tool}-{key}").write_bytes(base64.b64decode(secret["data"][key]))
+            (tmp_path / f"{name}-{key}").write_bytes(
+                base64.b64decode(secrets[f"mars-identity-{name}"]["data"][key])
+            )
         caller = CallerIdentity.from_files(
-            str(tmp_path / f"{tool}-tls.crt"), str(tmp_path / f"{tool}-tls.key")
+            str(tmp_path / f"{name}-tls.crt"), str(tmp_path / f"{name}-tls.key")
         )
-        assert caller.name == tool
         method = "/mars.v1.Router/GetPolicy"
-        assert verifier.verify(caller.token(method), method) == tool
+        assert caller.name == name and verifier.verify(caller.token(method), method) == name
     for service in SERVICES:
         env = helm.service_env(objects, service)
         assert env["MARS_IDENTITY_CA_FILE"] == "/etc/mars/identity-ca/ca.crt"
@@ -790,10 +831,11 @@ def test_the_chart_mints_identities_the_stage_services_verify(tmp_path: Any) -> 
     )
     off = render(merged(BASE, {"identity": {"enabled": False}}))
     assert helm.service_env(off, "memory")["MARS_IDENTITY_REQUIRED"] == "false"
-    assert not [s for s in helm.find(off, "Secret") if "identity" in s["metadata"]["name"]]
-    theirs = render(merged(BASE, {"identity": {"mint": False}}))
-    assert not [s for s in helm.find(theirs, "Secret") if "identity" in s["metadata"]["name"]]
+    assert not [j for j in helm.find(off, "Job") if j["metadata"]["name"] == "mars-identity"]
+    theirs = render(merged(BASE, {"identity": {"mint": False, "scope": "spiffe://example.org/ns/a/b"}}))
+    assert not [j for j in helm.find(theirs, "Job") if j["metadata"]["name"] == "mars-identity"]
     assert helm.service_env(theirs, "judge")["MARS_IDENTITY_CA_FILE"] == "/etc/mars/identity-ca/ca.crt"
+    assert helm.service_env(theirs, "judge")["MARS_IDENTITY_SCOPE"] == "spiffe://example.org/ns/a/b"
 
 
 def test_postgres_certificates_are_verified_where_tls_is_on() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import datetime
 import json
+import time
 from pathlib import Path
 
 import grpc
@@ -315,3 +316,27 @@ def test_a_scope_that_is_no_spiffe_id_is_a_configuration_error() -> None:
     for bad in ("mars/prod", "spiffe://only-domain", "spiffe://d/ns/x/"):
         with pytest.raises(IdentityConfigError, match="spiffe://"):
             IdentityVerifier(b"", scope=bad)
+
+
+def test_a_rewritten_ca_file_is_read_again_without_a_restart(tmp_path: Path) -> None:
+    """A rotated or revoked bundle (the identity Job rewrites the Secret, the kubelet the mounted file) takes
+    effect within RELOAD_S: what was verified against the old CA is forgotten."""
+    import os
+
+    first, mint_first = identity_authority(tmp_path / "first")
+    second, mint_second = identity_authority(tmp_path / "second")
+    mounted = tmp_path / "ca.crt"
+    mounted.write_bytes(first.read_bytes())
+    times = [time.time()]
+    verifier = IdentityVerifier.from_file(str(mounted), SCOPE, clock=lambda: times[0])
+    method = "/mars.v1.Router/GetPolicy"
+    old = CallerIdentity.from_files(*map(str, mint_first("replay", SCOPE)))
+    new = CallerIdentity.from_files(*map(str, mint_second("replay", SCOPE)))
+    assert verifier.verify(old.token(method), method) == "replay"
+    mounted.write_bytes(second.read_bytes())  # the revocation: a new CA alone
+    os.utime(mounted, ns=(time.time_ns(), time.time_ns() + 1_000_000))
+    assert verifier.verify(old.token(method), method) == "replay"  # not looked at yet (cached)
+    times[0] += IdentityVerifier.RELOAD_S + 1
+    with pytest.raises(IdentityError, match="not signed by the identity CA"):
+        verifier.verify(old.token(method), method)
+    assert verifier.verify(new.token(method), method) == "replay"

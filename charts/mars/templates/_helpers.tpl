@@ -136,6 +136,16 @@ judge:
 {{- printf "%s-identity-ca" (include "mars.fullname" .) -}}
 {{- end -}}
 
+{{/* The release's SPIFFE ID prefix (mars.identity): what the stage services accept in a caller's URI SAN.
+     Minted here: spiffe://<identity.trustDomain>/ns/<namespace>/<release>; else identity.scope. */}}
+{{- define "mars.identityScope" -}}
+{{- if .Values.identity.mint -}}
+spiffe://{{ .Values.identity.trustDomain }}/ns/{{ .Release.Namespace }}/{{ .Release.Name }}
+{{- else -}}
+{{- .Values.identity.scope -}}
+{{- end -}}
+{{- end -}}
+
 {{/* Who holds a service identity (mars.identity.IDENTITIES): the tools, and the ingress (which hands a
      history import's context to the state service). */}}
 {{- define "mars.identities" -}}
@@ -215,6 +225,9 @@ MARS_TLS_CLIENT_CA_FILE: /etc/mars/tls/ca.crt
 {{- end }}
 {{- if .Values.identity.enabled }}
 MARS_IDENTITY_CA_FILE: /etc/mars/identity-ca/ca.crt
+{{- with include "mars.identityScope" . }}
+MARS_IDENTITY_SCOPE: {{ . | quote }}
+{{- end }}
 {{- else }}
 MARS_IDENTITY_REQUIRED: "false"
 {{- end }}

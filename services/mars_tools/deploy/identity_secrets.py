@@ -1,0 +1,259 @@
+"""`mars identity ensure-secrets`: the release's service identities, made in the cluster by a Job.
+
+Helm's genCA / genSignedCert cannot write a URI SAN, so their certificates named a caller by common name
+alone (any certificate with CN `operator` from a shared issuer became `operator`), and the Secrets they made
+were part of every release revision: `helm rollback` re-applied an old CA and old certificates and so undid
+a revocation. Here a Job (a Helm hook before install and upgrade, as the master key's) makes them through the
+API server instead, outside the release's manifests:
+
+- `<fullname>-identity-ca-key` (ca.crt, ca.key): the identity CA, read by this Job alone. Kept across runs;
+  made anew when missing (deleting it is the revocation: the next upgrade starts a new CA and drops the old
+  one from the bundle) or when it would expire within the leaves' validity (then the old CA stays in the
+  bundle until it expires, so pods holding certificates it signed keep working through the rotation).
+- `<fullname>-identity-ca` (ca.crt): the bundle the stage services trust.
+- `<fullname>-identity-<name>` (kubernetes.io/tls) per identity that runs in the cluster: a client
+  certificate (clientAuth) with the SPIFFE ID `<scope>/<name>` as its URI SAN, valid `--days`, minted anew
+  on every run, so an upgrade renews them.
+
+The stage services check the SPIFFE ID against MARS_IDENTITY_SCOPE (mars.identity), so a certificate of this
+CA for another release, or another CA's, opens nothing. Talks to the API server as master_key_secret does.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime
+import ssl
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from mars.identity import check_scope
+
+from mars_tools.deploy.master_key_secret import ApiServer, SecretError, _refusal
+
+#: The CA lives this many times a leaf's validity (it is rotated when it would expire within one).
+CA_LIFETIMES = 4
+CA_KEY_FILE, CA_CERT_FILE = "ca.key", "ca.crt"
+
+
+def _utc(now: float | None) -> datetime.datetime:
+    return (
+        datetime.datetime.fromtimestamp(now, datetime.UTC)
+        if now is not None
+        else datetime.datetime.now(datetime.UTC)
+    )
+
+
+def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
+    return key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+
+
+def mint_ca(scope: str, days: int, now: float | None = None) -> tuple[bytes, bytes]:
+    """(certificate PEM, key PEM) of a new identity CA for the release `scope`, valid `days`."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    start = _utc(now)
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"MARS identity CA {scope}"[:64])])
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(start - datetime.timedelta(minutes=5))
+        .not_valid_after(start + datetime.timedelta(days=days))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.KeyUsage(False, False, False, False, False, True, True, False, False), critical=True
+        )
+        .sign(key, hashes.SHA256())
+    )
+    return cert.public_bytes(serialization.Encoding.PEM), _pem_key(key)
+
+
+def mint_leaf(
+    ca_cert_pem: bytes, ca_key_pem: bytes, name: str, scope: str, days: int, now: float | None = None
+) -> tuple[bytes, bytes]:
+    """(certificate PEM, key PEM) of `name`'s identity: client authentication, SPIFFE ID <scope>/<name>."""
+    ca_cert = x509.load_pem_x509_certificate(ca_cert_pem)
+    ca_key = serialization.load_pem_private_key(ca_key_pem, None)
+    if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
+        raise SecretError("the identity CA's key is not an EC key this tool made")
+    key = ec.generate_private_key(ec.SECP256R1())
+    start = _utc(now)
+    end = min(start + datetime.timedelta(days=days), ca_cert.not_valid_after_utc)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(start - datetime.timedelta(minutes=5))
+        .not_valid_after(end)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+        .add_extension(
+            x509.SubjectAlternativeName([x509.UniformResourceIdentifier(f"{scope}/{name}")]), critical=False
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
+    return cert.public_bytes(serialization.Encoding.PEM), _pem_key(key)
+
+
+@dataclass(frozen=True)
+class IdentityPlan:
+    """What one run makes: the release's Secrets' prefix (<fullname>), its scope and identities."""
+
+    fullname: str
+    scope: str
+    names: tuple[str, ...]
+    days: int = 90
+    labels: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        check_scope(self.scope)
+        if not self.scope:
+            raise SecretError("--scope is required: spiffe://<trust-domain>/ns/<namespace>/<release>")
+        if self.days < 1:
+            raise SecretError(f"--days must be at least 1, got {self.days}")
+
+    @property
+    def ca_key_secret(self) -> str:
+        return f"{self.fullname}-identity-ca-key"
+
+    @property
+    def ca_secret(self) -> str:
+        return f"{self.fullname}-identity-ca"
+
+    def secret(self, name: str) -> str:
+        return f"{self.fullname}-identity-{name}"
+
+
+@dataclass
+class Outcome:
+    """What a run did: whether it made a new CA (and why), which CAs the bundle holds, what it renewed."""
+
+    new_ca: str = ""  # "", "first", "revoked" (the key Secret was gone) or "expiring"
+    bundle: int = 0
+    renewed: list[str] = field(default_factory=list)
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def _unb64(data: dict[str, str], key: str) -> bytes:
+    return base64.b64decode(data.get(key, "") or "")
+
+
+class _Secrets:
+    def __init__(self, api: ApiServer, client: httpx.Client) -> None:
+        self._base = f"{api.url}/api/v1/namespaces/{api.namespace}/secrets"
+        self._headers = {"Authorization": f"Bearer {api.token}"}
+        self._client = client
+        self._url = api.url
+
+    def _call(self, method: str, url: str, **kw: Any) -> httpx.Response:
+        try:
+            return self._client.request(method, url, headers=self._headers, **kw)
+        except httpx.HTTPError as exc:
+            raise SecretError(
+                f"cannot reach the API server at {self._url}: {type(exc).__name__}: {exc}"
+            ) from None
+
+    def get(self, name: str) -> dict[str, str] | None:
+        found = self._call("GET", f"{self._base}/{name}")
+        if found.status_code == 404:
+            return None
+        if found.status_code != 200:
+            raise SecretError(_refusal("read", name, found))
+        return dict(found.json().get("data") or {})
+
+    def put(self, name: str, kind: str, data: dict[str, bytes], labels: dict[str, str]) -> None:
+        """Create the Secret, or replace what it holds."""
+        body = {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {"name": name, "labels": labels},
+            "type": kind,
+            "data": {k: _b64(v) for k, v in data.items()},
+        }
+        made = self._call("POST", self._base, json=body)
+        if made.status_code == 201:
+            return
+        if made.status_code != 409:
+            raise SecretError(_refusal("create", name, made))
+        replaced = self._call("PUT", f"{self._base}/{name}", json=body)
+        if replaced.status_code != 200:
+            raise SecretError(_refusal("replace", name, replaced))
+
+
+def _still_valid(pem: bytes, at: datetime.datetime) -> list[bytes]:
+    out = []
+    for cert in x509.load_pem_x509_certificates(pem) if pem.strip() else []:
+        if cert.not_valid_after_utc > at:
+            out.append(cert.public_bytes(serialization.Encoding.PEM))
+    return out
+
+
+def ensure_identities(
+    api: ApiServer,
+    plan: IdentityPlan,
+    transport: httpx.BaseTransport | None = None,
+    now: float | None = None,
+    progress: Callable[[str], None] = lambda _: None,
+) -> Outcome:
+    """Make (or keep) the CA, write the bundle, and mint every identity anew (see the module's text)."""
+    at = _utc(now)
+    outcome = Outcome()
+    verify = ssl.create_default_context(cafile=api.ca_file) if isinstance(api.ca_file, str) else api.ca_file
+    with httpx.Client(verify=verify, transport=transport, timeout=30) as client:
+        secrets = _Secrets(api, client)
+        held = secrets.get(plan.ca_key_secret)
+        old_bundle = secrets.get(plan.ca_secret) or {}
+        carried: list[bytes] = []
+        ca_cert, ca_key = (_unb64(held, CA_CERT_FILE), _unb64(held, CA_KEY_FILE)) if held else (b"", b"")
+        if not ca_cert or not ca_key:
+            # First run, or the key Secret was deleted: a revocation. Nothing of the old bundle is carried.
+            outcome.new_ca = "revoked" if old_bundle else "first"
+        else:
+            expires = x509.load_pem_x509_certificate(ca_cert).not_valid_after_utc
+            if expires - at < datetime.timedelta(days=plan.days):
+                outcome.new_ca = "expiring"
+                carried = _still_valid(ca_cert, at)
+        if outcome.new_ca:
+            ca_cert, ca_key = mint_ca(plan.scope, plan.days * CA_LIFETIMES, now)
+            secrets.put(
+                plan.ca_key_secret, "Opaque", {CA_CERT_FILE: ca_cert, CA_KEY_FILE: ca_key}, plan.labels
+            )
+            progress(f"made a new identity CA ({outcome.new_ca}) in {plan.ca_key_secret}")
+        if not outcome.new_ca:  # keep what the bundle held besides the current CA while it is valid
+            current = x509.load_pem_x509_certificate(ca_cert).public_bytes(serialization.Encoding.PEM)
+            carried = [c for c in _still_valid(_unb64(old_bundle, CA_CERT_FILE), at) if c != current]
+        bundle = [ca_cert, *carried]
+        outcome.bundle = len(bundle)
+        secrets.put(plan.ca_secret, "Opaque", {CA_CERT_FILE: b"".join(bundle)}, plan.labels)
+        for name in plan.names:
+            cert, key = mint_leaf(ca_cert, ca_key, name, plan.scope, plan.days, now)
+            secrets.put(
+                plan.secret(name), "kubernetes.io/tls", {"tls.crt": cert, "tls.key": key}, plan.labels
+            )
+            outcome.renewed.append(name)
+            progress(f"minted {plan.secret(name)} ({plan.scope}/{name}, {plan.days} days)")
+    return outcome
+
+
+def names_of(values: Sequence[str]) -> tuple[str, ...]:
+    """Identity names as given (repeatable and comma-separated), each a plain name."""
+    out = [n.strip() for v in values for n in v.split(",") if n.strip()]
+    bad = [n for n in out if not n.replace("-", "").isalnum()]
+    if bad or not out:
+        raise SecretError(f"identity names are letters, digits and '-': {bad or 'none given'}")
+    return tuple(dict.fromkeys(out))
