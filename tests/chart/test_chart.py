@@ -643,9 +643,15 @@ def test_replay_job_fits_the_release_it_runs_beside() -> None:
             v["valueFrom"]["secretKeyRef"]["name"] for v in container.get("env", []) if "valueFrom" in v
         }
         chart_secrets = {o["metadata"]["name"] for o in helm.find(objects, "Secret")}
-        assert secret_refs and secret_refs <= chart_secrets | {f"{release}-mars-secrets", "mars-secrets"}
+        fullname = "mars" if release == "mars" else f"{release}-mars"
+        # The tools' Kafka login (the chart's default: one per principal, made by Strimzi for its KafkaUser).
+        assert secret_refs and secret_refs <= chart_secrets | {f"{fullname}-secrets", f"{fullname}-kafka-operator"}
+        login = {v["name"]: v.get("value") for v in container["env"]}
+        assert login["MARS_KAFKA_SASL_USERNAME"] == f"{fullname}-kafka-operator"
         identity = {v["name"]: v for v in pod["spec"]["volumes"]}["identity"]["secret"]["secretName"]
-        assert identity in chart_secrets and identity.endswith("-identity-replay")
+        # The identity the chart's Job makes (no identity Secret is in the manifest).
+        made = set(helm.identity_job_secrets(objects))
+        assert identity in made and identity.endswith("-identity-replay")
         env = {v["name"]: v.get("value") for v in container["env"]}
         assert env["MARS_IDENTITY_CERT_FILE"] == "/etc/mars/identity/tls.crt"
         if release == "mars":
@@ -713,7 +719,8 @@ def test_every_service_and_job_opens_sealed_events_with_one_master_key() -> None
         {"apiGroups": [""], "resources": ["secrets"], "resourceNames": ["mars-master-key"], "verbs": ["get"]},
     ]
     for name, pod in pod_specs(objects):
-        if name.endswith(("-vllm", "-gateway", "-master-key")):  # the gateway sees no event: it holds no key
+        # The gateway sees no event: it holds no key; the key-making Jobs talk to the API server alone.
+        if name.endswith(("-vllm", "-gateway", "-master-key", "-identity")):
             continue
         volumes = {v["name"]: v for v in pod["volumes"]}
         assert volumes["master-key"]["secret"]["secretName"] == "mars-master-key", name
@@ -738,7 +745,7 @@ def test_every_service_and_job_opens_sealed_events_with_one_master_key() -> None
         "/etc/mars/master-key-previous/master.key"
     )
     for name, pod in pod_specs(rotating):
-        if not name.endswith(("-vllm", "-gateway", "-master-key")):
+        if not name.endswith(("-vllm", "-gateway", "-master-key", "-identity")):
             previous = {v["name"]: v for v in pod["volumes"]}["master-key-previous"]["secret"]
             assert previous["secretName"] == "mars-master-key-2025" and previous["defaultMode"] == 0o440, name
     assert "MARS_PREVIOUS_MASTER_KEY_FILE" not in helm.service_env(objects, "memory")
@@ -754,12 +761,8 @@ def test_the_chart_mints_identities_the_stage_services_verify(tmp_path: Any) -> 
     Job's account may read or replace those Secrets alone; the services mount ca.crt only and fail closed
     without it; identity.enabled=false turns the check off, mint=false renders no Job."""
     import base64
-    import json
 
-    import httpx
     from mars.identity import CallerIdentity, IdentityVerifier
-    from mars_tools.deploy.identity_secrets import IdentityPlan, ensure_identities
-    from mars_tools.deploy.master_key_secret import ApiServer
 
     objects = render(BASE)
     assert not [o for o in helm.find(objects, "Secret") if "-identity" in o["metadata"]["name"]]
@@ -787,20 +790,7 @@ def test_the_chart_mints_identities_the_stage_services_verify(tmp_path: Any) -> 
         }
     ]  # fmt: skip
 
-    secrets: dict[str, dict[str, Any]] = {}
-
-    def api(request: httpx.Request) -> httpx.Response:
-        name = request.url.path.rsplit("/", 1)[-1]
-        if request.method == "GET":
-            return httpx.Response(200, json=secrets[name]) if name in secrets else httpx.Response(404)
-        body = json.loads(request.content)
-        if request.method == "POST" and body["metadata"]["name"] in secrets:
-            return httpx.Response(409)
-        secrets[body["metadata"]["name"]] = body
-        return httpx.Response(201 if request.method == "POST" else 200, json=body)
-
-    plan = IdentityPlan(flags["--fullname"][0], scope, tuple(flags["--name"]), int(flags["--days"][0]))
-    ensure_identities(ApiServer("https://k", "t", False, "mars"), plan, httpx.MockTransport(api))
+    secrets = helm.identity_job_secrets(objects)  # what the Job makes with those arguments
     verifier = IdentityVerifier(base64.b64decode(secrets["mars-identity-ca"]["data"]["ca.crt"]), scope=scope)
     for name in flags["--name"]:
         for key in ("tls.crt", "tls.key"):
@@ -851,7 +841,7 @@ def test_postgres_certificates_are_verified_where_tls_is_on() -> None:
     dsn = helm.service_env(own_ca, "judge")["MARS_POSTGRES_DSN"]
     assert dsn.endswith("?sslmode=verify-full&sslrootcert=/etc/mars/postgres-tls/root.crt")
     for name, pod in pod_specs(own_ca):
-        if name.endswith(("-vllm", "-gateway", "-master-key")):  # none of them talks to Postgres
+        if name.endswith(("-vllm", "-gateway", "-master-key", "-identity")):  # none of them talks to Postgres
             continue
         volumes = {v["name"]: v for v in pod["volumes"]}
         assert volumes["postgres-tls"]["secret"]["secretName"] == "pg-ca", name

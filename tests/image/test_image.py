@@ -178,9 +178,14 @@ def master_key_secret(objects: list[dict[str, Any]], folder: Path) -> Path:
 
 
 def identity_secret(objects: list[dict[str, Any]], name: str, folder: Path) -> Path:
-    """One of the chart's identity Secrets (the CA's, or a tool's), mounted."""
-    (secret,) = helm.find(objects, "Secret", name)
-    return mounted_secret(secret["data"], folder)
+    """One of the identity Secrets the chart's Job makes (the CA bundle's, or an identity's), mounted."""
+    global _IDENTITY_SECRETS
+    if _IDENTITY_SECRETS is None:  # one run of the Job for the whole release, as in a cluster
+        _IDENTITY_SECRETS = helm.identity_job_secrets(objects)
+    return mounted_secret(_IDENTITY_SECRETS[name]["data"], folder)
+
+
+_IDENTITY_SECRETS: dict[str, dict[str, Any]] | None = None
 
 
 def main_port_health(port: int, client_tls: ClientTls) -> int:

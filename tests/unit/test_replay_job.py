@@ -52,11 +52,13 @@ def test_manifest_runs_replay_with_the_release_settings() -> None:
     assert c["args"] == ["mars", "replay", "read", "--idle-s", "5"]
     assert c["envFrom"] == [{"configMapRef": {"name": "prod-mars-env"}}]
     secret_env = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in c["env"] if "valueFrom" in e}
+    # The tools' own Kafka principal, as the chart makes it by default (kafka.sasl.perService).
     assert secret_env["MARS_KAFKA_SASL_PASSWORD"] == {
-        "name": "prod-mars-secrets",
-        "key": "kafka-password",
+        "name": "prod-mars-kafka-operator",
+        "key": "password",
         "optional": True,
     }
+    assert {e["name"]: e.get("value") for e in c["env"]}["MARS_KAFKA_SASL_USERNAME"] == "prod-mars-kafka-operator"
     assert secret_env["PGPASSWORD"]["name"] == "prod-mars-secrets"
 
 
@@ -87,6 +89,7 @@ def test_tls_ca_output_claim_and_existing_secret() -> None:
         replay_args=("export", "--out", "/data/log.jsonl"),
         kafka_ca_secret="kafka-ca",
         kafka_password_secret="kafka-user",
+        kafka_shared_login=True,  # the release's one login (kafka.sasl.perService=false)
         postgres_ca_secret="pg-ca",
         pvc="replay-data",
         service_account="mars-tools",

@@ -157,6 +157,7 @@ def cmd_replay_job(args: argparse.Namespace) -> int:
         image_pull_policy=args.image_pull_policy,
         service_account=args.service_account,
         kafka_password_secret=args.kafka_password_secret,
+        kafka_shared_login=args.kafka_shared_login,
         kafka_ca_secret=args.kafka_ca_secret,
         identity_secret=args.identity_secret,
         postgres_ca_secret=args.postgres_ca_secret,
@@ -266,7 +267,14 @@ def _add_replay_job_parser(deploy_sub: argparse._SubParsersAction) -> None:  # t
     p.add_argument(
         "--kafka-password-secret",
         default="",
-        help="Secret holding key kafka-password (the chart's kafka.sasl.existingSecret; default <fullname>-secrets)",
+        help="with --kafka-shared-login: Secret holding key kafka-password (the chart's kafka.sasl.existingSecret; "
+        "default <fullname>-secrets)",
+    )
+    p.add_argument(
+        "--kafka-shared-login",
+        action="store_true",
+        help="the release has one Kafka login for everything (kafka.sasl.perService=false); default: the tools' "
+        "own, <fullname>-kafka-operator, password from the Secret of that name",
     )
     p.add_argument(
         "--kafka-ca-secret", default="", help="Secret with the brokers' CA (the chart's kafka.tls.caSecret)"

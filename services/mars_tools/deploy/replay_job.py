@@ -55,7 +55,12 @@ class ReplayJob:
     name: str = ""
     image_pull_policy: str = "IfNotPresent"
     service_account: str = ""
-    #: The Secret with the Kafka password (key `kafka_password_key`); "" = the chart's <fullname>-secrets.
+    #: Log in to Kafka as the tools' principal of the release (the chart's kafka.sasl.perService, its
+    #: default): user <fullname>-kafka-operator, password in the Secret of that name (key `password`).
+    #: True: the release's one shared login (user from its ConfigMap, password as below).
+    kafka_shared_login: bool = False
+    #: With the shared login, the Secret with the Kafka password (key `kafka_password_key`); "" = the chart's
+    #: <fullname>-secrets.
     kafka_password_secret: str = ""
     kafka_password_key: str = "kafka-password"
     postgres_password_key: str = "postgres-password"
@@ -107,6 +112,16 @@ def _secret_env(name: str, secret: str, key: str) -> dict[str, Any]:
     return {"name": name, "valueFrom": {"secretKeyRef": {"name": secret, "key": key, "optional": True}}}
 
 
+def _kafka_login(job: ReplayJob, secrets: str) -> list[dict[str, Any]]:
+    if job.kafka_shared_login:
+        return [_secret_env("MARS_KAFKA_SASL_PASSWORD", secrets, job.kafka_password_key)]
+    user = f"{job.fullname}-kafka-operator"  # the chart's mars.kafkaUser of the tools' principal
+    return [
+        {"name": "MARS_KAFKA_SASL_USERNAME", "value": user},
+        _secret_env("MARS_KAFKA_SASL_PASSWORD", user, "password"),
+    ]
+
+
 def _volumes(job: ReplayJob) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
     """The pod's volumes, the container's mounts, and the identity settings that go with its mount."""
     volumes: list[dict[str, Any]] = [
@@ -151,7 +166,7 @@ def _container(
         "args": ["mars", "replay", *job.replay_args],
         "envFrom": [{"configMapRef": {"name": f"{job.fullname}-env"}}],
         "env": [
-            _secret_env("MARS_KAFKA_SASL_PASSWORD", secrets, job.kafka_password_key),
+            *_kafka_login(job, secrets),
             _secret_env("PGPASSWORD", secrets, job.postgres_password_key),
             # A read-only root: caches (matplotlib for `replay report`) go to the writable /tmp.
             {"name": "HOME", "value": "/tmp"},
