@@ -91,8 +91,14 @@ def test_every_service_and_the_gateway_run_ready_on_the_real_node(
         for e in core(serving).list_namespaced_event(NAMESPACE).items
         if e.involved_object.kind == "Job" and e.reason == "Completed"
     }
-    assert {f"{RELEASE}-master-key", f"{RELEASE}-migrate", f"{RELEASE}-topics"} <= completed, completed
+    jobs = {f"{RELEASE}-master-key", f"{RELEASE}-identity", f"{RELEASE}-migrate", f"{RELEASE}-topics"}
+    assert jobs <= completed, completed
     assert core(serving).read_namespaced_secret(f"{RELEASE}-master-key", NAMESPACE).data
+    # The identity Job made the CA (its key Secret for itself), the bundle and the in-cluster identities,
+    # none of them Helm's (so no rollback brings an old one back).
+    for name in ("identity-ca-key", "identity-ca", "identity-ingress", "identity-replay"):
+        secret = core(serving).read_namespaced_secret(f"{RELEASE}-{name}", NAMESPACE)
+        assert secret.data and (secret.metadata.labels or {}).get("app.kubernetes.io/managed-by") != "Helm", name
 
 
 def test_deploy_status_shows_every_deployment_ready_and_the_lag(
