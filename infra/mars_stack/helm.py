@@ -148,39 +148,11 @@ def service_env(objects: list[dict[str, Any]], component: str, pod_name: str = "
     return env
 
 
-def identity_job_secrets(objects: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """The Secrets the chart's identity Job (`mars identity ensure-secrets`, with the arguments the chart
-    renders) makes, run here against an in-memory API server: name -> the Secret as it would be stored.
-    For tests that mount what a cluster's pods would (the Job runs for real in the Kubernetes e2e)."""
-    import httpx
-    from mars_tools.deploy.identity_secrets import IdentityPlan, ensure_identities
-    from mars_tools.deploy.master_key_secret import ApiServer
-
+def job_args(objects: list[dict[str, Any]], component: str) -> list[str]:
+    """The container arguments of the rendered Job labelled app.kubernetes.io/component=`component`."""
     (job,) = [
         j
         for j in find(objects, "Job")
-        if j["metadata"]["labels"].get("app.kubernetes.io/component") == "identity"
+        if j["metadata"]["labels"].get("app.kubernetes.io/component") == component
     ]
-    args = job["spec"]["template"]["spec"]["containers"][0]["args"]
-    flags: dict[str, list[str]] = {}
-    for flag, value in zip(args[3::2], args[4::2], strict=True):
-        flags.setdefault(flag, []).append(value)
-    secrets: dict[str, dict[str, Any]] = {}
-
-    def api(request: httpx.Request) -> httpx.Response:
-        name = request.url.path.rsplit("/", 1)[-1]
-        if request.method == "GET":
-            return httpx.Response(200, json=secrets[name]) if name in secrets else httpx.Response(404)
-        body = json.loads(request.content)
-        if request.method == "POST" and body["metadata"]["name"] in secrets:
-            return httpx.Response(409)
-        secrets[body["metadata"]["name"]] = body
-        return httpx.Response(201 if request.method == "POST" else 200, json=body)
-
-    plan = IdentityPlan(
-        flags["--fullname"][0], flags["--scope"][0], tuple(flags["--name"]), int(flags["--days"][0])
-    )
-    ensure_identities(
-        ApiServer("https://in-memory", "token", False, "default"), plan, httpx.MockTransport(api)
-    )
-    return secrets
+    return list(job["spec"]["template"]["spec"]["containers"][0]["args"])

@@ -25,6 +25,7 @@ from mars.identity import SERVICE_IDENTITIES
 from mars.pool import load_pool
 from mars_stack import helm
 from mars_tools import cli
+from mars_tools.deploy.identity_secrets import run_in_memory
 
 # The chart deploys the topology's services; the stages are those with internal gRPC callers (not the
 # ingress, whose callers are tenants).
@@ -650,7 +651,7 @@ def test_replay_job_fits_the_release_it_runs_beside() -> None:
         assert login["MARS_KAFKA_SASL_USERNAME"] == f"{fullname}-kafka-operator"
         identity = {v["name"]: v for v in pod["spec"]["volumes"]}["identity"]["secret"]["secretName"]
         # The identity the chart's Job makes (no identity Secret is in the manifest).
-        made = set(helm.identity_job_secrets(objects))
+        made = set(run_in_memory(helm.job_args(objects, "identity")))
         assert identity in made and identity.endswith("-identity-replay")
         env = {v["name"]: v.get("value") for v in container["env"]}
         assert env["MARS_IDENTITY_CERT_FILE"] == "/etc/mars/identity/tls.crt"
@@ -790,7 +791,7 @@ def test_the_chart_mints_identities_the_stage_services_verify(tmp_path: Any) -> 
         }
     ]  # fmt: skip
 
-    secrets = helm.identity_job_secrets(objects)  # what the Job makes with those arguments
+    secrets = run_in_memory(helm.job_args(objects, "identity"))  # what the Job makes with those arguments
     verifier = IdentityVerifier(base64.b64decode(secrets["mars-identity-ca"]["data"]["ca.crt"]), scope=scope)
     for name in flags["--name"]:
         for key in ("tls.crt", "tls.key"):

@@ -38,6 +38,7 @@ from mars.v1 import services_pb2_grpc as svc_grpc
 from mars_stack import LocalStack, StackSettings, helm
 from mars_stack.certs import LocalCerts, make_local_ca
 from mars_stack.stack import free_port
+from mars_tools.deploy.identity_secrets import run_in_memory
 from mars_tools.replay.readers import read_topics
 from mars_tools.replay.traces import RawRecord
 
@@ -181,7 +182,7 @@ def identity_secret(objects: list[dict[str, Any]], name: str, folder: Path) -> P
     """One of the identity Secrets the chart's Job makes (the CA bundle's, or an identity's), mounted."""
     global _IDENTITY_SECRETS
     if _IDENTITY_SECRETS is None:  # one run of the Job for the whole release, as in a cluster
-        _IDENTITY_SECRETS = helm.identity_job_secrets(objects)
+        _IDENTITY_SECRETS = run_in_memory(helm.job_args(objects, "identity"))
     return mounted_secret(_IDENTITY_SECRETS[name]["data"], folder)
 
 

@@ -257,3 +257,36 @@ def names_of(values: Sequence[str]) -> tuple[str, ...]:
     if bad or not out:
         raise SecretError(f"identity names are letters, digits and '-': {bad or 'none given'}")
     return tuple(dict.fromkeys(out))
+
+
+def run_in_memory(args: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """The Secrets `mars identity ensure-secrets ARGS` (e.g. the chart's Job's arguments, `mars` and the
+    command words included or not) makes, run against an in-memory API server: name -> the Secret. For
+    tests that mount what a cluster's pods would (the Job runs for real in the Kubernetes e2e)."""
+    import json
+
+    words = list(args)
+    while words and not words[0].startswith("--"):
+        words.pop(0)
+    flags: dict[str, list[str]] = {}
+    for flag, value in zip(words[::2], words[1::2], strict=True):
+        flags.setdefault(flag, []).append(value)
+    secrets: dict[str, dict[str, Any]] = {}
+
+    def api(request: httpx.Request) -> httpx.Response:
+        name = request.url.path.rsplit("/", 1)[-1]
+        if request.method == "GET":
+            return httpx.Response(200, json=secrets[name]) if name in secrets else httpx.Response(404)
+        body = json.loads(request.content)
+        if request.method == "POST" and body["metadata"]["name"] in secrets:
+            return httpx.Response(409)
+        secrets[body["metadata"]["name"]] = body
+        return httpx.Response(201 if request.method == "POST" else 200, json=body)
+
+    plan = IdentityPlan(
+        flags["--fullname"][0], flags["--scope"][0], names_of(flags["--name"]), int(flags["--days"][0])
+    )
+    ensure_identities(
+        ApiServer("https://in-memory", "token", False, "default"), plan, httpx.MockTransport(api)
+    )
+    return secrets
