@@ -129,7 +129,8 @@ def test_every_default_object_and_pod_is_admitted_under_restricted(cluster: kube
     for account in helm.find(objects, "ServiceAccount"):
         core.create_namespaced_service_account(namespace, account)
     pods = [pod_from_template(o) for o in objects if o["kind"] in ("Deployment", "Job")]
-    assert len(pods) == 11  # six services, the gateway, vLLM, and the migrate, topics and master-key hooks
+    # Six services, the gateway, vLLM, and the migrate, topics, master-key and identity hooks.
+    assert len(pods) == 12
     refusals = [r for pod in pods if (r := dry_run_create(cluster, pod, namespace))]
     assert refusals == []
 

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from conftest import BASE
 from mars_stack import helm, kube, kubelet
+from mars_tools.deploy.identity_secrets import run_in_memory
 from mars_tools.deploy.master_key_secret import secret_manifest
 from test_chart_on_cluster import pod_from_template, restricted_namespace
 
@@ -65,6 +66,9 @@ def test_the_chart_pod_runs_in_a_real_container_under_restricted(
         elif obj["kind"] == "ServiceAccount":
             core.create_namespaced_service_account(NAMESPACE, obj)
     core.create_namespaced_secret(NAMESPACE, secret_manifest(f"{RELEASE}-mars-master-key", "master.key", {}))
+    # The identity Secrets the chart's identity Job makes (CA bundle, the ingress's own identity).
+    for made in run_in_memory(helm.job_args(objects, "identity")).values():
+        core.create_namespaced_secret(NAMESPACE, made)
     # The ingress's own Kafka login, as Strimzi's User Operator makes it for its KafkaUser (key password).
     core.create_namespaced_secret(NAMESPACE, secret_manifest(f"{RELEASE}-mars-kafka-ingress", "password", {}))
 
