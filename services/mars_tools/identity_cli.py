@@ -7,6 +7,8 @@ import argparse
 from rich.console import Console
 from rich.markup import escape
 
+from mars_tools.keys_cli import label_arg
+
 console = Console(stderr=False)
 
 
@@ -27,12 +29,6 @@ def cmd_ensure_secrets(args: argparse.Namespace) -> int:
         f"holds {outcome.bundle} CA(s)" + (f"; new CA: {outcome.new_ca}" if outcome.new_ca else "")
     )
     return 0
-
-
-def _label(value: str) -> str:
-    if "=" not in value:
-        raise argparse.ArgumentTypeError(f"a label is NAME=VALUE, got {value!r}")
-    return value
 
 
 def add_identity_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -58,5 +54,7 @@ def add_identity_parser(sub: argparse._SubParsersAction) -> None:  # type: ignor
     p.add_argument("--name", action="append", default=[], help="an identity to mint (repeatable)")
     p.add_argument("--days", type=int, default=90, help="each certificate's validity (default 90)")
     p.add_argument("--namespace", default="", help="default: the pod's own namespace")
-    p.add_argument("--label", action="append", default=[], type=_label, help="NAME=VALUE label, repeatable")
+    p.add_argument(
+        "--label", action="append", default=[], type=label_arg, help="NAME=VALUE label, repeatable"
+    )
     p.set_defaults(func=cmd_ensure_secrets)

@@ -99,7 +99,9 @@ def cmd_check(args: argparse.Namespace) -> int:
         f"(MARS_PREVIOUS_MASTER_KEY_FILE), {failed} with neither"
     )
     if only_previous:
-        console.print("run `mars keys rotate` to wrap them with the master key before dropping the previous one")
+        console.print(
+            "run `mars keys rotate` to wrap them with the master key before dropping the previous one"
+        )
     if failed:
         console.print("[red]the configured master key is not the one that wrapped every data key[/]")
     return 1 if failed else 0
@@ -156,13 +158,16 @@ def cmd_ensure_secret(args: argparse.Namespace) -> int:
         console.print(f"[red]{escape(str(exc))}[/]")
         return 1
     if created:
-        console.print(f"master key Secret {api.namespace}/{args.name} created (back it up: it is the only copy)")
+        console.print(
+            f"master key Secret {api.namespace}/{args.name} created (back it up: it is the only copy)"
+        )
     else:
         console.print(f"master key Secret {api.namespace}/{args.name} exists: kept as it is")
     return 0
 
 
-def _label(value: str) -> str:
+def label_arg(value: str) -> str:
+    """An argparse type: a NAME=VALUE label (the key-making Jobs' --label)."""
     if "=" not in value:
         raise argparse.ArgumentTypeError(f"a label is NAME=VALUE, got {value!r}")
     return value
@@ -215,7 +220,11 @@ def add_keys_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "API server refuses or a Secret NAME exists without KEY.",
     )
     p.add_argument("--name", required=True, help="the Secret's name (the chart's <fullname>-master-key)")
-    p.add_argument("--key", default="master.key", help="the data key holding the master key (eventSealing.key)")
+    p.add_argument(
+        "--key", default="master.key", help="the data key holding the master key (eventSealing.key)"
+    )
     p.add_argument("--namespace", default="", help="default: the pod's own namespace")
-    p.add_argument("--label", action="append", default=[], type=_label, help="NAME=VALUE label, repeatable")
+    p.add_argument(
+        "--label", action="append", default=[], type=label_arg, help="NAME=VALUE label, repeatable"
+    )
     p.set_defaults(func=cmd_ensure_secret)
