@@ -5,6 +5,7 @@ and tables back."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import subprocess
 import sys
 import time
@@ -189,6 +190,22 @@ def wait_for(check: Callable[[], bool], timeout_s: float = 60.0, what: str = "co
             return
         time.sleep(0.2)
     raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+@contextlib.contextmanager
+def broker_only(workdir: Path, **settings: Any) -> Iterator[LocalStack]:
+    """Apache Kafka alone (no Postgres, LLM or services), with `settings` (StackSettings fields) on top;
+    stopped after. Skips where Kafka cannot run."""
+    require_kafka()
+    stack = LocalStack(
+        StackSettings(
+            workdir=workdir, start_postgres=False, start_llm=False, services=(), broker="kafka", **settings
+        )
+    ).start()
+    try:
+        yield stack
+    finally:
+        stack.stop()
 
 
 def require_kafka() -> None:

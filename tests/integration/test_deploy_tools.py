@@ -14,11 +14,11 @@ from pathlib import Path
 import psycopg
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
-from conftest import require_kafka
+from conftest import broker_only
 from mars.config import TOPIC_RECEIVED, ServiceSettings, Topics
 from mars.kafka_options import kafka_client_options
 from mars.topology import STATE
-from mars_stack import LocalStack, StackSettings
+from mars_stack import LocalStack
 from mars_tools.deploy.lag import fetch_lag
 
 pytestmark = pytest.mark.integration
@@ -36,22 +36,12 @@ def mars(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedP
 
 @pytest.fixture(scope="module")
 def kafka(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
-    require_kafka()
-    stack = LocalStack(
-        StackSettings(
-            workdir=tmp_path_factory.mktemp("kafka") / "stack",
-            start_postgres=False,
-            start_llm=False,
-            services=(),
-            broker="kafka",
-            kafka_sasl_users={SASL_USER: SASL_PASSWORD},
-            kafka_security="plaintext",  # beside the SASL_PLAINTEXT listener these tests log in to
-        )
-    ).start()
-    try:
+    with broker_only(
+        tmp_path_factory.mktemp("kafka") / "stack",
+        kafka_sasl_users={SASL_USER: SASL_PASSWORD},
+        kafka_security="plaintext",  # beside the SASL_PLAINTEXT listener these tests log in to
+    ) as stack:
         yield stack
-    finally:
-        stack.stop()
 
 
 def test_migrate_applies_every_schema_and_is_idempotent(postgres: str) -> None:

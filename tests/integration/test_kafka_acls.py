@@ -17,30 +17,18 @@ from aiokafka.errors import (
     KafkaError,
     TopicAuthorizationFailedError,
 )
-from conftest import require_kafka
+from conftest import broker_only
 from mars import topology
 from mars.config import ALL_TOPICS, TOPIC_RECEIVED, Topics
-from mars_stack import LocalStack, StackSettings
+from mars_stack import LocalStack
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
 def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
-    require_kafka()
-    stack = LocalStack(
-        StackSettings(
-            workdir=tmp_path_factory.mktemp("acls") / "stack",
-            start_postgres=False,
-            start_llm=False,
-            services=(),
-            broker="kafka",
-        )
-    ).start()
-    try:
+    with broker_only(tmp_path_factory.mktemp("acls") / "stack") as stack:  # SASL_SSL, the default
         yield stack
-    finally:
-        stack.stop()
 
 
 async def _produce(options: dict[str, object], topic: str) -> None:

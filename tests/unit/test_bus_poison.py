@@ -138,53 +138,30 @@ def test_unknown_enum_values_and_nan_scores_are_harmless() -> None:
 def test_a_handler_failure_letter_names_the_exception_type_not_its_text() -> None:
     """An exception's text can quote the event's content (a user's turn); the letter travels unsealed, so
     it says which exception, and the service log keeps the rest."""
-    from mars.bus import StageConsumer, Subscription, event_key
 
-    letters: list[tuple[str, str]] = []
-
-    class Producer:
-        keyring = None
-
-        async def dead_letter(self, record: Any, reason: str, consumer: str, turn_id: str) -> None:
-            letters.append((reason, turn_id))
-
-    async def handler(event: ev.TurnReceived) -> None:
+    async def failing(event: ev.TurnReceived) -> None:
         raise ValueError(f"could not parse {event.text!r}")
 
-    async def run() -> None:
-        settings = ServiceSettings(handler_attempts=2)
-        consumer = StageConsumer(
-            settings,
-            Producer(),  # type: ignore[arg-type]
-            "state",
-            "mars-state",
-            [Subscription("mars.turn.received", ev.TurnReceived, handler)],
-        )
-        event = ev.TurnReceived(turn=turn(), text="my bank PIN is 4321")
-        record = SimpleNamespace(
-            topic="mars.turn.received",
-            partition=0,
-            offset=1,
-            key=event_key(event.turn),
-            value=event.SerializeToString(),
-            headers=[],
-            timestamp=0,
-        )
-        try:
-            await consumer._handle(record)  # type: ignore[arg-type]
-        finally:
-            await consumer._consumer.stop()  # never started: closes its client
-
-    asyncio.run(run())
+    event = ev.TurnReceived(turn=turn(), text="my bank PIN is 4321")
+    letters, _ = _consume_one(
+        event, "mars.turn.received", None, "state", "mars-state", failing, ServiceSettings(handler_attempts=2)
+    )
     ((reason, turn_id),) = letters
     assert reason == "handler failed after 2 attempts: ValueError" and turn_id == "t1"
 
 
 def _consume_one(
-    event: Any, topic: str, keyring: object | None, service: str = "memory", group: str = "mars-memory-writer"
+    event: Any,
+    topic: str,
+    keyring: object | None,
+    service: str = "memory",
+    group: str = "mars-memory-writer",
+    handler: Any = None,
+    settings: ServiceSettings | None = None,
 ) -> tuple[list[tuple[str, str]], list[Any]]:
     """(dead letters, handled events) after one StageConsumer reads `event` from `topic`, its producer
-    holding `keyring` (not None: the service seals, as one with MARS_MASTER_KEY_FILE does)."""
+    holding `keyring` (not None: the service seals, as one with MARS_MASTER_KEY_FILE does); `handler`
+    (default: one that records the event) handles it."""
     from mars.bus import StageConsumer, Subscription, event_key
 
     letters: list[tuple[str, str]] = []
@@ -201,16 +178,16 @@ def _consume_one(
 
     producer.dead_letter = dead_letter  # type: ignore[attr-defined]
 
-    async def handler(e: Any) -> None:
+    async def keep(e: Any) -> None:
         handled.append(e)
 
     async def run() -> None:
         consumer = StageConsumer(
-            ServiceSettings(),
+            settings or ServiceSettings(),
             producer,  # type: ignore[arg-type]
             service,
             group,
-            [Subscription(topic, type(event), handler)],
+            [Subscription(topic, type(event), handler or keep)],
         )
         record = SimpleNamespace(
             topic=topic,
