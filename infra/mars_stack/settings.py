@@ -25,6 +25,9 @@ class LauncherSettings(BaseSettings):
     #: ACLs from mars.kafka_acls) or plaintext (anyone on the machine may do anything; to measure what
     #: SASL_SSL costs). Tansu is always plaintext.
     local_kafka_security: str = "sasl_ssl"
+    #: Each local service logs in to Postgres as its own role (mars.db_roles), owning its tables and
+    #: granted nothing of another's; false: all of them as `mars` (the one login of earlier versions).
+    local_postgres_roles: bool = True
     #: Keep a stack's (or the Kubernetes control plane's) temporary work directory after it stops.
     keep_stack: bool = False
     keep_kube_workdir: bool = False

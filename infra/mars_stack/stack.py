@@ -158,6 +158,10 @@ class StackSettings:
     #: pods do; loopback stays trusted. Empty: loopback only.
     postgres_clients: tuple[str, ...] = ()
     postgres_password: str = ""
+    #: A Postgres role per service (mars.db_roles), made with the schema before the services start; each
+    #: service logs in as its own (`postgres_dsn`), stack.env keeps the admin's. None:
+    #: MARS_LOCAL_POSTGRES_ROLES (default true).
+    postgres_roles: bool | None = None
 
     def replica_count(self, service: str) -> int:
         return max(1, self.replicas_of.get(service, self.replicas))
@@ -226,6 +230,8 @@ class LocalStack:
         #: With a SASL_SSL broker: each principal's Kafka login (mars.kafka_acls.PRINCIPALS -> password),
         #: the broker's CA, and its super user's client options (ACLs); empty on a plaintext broker.
         self.kafka_logins: dict[str, str] = {}
+        #: Postgres role logins (login -> password) when each service has its own role.
+        self._postgres_logins: dict[str, str] = {}
         self._kafka_ca: Path | None = None
         self._kafka_admin: dict[str, Any] = {}
 
@@ -256,6 +262,9 @@ class LocalStack:
             raise StackError(str(exc)) from exc
         try:
             self._start_infra(progress)
+            if self.settings.start_postgres and self.postgres_roles:
+                progress("giving each service a Postgres role of its own, with the schema")
+                self._postgres_roles()
             if self.settings.start_postgres and self.settings.tenant and "ingress" in self.settings.services:
                 progress(f"creating tenant {self.settings.tenant} and its API key")
                 self._create_tenant(self.settings.tenant)
@@ -324,6 +333,40 @@ class LocalStack:
         _RUNNING.pop(self.env.get("MARS_KAFKA_BOOTSTRAP", ""), None)
         if self._own_workdir and not launcher_settings().keep_stack:
             shutil.rmtree(self.workdir, ignore_errors=True)
+
+    @property
+    def postgres_roles(self) -> bool:
+        """Whether each service logs in to Postgres as its own role."""
+        if self.settings.postgres_roles is not None:
+            return self.settings.postgres_roles
+        return launcher_settings().local_postgres_roles
+
+    def postgres_dsn(self, login: str = "admin") -> str:
+        """The DSN `login` uses: a service's or `operator`'s own role, or the admin's (stack.env's, and every
+        service's without roles)."""
+        admin = self.env["MARS_POSTGRES_DSN"]
+        if login == "admin" or not self._postgres_logins:
+            return admin
+        from mars import db_roles
+
+        return db_roles.login_dsn(admin, db_roles.role_name(login), self._postgres_logins[login])
+
+    def _postgres_roles(self) -> None:
+        """The roles (passwords kept 0600 in the work directory, made once), every service's schema applied
+        as its role, and the grants (`mars migrate --roles`)."""
+        import asyncio
+        import json
+
+        from mars import db_roles
+        from mars.migrations import RoleSetup, migrate_all
+
+        path = self.workdir / "postgres.roles.json"
+        passwords: dict[str, str] = json.loads(path.read_text()) if path.exists() else {}
+        for login in db_roles.roles():
+            passwords.setdefault(login, secrets.token_urlsafe(24))
+        write_private(path, json.dumps(passwords).encode())
+        asyncio.run(migrate_all(self.env["MARS_POSTGRES_DSN"], roles=RoleSetup(passwords=passwords)))
+        self._postgres_logins = passwords
 
     @property
     def kafka_security(self) -> str:
@@ -718,7 +761,8 @@ class LocalStack:
         from mars.migrations import migrate_all
 
         dsn = self.env["MARS_POSTGRES_DSN"]
-        asyncio.run(migrate_all(dsn, ("ingress",)))
+        if not self._postgres_logins:  # with roles, `_postgres_roles` applied every schema already
+            asyncio.run(migrate_all(dsn, ("ingress",)))
         with psycopg.connect(dsn, autocommit=True) as conn:
             key = auth.issue(conn, tenant, label="local stack")
         self.env["MARS_TENANT"] = tenant
@@ -964,6 +1008,7 @@ class LocalStack:
             if self.broker == "kafka":
                 env["MARS_KAFKA_GROUP_INSTANCE_ID"] = name
             env.update(self.kafka_env(service))  # its own principal, never the operator's
+            env["MARS_POSTGRES_DSN"] = self.postgres_dsn(service)  # its own role where there are roles
             env.update(self._caller_env(service))
             env.update(self.settings.service_env.get(service, {}))
             env.update(self.settings.service_env.get(name, {}))  # per replica ("memory-2") beats per service

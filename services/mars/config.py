@@ -32,8 +32,16 @@ TOPIC_DEAD_LETTER = "mars.deadletter"
 #: Control events (mars.v1.UserForgotten), read by every replica of a service holding per-user state in
 #: memory (broadcast readers): not turn events, no stage consumes them in a group.
 TOPIC_CONTROL = "mars.control"
-#: The state stage's name in `stage_emitted` (ingress reads it to tell a turn that never left ingress).
+#: Each stage's name in `stage_emitted` (mars.db.EmittedLedger): a service's role may read and write only
+#: its own stages' rows there (mars.db_roles, row-level security).
 STATE_STAGE = "state"
+MEMORY_VIEW_STAGE = "memory-view"
+MEMORY_COMMIT_STAGE = "memory-commit"
+ROUTER_STAGE = "router"
+DISPATCH_STAGE = "dispatch"
+JUDGE_STAGE = "judge"
+#: The ingress's own: a turn's TurnReceived acknowledged by the broker (its outbox is then done with it).
+INGRESS_STAGE = "ingress"
 
 ALL_TOPICS = (
     TOPIC_RECEIVED,

@@ -72,12 +72,29 @@ async def open_pool(dsn: str, max_size: int = 8, wait_s: float = 30.0) -> AsyncC
     return pool
 
 
+MIGRATION_LOCK = zlib.crc32(b"mars-migrations")
+#: Whether the login may apply the shared schemas: the ledger does not exist yet, or it is the ledger's
+#: owner. A service logging in as its own role (mars.db_roles) is neither: `mars migrate` applied them.
+_OWNS_SHARED_SQL = (
+    "SELECT coalesce((SELECT tableowner = current_user FROM pg_tables "
+    "WHERE schemaname = current_schema() AND tablename = 'stage_emitted'), true)"
+)
+
+
 async def migrate(pool: AsyncConnectionPool, owner: str, statements: Sequence[str]) -> None:
     """Apply idempotent DDL under an advisory lock, so services starting together do not race."""
-    lock_key = zlib.crc32(b"mars-migrations")
-    async with pool.connection() as conn, conn.transaction():
-        await conn.execute("SELECT pg_advisory_xact_lock(%s)", (lock_key,))
-        for stmt in (*SHARED_SCHEMAS, *statements):
+    async with pool.connection() as conn:
+        await migrate_on(conn, statements)
+
+
+async def migrate_on(conn: AsyncConnection, statements: Sequence[str]) -> None:
+    """`migrate` on one connection, as whatever role it is now (`mars migrate` sets each service's)."""
+    async with conn.transaction():
+        await conn.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK,))
+        cur = await conn.execute(_OWNS_SHARED_SQL)
+        row = await cur.fetchone()
+        shared = SHARED_SCHEMAS if row is not None and row[0] else ()
+        for stmt in (*shared, *statements):
             await conn.execute(stmt)  # type: ignore[arg-type]
 
 

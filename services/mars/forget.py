@@ -1,5 +1,14 @@
-"""Forget a user: every row of one (tenant, user_id) in every table, deleted in one transaction, then a
-UserForgotten control event so that every replica drops what it holds of the user in memory.
+"""Forget a user: every row of one (tenant, user_id) in every table, and every replica's caches of them.
+
+Each service deletes the rows it owns, as it may touch no other's (mars.db_roles):
+  - the ingress (Ingress.ForgetUser) deletes its own rows and the user's data key (`forget_own_async`), then
+    publishes a UserForgotten event on mars.control carrying the user's turn ids;
+  - every other service reads the event (its control reader, mars.runtime), deletes its own rows and its
+    stages' ledger rows, and acknowledges in `ingress_forget_acks` (`acknowledge`), the one thing its
+    role may write there;
+  - the ingress waits for an acknowledgement from every owner (`acknowledged`) and names those missing.
+The operators' `mars forget` (one login that may do everything) deletes every table at once
+(`forget_user_sync`) and publishes the same event.
 
 One place lists every table holding per-user rows (FORGET_TABLES) with the predicate that finds the user's
 rows in it; `uncovered` tells which tables of a schema carry a per-user column and are not listed (a unit
@@ -23,10 +32,13 @@ from __future__ import annotations
 import re
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from psycopg.types.json import Jsonb
+
+from mars import topology
 from mars.v1 import events_pb2 as ev
 
 #: Columns that make a row someone's: a table with any of them must be in FORGET_TABLES (or EXEMPT).
@@ -72,12 +84,36 @@ FORGET_TABLES: tuple[ForgetTable, ...] = (
     ForgetTable("user_data_keys", _USER),
 )
 
+#: The shared tables' per-user rows belong to one service each (the stage ledger to every stage, by `stage`).
+SHARED_OWNERS = {"user_data_keys": "ingress"}
+LEDGER = "stage_emitted"
+#: Where the owners acknowledge a forget (the ingress's table, mars_ingress.schema).
+FORGET_ACKS = "ingress_forget_acks"
+
 #: Tables with a per-user column that hold nothing of a user (none today; name the reason when adding one).
 EXEMPT: dict[str, str] = {}
 
 #: The advisory lock the memory writer takes per user (mars_memory.store.MemoryStore.commit): a commit in
 #: progress finishes before the user's rows are read, and none starts until they are deleted.
 USER_LOCK_SQL = "SELECT pg_advisory_xact_lock(hashtext(%s))"
+
+
+def owned_tables(service: str) -> tuple[str, ...]:
+    """The tables the service's own migrations create (it owns them, mars.db_roles)."""
+    statements = topology.service(service).migrations()
+    return tuple(dict.fromkeys(table for table, _ in migration_columns(statements)))
+
+
+def owner(table: str) -> str | None:
+    """The service whose rows of `table` it deletes (None: the ledger, shared by stage, or no service's)."""
+    if table in SHARED_OWNERS:
+        return SHARED_OWNERS[table]
+    return next((name for name in topology.NAMES if table in owned_tables(name)), None)
+
+
+def acknowledgers() -> tuple[str, ...]:
+    """The services the ingress waits for: every one but itself (each keeps at least its stage rows)."""
+    return tuple(name for name in topology.NAMES if name != SHARED_OWNERS["user_data_keys"])
 
 
 def user_policy_id(tenant: str, user_id: str) -> str:
@@ -125,12 +161,15 @@ def migration_columns(statements: Iterable[str]) -> list[tuple[str, str]]:
     return found
 
 
-def control_event(tenant: str, user_id: str, forget_id: str | None = None) -> ev.UserForgotten:
+def control_event(
+    tenant: str, user_id: str, forget_id: str | None = None, turn_ids: Iterable[str] = ()
+) -> ev.UserForgotten:
     return ev.UserForgotten(
         forget_id=forget_id or uuid.uuid4().hex,
         tenant=tenant,
         user_id=user_id,
         forgotten_at_ms=int(time.time() * 1000),
+        turn_ids=sorted(set(turn_ids)),
     )
 
 
@@ -188,3 +227,94 @@ async def forget_user_async(conn: Any, tenant: str, user_id: str) -> dict[str, i
             else:
                 counts[table] = 0
     return counts
+
+
+async def forget_own_async(
+    conn: Any,
+    service: str,
+    tenant: str,
+    user_id: str,
+    turn_ids: Iterable[str] = (),
+    forget_id: str | None = None,
+) -> tuple[dict[str, int], list[str]]:
+    """Delete, in one transaction, the user's rows that `service` owns: its tables among FORGET_TABLES (the
+    data key for the ingress) and its stages' rows of the user's turns in the ledger. The turns are those
+    given (the event's) and those its own tables name. With `forget_id`, the acknowledgement commits with
+    the delete (so a replica that deleted nothing, having waited for the user's lock, acknowledges after
+    the one that deleted). Rows deleted by table, and the turns; idempotent."""
+    stages = list(topology.service(service).stages)
+    mine = [t for t in FORGET_TABLES if t.table != LEDGER and owner(t.table) == service]
+    async with conn.transaction():
+        await conn.execute(USER_LOCK_SQL, (f"{tenant}/{user_id}",))
+        cur = await conn.execute(EXISTING_TABLES_SQL)
+        present = {str(r[0]) for r in await cur.fetchall()}
+        turns = set(turn_ids)
+        sources = [t for t in TURN_SOURCES if t in present and owner(t) == service]
+        if sources:
+            cur = await conn.execute(
+                " UNION ".join(f"SELECT turn_id FROM {t} WHERE {_USER}" for t in sources),
+                params(tenant, user_id, []),
+            )
+            turns |= {str(r[0]) for r in await cur.fetchall()}
+        values = params(tenant, user_id, sorted(turns))
+        counts: dict[str, int] = {}
+        if LEDGER in present and stages:
+            cur = await conn.execute(
+                f"DELETE FROM {LEDGER} WHERE stage = ANY(%(stages)s) AND {_TURNS}", {**values, "stages": stages}
+            )
+            counts[LEDGER] = cur.rowcount
+        for table in mine:
+            if table.table in present:
+                cur = await conn.execute(f"DELETE FROM {table.table} WHERE {table.where}", values)
+                counts[table.table] = cur.rowcount
+            else:
+                counts[table.table] = 0
+        if forget_id is not None:
+            await acknowledge(conn, forget_id, service, counts)
+    return counts, sorted(turns)
+
+
+def owner_forgetter(
+    service: str, pool: Any, then: Callable[[ev.UserForgotten], Awaitable[None]] | None = None
+) -> Callable[[ev.UserForgotten], Awaitable[None]]:
+    """A service's handler of UserForgotten: delete its own rows of the user, acknowledge, then `then` (the
+    service's own: dropping what its replica caches). Every replica runs it; the second deletes 0 rows."""
+
+    async def on_forgotten(event: ev.UserForgotten) -> None:
+        async with pool.connection() as conn:
+            await forget_own_async(
+                conn, service, event.tenant, event.user_id, event.turn_ids, forget_id=event.forget_id
+            )
+        if then is not None:
+            await then(event)
+
+    return on_forgotten
+
+
+def merge_counts(*parts: dict[str, int]) -> dict[str, int]:
+    """Rows deleted by table over every owner's part, every forgotten table listed (0 where none)."""
+    total = {t.table: 0 for t in FORGET_TABLES}
+    for part in parts:
+        for table, n in part.items():
+            total[table] = total.get(table, 0) + n
+    return total
+
+
+async def acknowledge(conn: Any, forget_id: str, service: str, counts: dict[str, int]) -> None:
+    """`service` has deleted its rows of the forget: every replica says so, and their counts add up."""
+    await conn.execute(
+        f"INSERT INTO {FORGET_ACKS} AS a (forget_id, service, rows_deleted) VALUES (%s, %s, %s) "
+        "ON CONFLICT (forget_id, service) DO UPDATE SET rows_deleted = ("
+        "SELECT jsonb_object_agg(k, coalesce((a.rows_deleted ->> k)::bigint, 0) "
+        "+ coalesce((excluded.rows_deleted ->> k)::bigint, 0)) "
+        "FROM jsonb_object_keys(a.rows_deleted || excluded.rows_deleted) AS k)",
+        (forget_id, service, Jsonb(counts)),
+    )
+
+
+async def acknowledged(conn: Any, forget_id: str) -> dict[str, dict[str, int]]:
+    """The acknowledgements of a forget so far: service -> rows deleted by table."""
+    cur = await conn.execute(
+        f"SELECT service, rows_deleted FROM {FORGET_ACKS} WHERE forget_id = %s", (forget_id,)
+    )
+    return {str(service): {str(k): int(v) for k, v in rows.items()} for service, rows in await cur.fetchall()}

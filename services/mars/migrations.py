@@ -8,12 +8,12 @@ same advisory lock, so a migrate Job and services starting beside it do not race
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
-from psycopg import AsyncConnection
+from psycopg import AsyncConnection, sql
 
-from mars import db, topology
+from mars import db, db_roles, topology
 
 
 def service_migrations(service: str) -> Sequence[str]:
@@ -62,25 +62,60 @@ def new_objects(before: set[SchemaObject], after: set[SchemaObject]) -> tuple[Sc
     )
 
 
+@dataclass(frozen=True)
+class RoleSetup:
+    """A role per service (mars.db_roles): the roles' prefix and the passwords to set (service ->
+    password; a role missing here keeps the one it has)."""
+
+    prefix: str = db_roles.DEFAULT_PREFIX
+    passwords: Mapping[str, str] = field(default_factory=dict)
+
+
+async def _run(conn: AsyncConnection, statements: Sequence[sql.Composed]) -> None:
+    async with conn.transaction():
+        await conn.execute("SELECT pg_advisory_xact_lock(%s)", (db.MIGRATION_LOCK,))
+        for stmt in statements:
+            await conn.execute(stmt)
+
+
+async def _tables(conn: AsyncConnection) -> set[str]:
+    return {name for kind, name in await schema_objects(conn) if kind == "table"}
+
+
 async def migrate_all(
-    dsn: str, services: Sequence[str] = topology.NAMES, wait_s: float = 30.0
+    dsn: str, services: Sequence[str] = topology.NAMES, wait_s: float = 30.0, roles: RoleSetup | None = None
 ) -> list[Migrated]:
     """Apply each service's schema (one transaction per service, under the migrations lock); what each
-    added. Needs a live Postgres at `dsn` (waits up to `wait_s` for it to accept a connection)."""
+    added. Needs a live Postgres at `dsn` (waits up to `wait_s` for it to accept a connection). With
+    `roles`, the login must be allowed to create roles: each service's schema is applied as its own role,
+    which then owns it, and the shared tables' grants follow (mars.db_roles)."""
     unknown = [s for s in services if s not in topology.NAMES]
     if unknown:
         raise ValueError(f"unknown service(s) {', '.join(unknown)} (expected {', '.join(topology.NAMES)})")
     pool = await db.open_pool(dsn, max_size=2, wait_s=wait_s)
     done: list[Migrated] = []
     try:
-        for service in services:
-            statements = service_migrations(service)
-            async with pool.connection() as conn:
+        async with pool.connection() as conn:
+            if roles is not None:
+                await _run(conn, db_roles.role_statements(roles.prefix, roles.passwords))
+                await db.migrate_on(conn, ())  # the shared tables, the admin's
+                await _run(conn, db_roles.ownership_statements(roles.prefix, await _tables(conn)))
+            for service in services:
+                statements = service_migrations(service)
                 before = await schema_objects(conn)
-            await db.migrate(pool, service, statements)
-            async with pool.connection() as conn:
+                if roles is not None:
+                    await conn.execute(
+                        sql.SQL("SET ROLE {}").format(sql.Identifier(db_roles.role_name(service, roles.prefix)))
+                    )
+                try:
+                    await db.migrate_on(conn, statements)
+                finally:
+                    if roles is not None:
+                        await conn.execute("RESET ROLE")
                 after = await schema_objects(conn)
-            done.append(Migrated(service, len(statements) + 1, new_objects(before, after)))
+                done.append(Migrated(service, len(statements) + 1, new_objects(before, after)))
+            if roles is not None:
+                await _run(conn, db_roles.grant_statements(roles.prefix, await _tables(conn)))
     finally:
         await pool.close()
     return done

@@ -147,12 +147,20 @@ def spend_refusal(tenant: str, spent_usd: float, limit_usd: float, now: datetime
     )
 
 
-#: The judged cost (generator + controller + judge) of a tenant's turns received since 00:00 UTC.
+#: The judged cost (generator + controller + judge) of a tenant's turns received since 00:00 UTC, as the
+#: ingress recorded it from each turn's Judged event (`JUDGED_COST_SQL`): its own table, not the judge's.
 SPENT_TODAY_SQL = (
-    "SELECT coalesce(sum(r.cost_usd + r.controller_cost_usd + r.judge_cost_usd), 0) "
-    "FROM judge_rewards r JOIN ingress_turns t ON t.turn_id = r.turn_id "
-    "WHERE t.tenant = %s AND t.created_at >= date_trunc('day', now() AT TIME ZONE 'UTC') AT TIME ZONE 'UTC'"
+    "SELECT coalesce(sum(cost_usd), 0) FROM ingress_turns "
+    "WHERE tenant = %s AND created_at >= date_trunc('day', now() AT TIME ZONE 'UTC') AT TIME ZONE 'UTC'"
 )
+#: A turn's cost from its first Judged event (later ones correct the reward, not the cost), as the judge
+#: keeps its first verdict's costs.
+JUDGED_COST_SQL = "UPDATE ingress_turns SET cost_usd = %s WHERE turn_id = %s AND cost_usd IS NULL"
+
+
+def judged_cost(judged: Any) -> float:
+    """What a turn cost by its Judged event (mars.v1.Judged): generator, controller and judge."""
+    return float(judged.cost_usd + judged.controller_cost_usd + judged.judge_cost_usd)
 
 
 class SpendCache:

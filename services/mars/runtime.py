@@ -18,11 +18,20 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from psycopg_pool import AsyncConnectionPool
 
-from mars import data_keys, db, identity, tls, topology
-from mars.bus import EventProducer, PoisonEvent, StageConsumer, ensure_topics, id_problem, is_transient
+from mars import data_keys, db, forget, identity, tls, topology
+from mars.bus import (
+    EventProducer,
+    PoisonEvent,
+    StageConsumer,
+    control_reader,
+    ensure_topics,
+    id_problem,
+    is_transient,
+)
 from mars.config import ServiceSettings
 from mars.kafka_options import kafka_client_options
 from mars.telemetry import setup_telemetry
+from mars.v1 import events_pb2 as ev
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +56,9 @@ class ServiceParts:
     health_probes: dict[str, Callable[[], bool]] = field(default_factory=dict)
     #: Loops run beside the consumers while serving (e.g. ingress's orphan sweep), cancelled on stop.
     background: list[Callable[[], Coroutine[Any, Any, None]]] = field(default_factory=list)
+    #: What a replica drops of a forgotten user besides the service's rows, which the runtime deletes
+    #: (mars.forget.owner_forgetter) on every service but the ingress (which forgets in ForgetUser).
+    on_forgotten: Callable[[ev.UserForgotten], Awaitable[None]] | None = None
 
 
 @dataclass
@@ -172,6 +184,11 @@ async def serve(name: str, settings: ServiceSettings, build: Builder, migrations
     telemetry = setup_telemetry(name, settings)
     ctx = await _open_context(name, settings, migrations, master)
     parts = await build(ctx)
+    if name in forget.acknowledgers():
+        # Every replica reads every control event (a broadcast reader): its service's rows of a forgotten
+        # user are deleted and acknowledged, and the replica drops what it caches of them.
+        forgetter = forget.owner_forgetter(name, ctx.pool, parts.on_forgotten)
+        parts.consumers.append(control_reader(settings, ctx.producer, name, forgetter))
     grpc_parts = await _start_grpc(name, settings, parts)
     for consumer in parts.consumers:
         await consumer.start()

@@ -14,6 +14,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from mars.config import (
+    DISPATCH_STAGE,
+    INGRESS_STAGE,
+    JUDGE_STAGE,
+    MEMORY_COMMIT_STAGE,
+    MEMORY_VIEW_STAGE,
+    ROUTER_STAGE,
+    STATE_STAGE,
     TOPIC_CONTROL,
     TOPIC_DEAD_LETTER,
     TOPIC_FEEDBACK,
@@ -44,9 +51,12 @@ ROUTER = ConsumerGroup("mars-router", "router", (TOPIC_VIEW,))
 ROUTER_UPDATES = ConsumerGroup("mars-router-updates", "router", (TOPIC_JUDGED,))
 DISPATCH = ConsumerGroup("mars-dispatch", "dispatch", (TOPIC_ROUTED,))
 JUDGE = ConsumerGroup("mars-judge", "judge", (TOPIC_GENERATED, TOPIC_FEEDBACK))
-#: Outcomes of turns (answered, failed) and, from memory's commits, which imported pairs are stored.
+#: Outcomes of turns (answered, failed), from memory's commits which imported pairs are stored, and from
+#: the judge's verdicts what each turn cost (the tenant's daily spend, without reading the judge's table).
 INGRESS_OUTCOMES = ConsumerGroup(
-    "mars-ingress-outcomes", "ingress", (TOPIC_GENERATED, TOPIC_DEAD_LETTER, TOPIC_MEMORY_COMMITTED)
+    "mars-ingress-outcomes",
+    "ingress",
+    (TOPIC_GENERATED, TOPIC_DEAD_LETTER, TOPIC_MEMORY_COMMITTED, TOPIC_JUDGED),
 )
 
 #: Every stage group, in pipeline order. (Each ingress replica's reply reader is a broadcast reader with no
@@ -87,6 +97,8 @@ class ServiceSpec:
     produces: tuple[str, ...] = ()
     #: Topics each of its replicas reads outside any group (broadcast readers: replies, control events).
     broadcast_reads: tuple[str, ...] = ()
+    #: Its names in the `stage_emitted` ledger (mars.config *_STAGE): its Postgres role sees only these rows.
+    stages: tuple[str, ...] = ()
 
     @property
     def reads(self) -> tuple[str, ...]:
@@ -122,6 +134,7 @@ SERVICES: tuple[ServiceSpec, ...] = (
         {"Estimate": _allow("operator"), "ImportContext": _allow("ingress")},
         produces=(TOPIC_STATE,),
         broadcast_reads=(TOPIC_CONTROL,),
+        stages=(STATE_STAGE,),
     ),
     ServiceSpec(
         "memory",
@@ -132,6 +145,7 @@ SERVICES: tuple[ServiceSpec, ...] = (
         {"BuildView": _allow("operator"), "DescribeIndex": _allow("operator", "chaos")},
         produces=(TOPIC_VIEW, TOPIC_MEMORY_COMMITTED),
         broadcast_reads=(TOPIC_CONTROL,),
+        stages=(MEMORY_VIEW_STAGE, MEMORY_COMMIT_STAGE),
     ),
     ServiceSpec(
         "router",
@@ -145,6 +159,9 @@ SERVICES: tuple[ServiceSpec, ...] = (
             "ResetPolicy": _allow("operator"),
         },
         produces=(TOPIC_ROUTED,),
+        # Control: a forgotten user's rows (each owner deletes its own, mars.forget).
+        broadcast_reads=(TOPIC_CONTROL,),
+        stages=(ROUTER_STAGE,),
     ),
     ServiceSpec(
         "dispatch",
@@ -154,6 +171,8 @@ SERVICES: tuple[ServiceSpec, ...] = (
         (DISPATCH,),
         {"Generate": _allow("operator"), "ListModels": _allow("operator", "deploy")},
         produces=(TOPIC_GENERATED, TOPIC_TOKENS),
+        broadcast_reads=(TOPIC_CONTROL,),
+        stages=(DISPATCH_STAGE,),
     ),
     ServiceSpec(
         "judge",
@@ -163,6 +182,8 @@ SERVICES: tuple[ServiceSpec, ...] = (
         (JUDGE,),
         {"Score": _allow("operator")},
         produces=(TOPIC_JUDGED,),
+        broadcast_reads=(TOPIC_CONTROL,),
+        stages=(JUDGE_STAGE,),
     ),
     ServiceSpec(
         "ingress",
@@ -174,6 +195,7 @@ SERVICES: tuple[ServiceSpec, ...] = (
         produces=(TOPIC_RECEIVED, TOPIC_FEEDBACK, TOPIC_GENERATED, TOPIC_CONTROL),
         # Each replica reads every reply, streamed token, dead letter and forget (the calls wait there).
         broadcast_reads=(TOPIC_GENERATED, TOPIC_TOKENS, TOPIC_DEAD_LETTER, TOPIC_CONTROL),
+        stages=(INGRESS_STAGE,),
     ),
 )
 NAMES: tuple[str, ...] = tuple(s.name for s in SERVICES)

@@ -10,7 +10,7 @@ import time
 import grpc
 from mars import topology
 from mars.bus import EventProducer, PoisonEvent, StageConsumer, StageOutput, Subscription
-from mars.config import TOPIC_GENERATED, TOPIC_ROUTED, TOPIC_TOKENS
+from mars.config import DISPATCH_STAGE, TOPIC_GENERATED, TOPIC_ROUTED, TOPIC_TOKENS
 from mars.domain.circuit import CircuitBreaker
 from mars.domain.turn_options import MAX_TOKENS_LIMIT, InvalidOption, parse_turn_options
 from mars.pool import ModelPool, load_pool
@@ -24,7 +24,7 @@ from mars_dispatch.clients import ModelClients
 from mars_dispatch.dispatcher import Dispatcher
 from mars_dispatch.settings import DispatchSettings
 
-STAGE = "dispatch"
+STAGE = DISPATCH_STAGE
 #: Largest max_tokens a turn may ask for (ingress's limit on the option too).
 
 

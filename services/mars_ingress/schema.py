@@ -47,6 +47,18 @@ MIGRATIONS = [
         END IF;
     END $$
     """,
+    # What the turn cost (generator + controller + judge), from its Judged event (the outcome group): the
+    # tenant's daily spend is summed here, in the ingress's own table, not the judge's (mars.quota).
+    "ALTER TABLE ingress_turns ADD COLUMN IF NOT EXISTS cost_usd DOUBLE PRECISION",
+    # Each owner's acknowledgement of a forget (mars.forget): every other service's role may insert its own
+    # row and nothing else (mars.db_roles); ForgetUser waits for them.
+    """
+    CREATE TABLE IF NOT EXISTS ingress_forget_acks (
+        forget_id TEXT NOT NULL, service TEXT NOT NULL, rows_deleted JSONB NOT NULL,
+        acked_at TIMESTAMPTZ NOT NULL DEFAULT now(),
+        PRIMARY KEY (forget_id, service)
+    )
+    """,
     # The API keys (mars.auth): applied with the ingress's schema, by the service and by `mars migrate`.
     *auth.MIGRATIONS,
 ]

@@ -21,6 +21,7 @@ from mars.config import (
     TOPIC_DEAD_LETTER,
     TOPIC_FEEDBACK,
     TOPIC_GENERATED,
+    TOPIC_JUDGED,
     TOPIC_MEMORY_COMMITTED,
     TOPIC_RECEIVED,
     TOPIC_ROUTED,
@@ -193,6 +194,7 @@ class IngressServicer(svc_grpc.IngressServicer):
         try:
             try:
                 await self._producer.publish(TOPIC_RECEIVED, received, envelope)
+                self.turns.published(envelope.turn_id)
             except Exception as exc:
                 if not is_transient(exc):
                     raise
@@ -353,16 +355,26 @@ class IngressServicer(svc_grpc.IngressServicer):
             await abort_rpc(context, auth_failure(exc), "Ingress.ForgetUser")
         except Exception as exc:
             await abort_rpc(context, exc, "Ingress.ForgetUser")
-        event = forget.control_event(request.tenant, request.user_id)
         try:
             async with self._pool.connection() as conn:
-                counts = await forget.forget_user_async(conn, request.tenant, request.user_id)
+                own, turns = await forget.forget_own_async(conn, "ingress", request.tenant, request.user_id)
+            event = forget.control_event(request.tenant, request.user_id, turn_ids=turns)
             self._producer.forget_user(request.tenant, request.user_id)
             await self._producer.send_raw(
                 TOPIC_CONTROL, event.SerializeToString(), forget.event_key(request.tenant, request.user_id)
             )
+            acks = await self._acknowledgements(event.forget_id)
         except Exception as exc:
             await abort_rpc(context, exc, "Ingress.ForgetUser")
+        counts = forget.merge_counts(own, *acks.values())
+        missing = [s for s in forget.acknowledgers() if s not in acks]
+        if missing:
+            log.warning(
+                "forget %s: no acknowledgement from %s within %gs; their rows go when they read the event",
+                event.forget_id,
+                ", ".join(missing),
+                self._settings.forget_wait_s,
+            )
         log.warning(
             "forget %s: user %s of tenant %s forgotten by key %s: %s",
             event.forget_id,
@@ -371,7 +383,18 @@ class IngressServicer(svc_grpc.IngressServicer):
             principal.key_id if principal is not None else "-",
             ", ".join(f"{t}={n}" for t, n in counts.items() if n),
         )
-        return svc.ForgetUserReply(forget_id=event.forget_id, rows_deleted=counts)
+        return svc.ForgetUserReply(forget_id=event.forget_id, rows_deleted=counts, not_acknowledged=missing)
+
+    async def _acknowledgements(self, forget_id: str) -> dict[str, dict[str, int]]:
+        """Every other owner's acknowledgement of the forget, or those that came within MARS_FORGET_WAIT_S."""
+        deadline = time.monotonic() + self._settings.forget_wait_s
+        wanted = set(forget.acknowledgers())
+        while True:
+            async with self._pool.connection() as conn:
+                acks = await forget.acknowledged(conn, forget_id)
+            if wanted <= set(acks) or time.monotonic() >= deadline:
+                return acks
+            await asyncio.sleep(0.1)
 
     async def WhoAmI(self, request: svc.WhoAmIRequest, context: grpc.aio.ServicerContext) -> svc.WhoAmIReply:
         """The call's key, verified: whom it acts for (empty with MARS_AUTH_REQUIRED=false)."""
@@ -485,6 +508,7 @@ async def build(ctx: ServiceContext) -> ServiceParts:
                 TOPIC_DEAD_LETTER, ev.DeadLetter, servicer.turns.record_dead_letter, requires_envelope=False
             ),
             Subscription(TOPIC_MEMORY_COMMITTED, ev.MemoryCommitted, servicer.turns.record_stored),
+            Subscription(TOPIC_JUDGED, ev.Judged, servicer.turns.record_judged),
         ],
     )
     return ServiceParts(

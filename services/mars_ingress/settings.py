@@ -17,6 +17,9 @@ class IngressSettings(ServiceSettings):
     #: answer came) is marked TIMEOUT by whichever replica sweeps first.
     orphan_grace_s: float = 5.0
     orphan_sweep_every_s: float = 2.0
+    #: How long ForgetUser waits for every other service to acknowledge that it deleted its rows of the
+    #: user (mars.forget); those that have not by then are named in the reply.
+    forget_wait_s: float = Field(default=10.0, ge=0.0)
     #: A PENDING turn that no state replica has taken after this long is published again from the outbox
     #: (its replica may have died before publishing it); duplicates are harmless (effects by turn_id).
     republish_after_s: float = 10.0

@@ -7,10 +7,11 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from mars import history
+from mars import history, quota
 from mars.bus import EventProducer, is_transient
-from mars.config import STATE_STAGE, TOPIC_RECEIVED, TOPIC_ROUTED, TOPIC_STATE, TOPIC_VIEW
+from mars.config import INGRESS_STAGE, TOPIC_RECEIVED, TOPIC_ROUTED, TOPIC_STATE, TOPIC_VIEW
 from mars.data_keys import Forgotten
+from mars.db import EmittedLedger
 from mars.v1 import events_pb2 as ev
 from psycopg_pool import AsyncConnectionPool
 
@@ -34,6 +35,15 @@ class TurnStore:
         self._settings = settings
         self._producer = producer
         self._pool = pool
+        # The ingress's own stage rows (INGRESS_STAGE): a turn whose TurnReceived the broker acknowledged is
+        # done with the outbox. Written behind, like every stage's (a lost row means one more re-send).
+        if producer.ledger is None:
+            producer.ledger = EmittedLedger(pool)
+        self._ledger = producer.ledger
+
+    def published(self, turn_id: str) -> None:
+        """The turn's TurnReceived is on the log: the outbox sweep leaves it alone."""
+        self._ledger.add(INGRESS_STAGE, turn_id)
 
     async def accept(self, envelope: ev.TurnEnvelope, text: str) -> ev.TurnReceived:
         """Give the turn its per-user seq and record it (with its event, the outbox copy) in one
@@ -115,6 +125,11 @@ class TurnStore:
         if letter.turn_id and self._settings.topics.base(letter.source_topic) in ANSWER_PATH_TOPICS:
             await self.record(letter.turn_id, "FAILED", f"turn failed in {letter.consumer}: {letter.reason}")
 
+    async def record_judged(self, event: ev.Judged) -> None:
+        """What the turn cost, for its tenant's daily spend (mars.quota.SPENT_TODAY_SQL)."""
+        async with self._pool.connection() as conn:
+            await conn.execute(quota.JUDGED_COST_SQL, (quota.judged_cost(event), event.turn.turn_id))
+
     async def record_stored(self, event: ev.MemoryCommitted) -> None:
         """Memory stored an imported pair: ImportHistory's wait counts it (turns answered live are not
         waited on, and cost no write here)."""
@@ -151,7 +166,7 @@ class TurnStore:
                 "AND republished_at IS NULL AND received IS NOT NULL AND deadline_at > now() "
                 "AND created_at < now() - make_interval(secs => %s) AND NOT EXISTS "
                 "(SELECT 1 FROM stage_emitted s WHERE s.stage = %s AND s.turn_id = t.turn_id) LIMIT 500",
-                (self._settings.republish_after_s, STATE_STAGE),
+                (self._settings.republish_after_s, INGRESS_STAGE),
             )
             rows = await cur.fetchall()
         for turn_id, raw in rows:

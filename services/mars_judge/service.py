@@ -10,7 +10,7 @@ import os
 import grpc
 from mars import metrics, topology
 from mars.bus import EventProducer, PoisonEvent, StageConsumer, StageOutput, Subscription
-from mars.config import TOPIC_FEEDBACK, TOPIC_GENERATED, TOPIC_JUDGED
+from mars.config import JUDGE_STAGE, TOPIC_FEEDBACK, TOPIC_GENERATED, TOPIC_JUDGED
 from mars.db import pg_text
 from mars.domain.feedback import feedback_utility
 from mars.llm_json import Dialect, JsonChatClient, TokenPrices, endpoint_url
@@ -25,7 +25,7 @@ from mars_judge.settings import JudgeSettings
 
 log = logging.getLogger(__name__)
 
-STAGE = "judge"
+STAGE = JUDGE_STAGE
 
 
 def make_judge(settings: JudgeSettings) -> RubricJudge:

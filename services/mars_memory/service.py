@@ -11,8 +11,10 @@ import time
 
 import grpc
 from mars import topology
-from mars.bus import EventProducer, StageConsumer, StageOutput, Subscription, control_reader
+from mars.bus import EventProducer, StageConsumer, StageOutput, Subscription
 from mars.config import (
+    MEMORY_COMMIT_STAGE,
+    MEMORY_VIEW_STAGE,
     TOPIC_GENERATED,
     TOPIC_MEMORY_COMMITTED,
     TOPIC_STATE,
@@ -32,8 +34,8 @@ from mars_memory.store import MemoryStore
 
 log = logging.getLogger(__name__)
 
-VIEW_STAGE = "memory-view"
-COMMIT_STAGE = "memory-commit"
+VIEW_STAGE = MEMORY_VIEW_STAGE
+COMMIT_STAGE = MEMORY_COMMIT_STAGE
 
 
 class MemoryStage:
@@ -143,10 +145,10 @@ async def build(ctx: ServiceContext) -> ServiceParts:
         [Subscription(TOPIC_GENERATED, ev.Generated, stage.on_generated)],
     )
     consumers = [c for role, c in (("views", views), ("writer", writer)) if role in settings.roles]
-    # Every replica, whatever its roles, holds indexes (DescribeIndex, BuildView): each reads every control
-    # event (a broadcast reader, outside any group) and drops a forgotten user's index.
-    consumers.append(control_reader(settings, ctx.producer, "memory", stage.on_forgotten))
     return ServiceParts(
+        # Every replica, whatever its roles, holds indexes (DescribeIndex, BuildView): each drops a forgotten
+        # user's index on the control event (mars.runtime reads it on every replica).
+        on_forgotten=stage.on_forgotten,
         bindings=[
             GrpcBinding(svc_grpc.add_MemoryServicer_to_server, MemoryServicer(store), "mars.v1.Memory")
         ],

@@ -13,7 +13,7 @@ import logging
 import grpc
 from mars import topology
 from mars.bus import EventProducer, StageConsumer, StageOutput, Subscription
-from mars.config import TOPIC_JUDGED, TOPIC_ROUTED, TOPIC_VIEW
+from mars.config import ROUTER_STAGE, TOPIC_JUDGED, TOPIC_ROUTED, TOPIC_VIEW
 from mars.domain.bandits import draw_key
 from mars.pool import ModelPool, load_pool
 from mars.runtime import GrpcBinding, InvalidRequest, ServiceContext, ServiceParts, check_ids, rpc_errors, run
@@ -29,7 +29,7 @@ from mars_router.store import PolicyCorrupt, PolicyStore, policy_id_for
 
 log = logging.getLogger(__name__)
 
-STAGE = "router"
+STAGE = ROUTER_STAGE
 
 
 class RouterStage:

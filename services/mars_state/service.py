@@ -11,7 +11,7 @@ import time
 
 import grpc
 from mars import topology
-from mars.bus import EventProducer, StageConsumer, StageOutput, Subscription, control_reader
+from mars.bus import EventProducer, StageConsumer, StageOutput, Subscription
 from mars.config import STATE_STAGE, TOPIC_RECEIVED, TOPIC_STATE
 from mars.domain.vectors import encode_vector
 from mars.llm_json import TokenPrices, endpoint_url
@@ -180,10 +180,8 @@ async def build(ctx: ServiceContext) -> ServiceParts:
                 "mars.v1.StateEstimator",
             )
         ],
-        consumers=[
-            consumer,
-            control_reader(settings, ctx.producer, "state", stage.on_forgotten),
-        ],
+        consumers=[consumer],
+        on_forgotten=stage.on_forgotten,
         # NOT_SERVING while the controller keeps failing: turns still get states, from the rules.
         health_probes={"mars.v1.StateEstimator.controller": lambda: estimator.healthy},
         # The learned backend's model file did not load: the rules answer instead.

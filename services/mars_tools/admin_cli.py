@@ -43,14 +43,45 @@ def add_postgres_dsn_arg(p: argparse.ArgumentParser) -> None:
     )
 
 
+def role_passwords(directory: str | None) -> dict[str, str]:
+    """Passwords of the role logins from a directory: `<dir>/<service>` as a file, or a directory holding
+    `password` (a Kubernetes Secret mounted there). A login without one keeps its password."""
+    from pathlib import Path
+
+    from mars import db_roles
+
+    if not directory:
+        return {}
+    root = Path(directory)
+    if not root.is_dir():
+        raise SettingsError(f"--role-passwords-dir {directory}: not a directory")
+    found: dict[str, str] = {}
+    for service in db_roles.roles():
+        path = root / service
+        if path.is_dir():
+            path = path / "password"
+        if path.is_file():
+            password = path.read_text().strip()
+            if password:
+                found[service] = password
+    return found
+
+
 def cmd_migrate(args: argparse.Namespace) -> int:
-    from mars import topology
-    from mars.migrations import migrate_all
+    from mars import db_roles, topology
+    from mars.migrations import RoleSetup, migrate_all
 
     services = tuple(args.service) if args.service else topology.NAMES
     try:
         settings = load_settings(postgres_dsn=args.postgres_dsn)
-        done = asyncio.run(migrate_all(settings.postgres_dsn, services, wait_s=args.wait_s))
+        roles = None
+        if args.roles:
+            try:
+                db_roles.check_prefix(args.role_prefix)
+            except ValueError as exc:
+                raise SettingsError(str(exc)) from None
+            roles = RoleSetup(args.role_prefix, role_passwords(args.role_passwords_dir))
+        done = asyncio.run(migrate_all(settings.postgres_dsn, services, wait_s=args.wait_s, roles=roles))
     except SettingsError as exc:
         console.print(f"[red]{escape(str(exc))}[/]")
         return 2
@@ -60,6 +91,9 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     for m in done:
         added = ", ".join(f"{kind} {name}" for kind, name in m.added) or "nothing new"
         console.print(f"{m.service}: {m.statements} statements applied; added: {added}", soft_wrap=True)
+    if args.roles:
+        logins = ", ".join(db_roles.roles(args.role_prefix).values())
+        console.print(f"roles and grants in place: {logins}", soft_wrap=True)
     console.print(f"[green]schema up to date[/] ({len(done)} services)")
     return 0
 
@@ -189,6 +223,19 @@ def add_migrate_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore
         default=30.0,
         help="seconds to wait for Postgres to accept a connection (e.g. while it starts) before failing "
         "(default 30)",
+    )
+    p.add_argument(
+        "--roles",
+        action="store_true",
+        help="also give each service a Postgres role of its own (mars.db_roles): the role owns its service's "
+        "tables and gets only its part of the shared ones; `<prefix>_operator` is the tools' login. The "
+        "login at --postgres-dsn must be allowed to create roles",
+    )
+    p.add_argument("--role-prefix", default="mars", help="roles are <prefix>_<service> (default mars)")
+    p.add_argument(
+        "--role-passwords-dir",
+        help="directory with each login's password: <dir>/<service> as a file or <dir>/<service>/password "
+        "(services and operator; a login without one keeps its password)",
     )
     p.set_defaults(func=cmd_migrate)
 
