@@ -62,7 +62,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
         model_pool=REPO / "config" / "models.standin.yaml",
         llm="standin",
         replicas_of={"memory": 2},
-        extra_env=dict(STACK_ENV),
+        # ForgetUser waits this long for every owner's acknowledgement (a stopped judge, below).
+        extra_env={**STACK_ENV, "MARS_FORGET_WAIT_S": "5"},
     )
     s = LocalStack(settings).start()
     try:
@@ -247,6 +248,10 @@ def test_forget_user(stack: LocalStack) -> None:
 
     reply = admin_stub(stack, TENANT).ForgetUser(request, timeout=60)
     assert reply.forget_id
+    # Each service deleted its own rows (as its own Postgres role) and acknowledged before the reply.
+    assert list(reply.not_acknowledged) == []
+    acked = query(stack, f"SELECT service FROM {forget.FORGET_ACKS} WHERE forget_id = %s", (reply.forget_id,))
+    assert sorted(str(r[0]) for r in acked) == sorted(forget.acknowledgers())
     assert reply.rows_deleted["ingress_turns"] == len(TURNS)
     assert reply.rows_deleted["memory_records"] == len(TURNS)
     assert reply.rows_deleted["ingress_api_keys"] == 1
@@ -687,3 +692,27 @@ def test_import_history_cli_imports_a_file_once(stack: LocalStack, tmp_path: Pat
     broken = subprocess.run(command, capture_output=True, text=True, timeout=60, env=env, check=False)
     # Whitespace normalised: the console wraps the message at its width, where depends on the temp path.
     assert broken.returncode == 2 and "line 2: not JSON" in " ".join(broken.stdout.split())
+
+
+def test_forget_names_an_owner_that_has_not_acknowledged_and_it_deletes_when_back(stack: LocalStack) -> None:
+    """The judge stopped (SIGSTOP) while a user is forgotten: the reply says the judge has not acknowledged,
+    the judge's rows stay until it reads the event, and then they go and it acknowledges."""
+    user = "late"
+    reply = ingress_stub(stack, TENANT).SendTurn(
+        svc.TurnRequest(user_id=user, session_id="s", text="Remember that my locker is number 12"), timeout=60
+    )
+    wait_for(lambda: _settled(stack, [reply.turn_id]), 60, "the turn judged and applied")
+    stack.pause("judge")
+    try:
+        forgot = admin_stub(stack, TENANT).ForgetUser(svc.ForgetUserRequest(user_id=user), timeout=60)
+        assert list(forgot.not_acknowledged) == ["judge"]
+        assert forgot.rows_deleted["ingress_turns"] == 1 and forgot.rows_deleted["memory_records"] == 1
+        assert forgot.rows_deleted["judge_rewards"] == 0  # not the judge's word yet
+        held = "SELECT count(*) FROM judge_rewards WHERE tenant = %s AND user_id = %s"
+        assert query(stack, held, (TENANT, user))[0][0] == 1
+    finally:
+        stack.resume("judge")
+    wait_for(lambda: query(stack, held, (TENANT, user))[0][0] == 0, 60, "the judge deleting its rows")
+    acks = "SELECT rows_deleted FROM ingress_forget_acks WHERE forget_id = %s AND service = 'judge'"
+    wait_for(lambda: bool(query(stack, acks, (forgot.forget_id,))), 30, "the judge's acknowledgement")
+    assert query(stack, acks, (forgot.forget_id,))[0][0]["judge_rewards"] == 1
