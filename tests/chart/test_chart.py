@@ -341,7 +341,11 @@ def test_passwords_come_from_secrets_never_from_config_maps() -> None:
         if "valueFrom" in v and "secretKeyRef" in v["valueFrom"]
     }
     assert refs["MARS_KAFKA_SASL_PASSWORD"] == {"name": "kafka-user", "key": "kafka-password"}
-    assert refs["PGPASSWORD"] == {"name": "pg-credentials", "key": "postgres-password"}
+    # Its own Postgres role's password (postgres.roles, the default); the admin's only in the migrate Job.
+    assert refs["PGPASSWORD"] == {"name": "mars-postgres-router", "key": "password"}
+    migrate = by_component(objects, "Job")["migrate"]["spec"]["template"]["spec"]["containers"][0]
+    admin = {v["name"]: v.get("valueFrom", {}).get("secretKeyRef", v.get("value")) for v in migrate["env"]}
+    assert admin["PGPASSWORD"] == {"name": "pg-credentials", "key": "postgres-password"}
     env = helm.service_env(objects, "router")
     assert env["MARS_KAFKA_SSL_CAFILE"] == "/etc/mars/kafka-tls/ca.crt"
     assert "sslmode=verify-full" in env["MARS_POSTGRES_DSN"]
@@ -351,6 +355,37 @@ def test_passwords_come_from_secrets_never_from_config_maps() -> None:
         "mars-secrets",
         "mars-secrets-api-keys",
     }
+
+
+def test_each_service_logs_in_to_postgres_as_its_own_role_and_the_migrate_job_makes_them() -> None:
+    objects = render(PROFILES["kafka-sasl-tls"])
+    env = helm.service_env(objects, "judge")
+    assert "@" not in env["MARS_POSTGRES_DSN"], "the DSN names no user: each container's PGUSER does"
+    for name, deployment in by_component(objects, "Deployment").items():
+        if name in ("gateway", "vllm"):
+            continue
+        container = deployment["spec"]["template"]["spec"]["containers"][0]
+        values = {v["name"]: v.get("value") for v in container["env"]}
+        refs = {v["name"]: v["valueFrom"].get("secretKeyRef") for v in container["env"] if "valueFrom" in v}
+        assert values["PGUSER"] == f"mars_{name}", name
+        assert refs["PGPASSWORD"] == {"name": f"mars-postgres-{name}", "key": "password"}, name
+    migrate = by_component(objects, "Job")["migrate"]["spec"]["template"]["spec"]
+    args = migrate["containers"][0]["args"]
+    assert args[:3] == ["mars", "migrate", "--roles"] and "/etc/mars/postgres-roles" in args
+    (volume,) = [v for v in migrate["volumes"] if v["name"] == "postgres-roles"]
+    sources = {s["secret"]["name"]: s["secret"] for s in volume["projected"]["sources"]}
+    assert set(sources) == {f"mars-postgres-{n}" for n in (*topology.NAMES, "operator")}
+    assert all(s["optional"] and s["items"][0]["path"].endswith("/password") for s in sources.values())
+    assert volume["projected"]["defaultMode"] == 0o400
+    assert "mars-postgres-judge" in helm.notes(PROFILES["kafka-sasl-tls"])
+    # Roles off: one login everywhere, in the DSN, as before, and NOTES says what that allows.
+    shared_values = merged(PROFILES["kafka-sasl-tls"], {"postgres": {"roles": {"enabled": False}}})
+    shared = render(shared_values)
+    assert "@" in helm.service_env(shared, "judge")["MARS_POSTGRES_DSN"]
+    assert "may read and change every table" in helm.notes(shared_values)
+    judge = by_component(shared, "Deployment")["judge"]["spec"]["template"]["spec"]["containers"][0]
+    assert "PGUSER" not in {v["name"] for v in judge["env"]}
+    assert "--roles" not in by_component(shared, "Job")["migrate"]["spec"]["template"]["spec"]["containers"][0]["args"]
 
 
 @pytest.mark.parametrize("profile", sorted(PROFILES))
@@ -646,7 +681,10 @@ def test_replay_job_fits_the_release_it_runs_beside() -> None:
         chart_secrets = {o["metadata"]["name"] for o in helm.find(objects, "Secret")}
         fullname = "mars" if release == "mars" else f"{release}-mars"
         # The tools' Kafka login (the chart's default: one per principal, made by Strimzi for its KafkaUser).
-        assert secret_refs and secret_refs <= chart_secrets | {f"{fullname}-secrets", f"{fullname}-kafka-operator"}
+        # ... and Postgres role (postgres.roles: the Secret the operator makes before installing).
+        tools = {f"{fullname}-secrets", f"{fullname}-kafka-operator", f"{fullname}-postgres-operator"}
+        assert secret_refs and secret_refs <= chart_secrets | tools
+        assert f"{fullname}-postgres-operator" in secret_refs
         login = {v["name"]: v.get("value") for v in container["env"]}
         assert login["MARS_KAFKA_SASL_USERNAME"] == f"{fullname}-kafka-operator"
         identity = {v["name"]: v for v in pod["spec"]["volumes"]}["identity"]["secret"]["secretName"]

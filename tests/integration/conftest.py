@@ -78,9 +78,15 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
 
 @pytest.fixture(scope="module")
 def postgres(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A Postgres server of the module's own (no broker, no LLM, no services): its DSN."""
+    """A Postgres server of the module's own (no broker, no LLM, no services, no schema yet): its DSN."""
     stack = LocalStack(
-        StackSettings(workdir=tmp_path_factory.mktemp("pg"), start_llm=False, start_broker=False, services=())
+        StackSettings(
+            workdir=tmp_path_factory.mktemp("pg"),
+            start_llm=False,
+            start_broker=False,
+            services=(),
+            postgres_roles=False,  # an empty database: the tests apply the schema
+        )
     ).start()
     try:
         yield stack.env["MARS_POSTGRES_DSN"]

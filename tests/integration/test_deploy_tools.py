@@ -61,6 +61,24 @@ def test_migrate_applies_every_schema_and_is_idempotent(postgres: str) -> None:
     assert again.stdout.count("nothing new") == 6
 
 
+def test_migrate_roles_takes_a_database_made_with_one_login_over(postgres: str, tmp_path: Path) -> None:
+    """`mars migrate --roles` (the chart's migrate Job) on the schema of one login: each table goes to its
+    service's role, a password comes from the Secret-shaped directory, and that role reads its own table
+    and is refused another's."""
+    (tmp_path / "judge").mkdir()
+    (tmp_path / "judge" / "password").write_text("judge-secret\n")
+    run = mars("migrate", "--postgres-dsn", postgres, "--roles", "--role-passwords-dir", str(tmp_path))
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "mars_judge" in run.stdout and "mars_operator" in run.stdout
+    judge = psycopg.conninfo.make_conninfo(postgres, user="mars_judge", password="judge-secret")
+    with psycopg.connect(judge, autocommit=True) as conn:
+        conn.execute("SELECT count(*) FROM judge_rewards")
+        with pytest.raises(psycopg.errors.InsufficientPrivilege):
+            conn.execute("SELECT count(*) FROM ingress_turns")
+    bad = mars("migrate", "--postgres-dsn", postgres, "--roles", "--role-prefix", "Bad-Prefix")
+    assert bad.returncode == 2 and "role prefix" in bad.stdout
+
+
 def test_migrate_reports_an_unreachable_postgres_in_one_line() -> None:
     run = mars(
         "migrate", "--postgres-dsn", "postgresql://mars@127.0.0.1:1/mars?connect_timeout=1", "--wait-s", "2"

@@ -131,6 +131,40 @@ judge:
 {{- end }}
 {{- end -}}
 
+{{/* The Postgres login of a container, (list root login) with login a service, "operator" (the tools) or
+     "admin" (the migrate Job, as postgres.user): with postgres.roles, PGUSER <prefix>_<login> and PGPASSWORD
+     from the Secret <fullname>-postgres-<login>; libpq reads both (the DSN names no user then). */}}
+{{- define "mars.postgresRoleSecret" -}}
+{{- $root := index . 0 -}}
+{{- printf "%s-postgres-%s" (include "mars.fullname" $root) (index . 1) -}}
+{{- end -}}
+
+{{- define "mars.postgresLoginEnv" -}}
+{{- $root := index . 0 -}}
+{{- $login := index . 1 -}}
+{{- if $root.Values.postgres.roles.enabled }}
+{{- if eq $login "admin" }}
+- name: PGUSER
+  value: {{ $root.Values.postgres.user | quote }}
+{{- if or $root.Values.postgres.password $root.Values.postgres.existingSecret }}
+- name: PGPASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "mars.postgresPasswordSecret" $root }}
+      key: {{ $root.Values.postgres.passwordKey }}
+{{- end }}
+{{- else }}
+- name: PGUSER
+  value: {{ printf "%s_%s" $root.Values.postgres.roles.prefix $login | quote }}
+- name: PGPASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "mars.postgresRoleSecret" (list $root $login) }}
+      key: {{ $root.Values.postgres.roles.passwordKey }}
+{{- end }}
+{{- end }}
+{{- end -}}
+
 {{/* The Secret holding the identity CA's certificate (ca.crt), which the stage services trust. */}}
 {{- define "mars.identityCaSecret" -}}
 {{- printf "%s-identity-ca" (include "mars.fullname" .) -}}
@@ -205,7 +239,13 @@ MARS_KAFKA_SASL_USERNAME: {{ required "kafka.sasl.username is required with a SA
 {{- if include "mars.kafkaUsesTls" . }}
 MARS_KAFKA_SSL_CAFILE: /etc/mars/kafka-tls/{{ .Values.kafka.tls.caKey }}
 {{- end }}
-MARS_POSTGRES_DSN: {{ printf "postgresql://%s@%s:%d/%s?%s" .Values.postgres.user (required "postgres.host is required: the external Postgres server's host name" .Values.postgres.host) (int .Values.postgres.port) .Values.postgres.database (include "mars.postgresSsl" .) | quote }}
+{{- $pgHost := required "postgres.host is required: the external Postgres server's host name" .Values.postgres.host }}
+{{- if .Values.postgres.roles.enabled }}
+{{- /* No user in the DSN: each container names its role in PGUSER (mars.postgresLoginEnv). */}}
+MARS_POSTGRES_DSN: {{ printf "postgresql://%s:%d/%s?%s" $pgHost (int .Values.postgres.port) .Values.postgres.database (include "mars.postgresSsl" .) | quote }}
+{{- else }}
+MARS_POSTGRES_DSN: {{ printf "postgresql://%s@%s:%d/%s?%s" .Values.postgres.user $pgHost (int .Values.postgres.port) .Values.postgres.database (include "mars.postgresSsl" .) | quote }}
+{{- end }}
 MARS_GRPC_HOST: "0.0.0.0"
 MARS_GRPC_MAX_CONNECTION_AGE_S: {{ .Values.shutdown.maxConnectionAgeSeconds | quote }}
 MARS_METRICS_PORT: {{ .Values.metrics.port | quote }}
@@ -245,7 +285,7 @@ MARS_IDENTITY_REQUIRED: "false"
       name: {{ include "mars.kafkaPasswordSecret" . }}
       key: {{ .Values.kafka.sasl.passwordKey }}
 {{- end }}
-{{- if or .Values.postgres.password .Values.postgres.existingSecret }}
+{{- if and (or .Values.postgres.password .Values.postgres.existingSecret) (not .Values.postgres.roles.enabled) }}
 # libpq reads the password from PGPASSWORD: it never appears in the DSN or the ConfigMap.
 - name: PGPASSWORD
   valueFrom:

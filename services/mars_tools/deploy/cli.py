@@ -158,6 +158,8 @@ def cmd_replay_job(args: argparse.Namespace) -> int:
         service_account=args.service_account,
         kafka_password_secret=args.kafka_password_secret,
         kafka_shared_login=args.kafka_shared_login,
+        postgres_role_login=not args.postgres_shared_login,
+        postgres_role_prefix=args.postgres_role_prefix,
         kafka_ca_secret=args.kafka_ca_secret,
         identity_secret=args.identity_secret,
         postgres_ca_secret=args.postgres_ca_secret,
@@ -275,6 +277,15 @@ def _add_replay_job_parser(deploy_sub: argparse._SubParsersAction) -> None:  # t
         action="store_true",
         help="the release has one Kafka login for everything (kafka.sasl.perService=false); default: the tools' "
         "own, <fullname>-kafka-operator, password from the Secret of that name",
+    )
+    p.add_argument(
+        "--postgres-shared-login",
+        action="store_true",
+        help="the release has one Postgres login for everything (postgres.roles.enabled=false); default: the "
+        "tools' role, <prefix>_operator, password from the Secret <fullname>-postgres-operator",
+    )
+    p.add_argument(
+        "--postgres-role-prefix", default="mars", help="the release's postgres.roles.prefix (default mars)"
     )
     p.add_argument(
         "--kafka-ca-secret", default="", help="Secret with the brokers' CA (the chart's kafka.tls.caSecret)"

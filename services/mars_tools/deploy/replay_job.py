@@ -64,6 +64,11 @@ class ReplayJob:
     kafka_password_secret: str = ""
     kafka_password_key: str = "kafka-password"
     postgres_password_key: str = "postgres-password"
+    #: Log in to Postgres as the tools' role of the release (the chart's postgres.roles, its default):
+    #: PGUSER <prefix>_operator, password in the Secret <fullname>-postgres-operator (key `password`).
+    #: False: the release's one shared login (the ConfigMap's DSN, PGPASSWORD from <fullname>-secrets).
+    postgres_role_login: bool = True
+    postgres_role_prefix: str = "mars"
     #: The Secret with the brokers' CA (the chart's kafka.tls.caSecret); "" mounts none.
     kafka_ca_secret: str = ""
     #: The Secret with the Postgres server's CA (the chart's postgres.caSecret, key `postgres_ca_key`),
@@ -122,6 +127,16 @@ def _kafka_login(job: ReplayJob, secrets: str) -> list[dict[str, Any]]:
     ]
 
 
+def _postgres_login(job: ReplayJob) -> list[dict[str, Any]]:
+    if not job.postgres_role_login:
+        return [_secret_env("PGPASSWORD", f"{job.fullname}-secrets", job.postgres_password_key)]
+    # The chart's DSN names no user where roles are on: libpq takes PGUSER (mars.db_roles).
+    return [
+        {"name": "PGUSER", "value": f"{job.postgres_role_prefix}_operator"},
+        _secret_env("PGPASSWORD", f"{job.fullname}-postgres-operator", "password"),
+    ]
+
+
 def _volumes(job: ReplayJob) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
     """The pod's volumes, the container's mounts, and the identity settings that go with its mount."""
     volumes: list[dict[str, Any]] = [
@@ -167,7 +182,7 @@ def _container(
         "envFrom": [{"configMapRef": {"name": f"{job.fullname}-env"}}],
         "env": [
             *_kafka_login(job, secrets),
-            _secret_env("PGPASSWORD", secrets, job.postgres_password_key),
+            *_postgres_login(job),
             # A read-only root: caches (matplotlib for `replay report`) go to the writable /tmp.
             {"name": "HOME", "value": "/tmp"},
             {"name": "MPLCONFIGDIR", "value": "/tmp/matplotlib"},
