@@ -136,6 +136,19 @@ class ServingCluster:
         """The host's way into the same database the pods use (loopback, trusted)."""
         return self.infra.env["MARS_POSTGRES_DSN"]
 
+    def postgres_role_secrets(self, fullname: str = "mars") -> list[dict[str, Any]]:
+        """The Secrets the chart's postgres.roles reads (<fullname>-postgres-<login>, key password), holding
+        the passwords the node's Postgres roles were made with: what an operator creates before installing."""
+        return [
+            {
+                "apiVersion": "v1",
+                "kind": "Secret",
+                "metadata": {"name": f"{fullname}-postgres-{login}"},
+                "stringData": {"password": password},
+            }
+            for login, password in sorted(self.infra.postgres_logins.items())
+        ]
+
     @property
     def kafka_bootstrap(self) -> str:
         return self.infra.env["MARS_KAFKA_BOOTSTRAP"]

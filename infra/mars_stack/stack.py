@@ -154,8 +154,8 @@ class StackSettings:
     #: Where the broker and the LLM server listen (and the broker advertises), and Postgres besides
     #: loopback: 127.0.0.1, or a real Kubernetes node's address for its pods (mars_stack.serving_cluster).
     host: str = "127.0.0.1"
-    #: Networks (CIDR) whose clients may log in to Postgres as `mars` with `postgres_password` (SCRAM), as
-    #: pods do; loopback stays trusted. Empty: loopback only.
+    #: Networks (CIDR) whose clients may log in to Postgres with a password (SCRAM), as pods do: as `mars`
+    #: with `postgres_password`, or as a service's role (`postgres_logins`). Empty: loopback only.
     postgres_clients: tuple[str, ...] = ()
     postgres_password: str = ""
     #: A Postgres role per service (mars.db_roles), made with the schema before the services start; each
@@ -340,6 +340,11 @@ class LocalStack:
         if self.settings.postgres_roles is not None:
             return self.settings.postgres_roles
         return launcher_settings().local_postgres_roles
+
+    @property
+    def postgres_logins(self) -> dict[str, str]:
+        """The role logins' passwords (service or `operator` -> password); empty without roles."""
+        return dict(self._postgres_logins)
 
     def postgres_dsn(self, login: str = "admin") -> str:
         """The DSN `login` uses: a service's or `operator`'s own role, or the admin's (stack.env's, and every
@@ -1119,9 +1124,10 @@ def _kafka_ready(options: dict[str, Any]) -> bool:
 
 
 def _allow_postgres_clients(hba: Path, networks: tuple[str, ...]) -> None:
-    """Let `networks` log in with a password (SCRAM) over TCP; lines already there are not added again."""
+    """Let `networks` log in with a password (SCRAM) over TCP, as any role (the admin, or a service's own:
+    mars.db_roles); lines already there are not added again."""
     lines = hba.read_text().splitlines()
-    wanted = [f"host all mars {network} scram-sha-256" for network in networks]
+    wanted = [f"host all all {network} scram-sha-256" for network in networks]
     missing = [line for line in wanted if line not in lines]
     if missing:
         hba.write_text("\n".join([*lines, *missing]) + "\n")

@@ -388,6 +388,29 @@ def test_each_service_logs_in_to_postgres_as_its_own_role_and_the_migrate_job_ma
     assert "--roles" not in by_component(shared, "Job")["migrate"]["spec"]["template"]["spec"]["containers"][0]["args"]
 
 
+def test_only_the_services_that_seal_mount_the_master_key() -> None:
+    """The stage services seal and unseal turn text; the hook Jobs (schema, topics) never touch it, and the
+    gateway holds no secret."""
+    objects = render(PROFILES["kafka-sasl-tls"])
+    workloads = [o for o in objects if o["kind"] in ("Deployment", "Job")]
+    assert {o["metadata"]["labels"]["app.kubernetes.io/component"] for o in workloads} >= {"migrate", "gateway"}
+    for workload in workloads:
+        name = workload["metadata"]["labels"]["app.kubernetes.io/component"]
+        pod = workload["spec"]["template"]["spec"]
+        volumes = {v["name"] for v in pod.get("volumes", [])}
+        env = {v["name"] for c in pod["containers"] for v in c.get("env", [])}
+        env |= {
+            k
+            for c in pod["containers"]
+            for ref in c.get("envFrom", [])
+            if "configMapRef" in ref
+            for k in helm.find(objects, "ConfigMap", ref["configMapRef"]["name"])[0].get("data", {})
+        }
+        sealing = name in topology.NAMES
+        assert ("master-key" in volumes) == sealing, name
+        assert ("MARS_MASTER_KEY_FILE" in env) == sealing, name
+
+
 @pytest.mark.parametrize("profile", sorted(PROFILES))
 def test_chart_env_is_the_services_settings(profile: str) -> None:
     """Every MARS_* variable the chart sets is a setting of the service it is set on (no silent typos)."""
@@ -740,7 +763,7 @@ def test_tls_mounts_the_secret_and_probes_health_in_plaintext() -> None:
         helm.install_dry_run(merged(BASE, {"tls": {"enabled": True}}))
 
 
-def test_every_service_and_job_opens_sealed_events_with_one_master_key() -> None:
+def test_every_service_opens_sealed_events_with_one_master_key() -> None:
     """Crypto-shredding: one master key, made by the chart once (kept on uninstall) or an existing Secret,
     mounted read-only in every pod, its path the services' MARS_MASTER_KEY_FILE."""
 
@@ -758,12 +781,13 @@ def test_every_service_and_job_opens_sealed_events_with_one_master_key() -> None
         {"apiGroups": [""], "resources": ["secrets"], "resourceNames": ["mars-master-key"], "verbs": ["get"]},
     ]
     for name, pod in pod_specs(objects):
-        # The gateway sees no event: it holds no key; the key-making Jobs talk to the API server alone.
-        if name.endswith(("-vllm", "-gateway", "-master-key", "-identity")):
+        # The services alone: the gateway sees no event, the hook Jobs (schema, topics) no text, and the
+        # key-making Jobs talk to the API server alone (test_only_the_services_that_seal_mount_the_master_key).
+        if not name.startswith("Deployment/") or name.endswith(("-vllm", "-gateway")):
             continue
         volumes = {v["name"]: v for v in pod["volumes"]}
         assert volumes["master-key"]["secret"]["secretName"] == "mars-master-key", name
-        assert volumes["master-key"]["secret"]["defaultMode"] == 0o440, name  # hook Jobs too: not 0644
+        assert volumes["master-key"]["secret"]["defaultMode"] == 0o440, name  # not Kubernetes' 0644
         for container in pod["containers"]:
             mounts = {m["name"]: m for m in container["volumeMounts"]}
             assert mounts["master-key"] == {
@@ -784,7 +808,7 @@ def test_every_service_and_job_opens_sealed_events_with_one_master_key() -> None
         "/etc/mars/master-key-previous/master.key"
     )
     for name, pod in pod_specs(rotating):
-        if not name.endswith(("-vllm", "-gateway", "-master-key", "-identity")):
+        if name.startswith("Deployment/") and not name.endswith(("-vllm", "-gateway")):
             previous = {v["name"]: v for v in pod["volumes"]}["master-key-previous"]["secret"]
             assert previous["secretName"] == "mars-master-key-2025" and previous["defaultMode"] == 0o440, name
     assert "MARS_PREVIOUS_MASTER_KEY_FILE" not in helm.service_env(objects, "memory")

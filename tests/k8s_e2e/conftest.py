@@ -73,6 +73,9 @@ def release(serving: serving_cluster.ServingCluster) -> float:
     kube.wait_for(
         lambda: core(serving).read_namespaced_service_account("default", NAMESPACE), 30, "default SA"
     )
+    # Each service's Postgres role login (postgres.roles, the chart's default), as an operator makes them.
+    for secret in serving.postgres_role_secrets(RELEASE):
+        core(serving).create_namespaced_secret(NAMESPACE, secret)
     config = helm_config(serving)
     started = time.monotonic()
     try:

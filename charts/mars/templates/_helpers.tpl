@@ -308,7 +308,8 @@ MARS_IDENTITY_REQUIRED: "false"
 {{- end }}
 {{- end -}}
 
-{{/* Volumes every MARS pod mounts: a writable /tmp on a read-only root, the model pool, the Kafka CA. */}}
+{{/* Volumes every MARS pod mounts: a writable /tmp on a read-only root, the model pool, the Kafka CA; the
+     services the master key besides. */}}
 {{- define "mars.volumes" -}}
 - name: tmp
   emptyDir:
@@ -329,7 +330,9 @@ MARS_IDENTITY_REQUIRED: "false"
       - key: {{ .Values.postgres.caKey }}
         path: {{ .Values.postgres.caKey }}
 {{- end }}
-{{- if .Values.eventSealing.enabled }}
+{{- /* The master key only where events are sealed or unsealed (the services): not in a tool pod (the hook
+       Jobs, given the context merged with toolPod). */}}
+{{- if and .Values.eventSealing.enabled (not .toolPod) }}
 - name: master-key
   secret:
     secretName: {{ include "mars.masterKeySecret" . }}
@@ -381,7 +384,7 @@ MARS_IDENTITY_REQUIRED: "false"
   mountPath: /etc/mars/postgres-tls
   readOnly: true
 {{- end }}
-{{- if .Values.eventSealing.enabled }}
+{{- if and .Values.eventSealing.enabled (not .toolPod) }}
 - name: master-key
   mountPath: /etc/mars/master-key
   readOnly: true
