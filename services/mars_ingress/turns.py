@@ -35,15 +35,13 @@ class TurnStore:
         self._settings = settings
         self._producer = producer
         self._pool = pool
-        # The ingress's own stage rows (INGRESS_STAGE): a turn whose TurnReceived the broker acknowledged is
-        # done with the outbox. Written behind, like every stage's (a lost row means one more re-send).
-        if producer.ledger is None:
-            producer.ledger = EmittedLedger(pool)
-        self._ledger = producer.ledger
 
     def published(self, turn_id: str) -> None:
-        """The turn's TurnReceived is on the log: the outbox sweep leaves it alone."""
-        self._ledger.add(INGRESS_STAGE, turn_id)
+        """The turn's TurnReceived is on the log: the outbox sweep leaves it alone. Recorded as the ingress's
+        own stage rows (INGRESS_STAGE), written behind like every stage's (a lost row: one more re-send)."""
+        if self._producer.ledger is None:
+            self._producer.ledger = EmittedLedger(self._pool)
+        self._producer.ledger.add(INGRESS_STAGE, turn_id)
 
     async def accept(self, envelope: ev.TurnEnvelope, text: str) -> ev.TurnReceived:
         """Give the turn its per-user seq and record it (with its event, the outbox copy) in one
