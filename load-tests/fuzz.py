@@ -469,7 +469,9 @@ def cases(draw: st.DrawFn, ctx: Context, kind: str) -> Case:
         if topic == TOPIC_JUDGED:
             bad = draw(st.sampled_from([math.nan, math.inf, -math.inf, 1e300, -1e300, 7.0]))  # -5 is a reward
             event.reward = bad  # type: ignore[attr-defined]
-            return case(sealed(event), True, ("reward",))
+            # The router reads the reward; the ingress's outcome group the costs (a tenant's spend).
+            event.judge_cost_usd = draw(st.sampled_from([math.nan, math.inf, -math.inf, -1.0]))  # type: ignore[attr-defined]
+            return case(sealed(event), True, ("reward", "cost"))
         if topic == TOPIC_FEEDBACK:
             event.rating = bad  # type: ignore[attr-defined]
             return case(sealed(event), True, ("rating",))

@@ -158,9 +158,17 @@ SPENT_TODAY_SQL = (
 JUDGED_COST_SQL = "UPDATE ingress_turns SET cost_usd = %s WHERE turn_id = %s AND cost_usd IS NULL"
 
 
+JUDGED_COSTS = ("cost_usd", "controller_cost_usd", "judge_cost_usd")
+
+
 def judged_cost(judged: Any) -> float:
-    """What a turn cost by its Judged event (mars.v1.Judged): generator, controller and judge."""
-    return float(judged.cost_usd + judged.controller_cost_usd + judged.judge_cost_usd)
+    """What a turn cost by its Judged event (mars.v1.Judged): generator, controller and judge. ValueError
+    names a component that is not a finite number >= 0 (a malformed event, dead-lettered)."""
+    for name in JUDGED_COSTS:
+        value = getattr(judged, name)
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"judged {name} must be a finite number >= 0, got {value}")
+    return float(sum(getattr(judged, name) for name in JUDGED_COSTS))
 
 
 class SpendCache:

@@ -8,7 +8,7 @@ import asyncio
 import logging
 
 from mars import history, quota
-from mars.bus import EventProducer, is_transient
+from mars.bus import EventProducer, PoisonEvent, is_transient
 from mars.config import INGRESS_STAGE, TOPIC_RECEIVED, TOPIC_ROUTED, TOPIC_STATE, TOPIC_VIEW
 from mars.data_keys import Forgotten
 from mars.db import EmittedLedger
@@ -125,8 +125,12 @@ class TurnStore:
 
     async def record_judged(self, event: ev.Judged) -> None:
         """What the turn cost, for its tenant's daily spend (mars.quota.SPENT_TODAY_SQL)."""
+        try:
+            cost = quota.judged_cost(event)
+        except ValueError as exc:  # a cost no judge makes: not counted, dead-lettered
+            raise PoisonEvent(str(exc)) from None
         async with self._pool.connection() as conn:
-            await conn.execute(quota.JUDGED_COST_SQL, (quota.judged_cost(event), event.turn.turn_id))
+            await conn.execute(quota.JUDGED_COST_SQL, (cost, event.turn.turn_id))
 
     async def record_stored(self, event: ev.MemoryCommitted) -> None:
         """Memory stored an imported pair: ImportHistory's wait counts it (turns answered live are not

@@ -253,11 +253,9 @@ def test_daily_spend_limit(stack: LocalStack) -> None:
     stub = ingress_stub(stack, "spender")
     first = stub.SendTurn(turn(), timeout=60)
     assert first.cost_usd > 0
-    wait_for(
-        lambda: bool(query(stack, "SELECT 1 FROM judge_rewards WHERE turn_id = %s", (first.turn_id,))),
-        60,
-        "judged",
-    )
+    # The ingress counts a turn's cost once its outcome group has read the turn's Judged event.
+    judged = "SELECT 1 FROM ingress_turns WHERE turn_id = %s AND cost_usd > 0"
+    wait_for(lambda: bool(query(stack, judged, (first.turn_id,))), 60, "the judged cost recorded")
     err = refused(stub.SendTurn, turn(), timeout=30)
     assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "daily limit" in (err.details() or "") and "00:00 UTC" in (err.details() or "")

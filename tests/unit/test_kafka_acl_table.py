@@ -96,16 +96,18 @@ def test_logins_that_would_break_the_broker_config_are_refused(tmp_path: Path) -
 def test_a_broadcast_reader_the_topology_does_not_list_fails_at_start() -> None:
     """A reader outside any group must be in the topology too: its principal may read nothing else."""
     from mars.bus import Subscription, check_broadcast
-    from mars.config import TOPIC_CONTROL
+    from mars.config import TOPIC_CONTROL, TOPIC_TOKENS
     from mars.v1 import events_pb2 as ev
 
-    async def handler(event: ev.UserForgotten) -> None:  # pragma: no cover - never called
+    async def handler(event: object) -> None:  # pragma: no cover - never called
         pass
 
     control = [Subscription(TOPIC_CONTROL, ev.UserForgotten, handler, requires_envelope=False)]
     check_broadcast("memory", control)
+    tokens = [Subscription(TOPIC_TOKENS, ev.TokenChunk, handler)]
+    check_broadcast("ingress", tokens)  # each ingress replica reads the streamed tokens
     with pytest.raises(ValueError, match="outside its groups"):
-        check_broadcast("judge", control)
+        check_broadcast("judge", tokens)
 
 
 def test_the_charts_acl_file_is_this_table() -> None:

@@ -59,7 +59,17 @@ def test_manifest_runs_replay_with_the_release_settings() -> None:
         "optional": True,
     }
     assert {e["name"]: e.get("value") for e in c["env"]}["MARS_KAFKA_SASL_USERNAME"] == "prod-mars-kafka-operator"
-    assert secret_env["PGPASSWORD"]["name"] == "prod-mars-secrets"
+    # ... and Postgres role (postgres.roles, the chart's default): the DSN names no user, PGUSER does.
+    assert secret_env["PGPASSWORD"] == {"name": "prod-mars-postgres-operator", "key": "password", "optional": True}
+    assert {e["name"]: e.get("value") for e in c["env"]}["PGUSER"] == "mars_operator"
+    shared = replay_job_manifest(
+        ReplayJob(release="prod", namespace="ml", image="i", postgres_role_login=False), NOW
+    )
+    (plain,) = shared["spec"]["template"]["spec"]["containers"]
+    assert {e["name"]: e["valueFrom"]["secretKeyRef"]["name"] for e in plain["env"] if "valueFrom" in e}[
+        "PGPASSWORD"
+    ] == "prod-mars-secrets"
+    assert "PGUSER" not in {e["name"] for e in plain["env"]}
 
 
 def test_manifest_is_hardened() -> None:

@@ -41,6 +41,7 @@ def test_every_string_field_of_every_turn_event_is_classified() -> None:
     """A string field of a turn event is user text or an id/label we name here: a new free-text field
     must be marked (user_text) or added to this list knowingly."""
     not_text = {
+        "turn_ids",
         "turn_id", "tenant", "user_id", "session_id", "data_key_id", "backend", "fallback_reason",
         "prompt_version", "clamped_fields", "risk_flags", "block_id", "source_turn_id", "source_session_id",
         "policy", "arm", "chosen_arm", "policy_id", "fallback_order", "previous_arm", "model", "error",

@@ -12,6 +12,7 @@ from mars.config import (
     MAX_TOPIC_LENGTH,
     TOPIC_DEAD_LETTER,
     TOPIC_GENERATED,
+    TOPIC_JUDGED,
     TOPIC_MEMORY_COMMITTED,
     TOPIC_RECEIVED,
     ServiceSettings,
@@ -80,6 +81,7 @@ def test_bus_subscribes_publishes_and_groups_under_the_prefix() -> None:
                 Subscription(TOPIC_GENERATED, ev.Generated, handler),
                 Subscription(TOPIC_DEAD_LETTER, ev.DeadLetter, handler, requires_envelope=False),
                 Subscription(TOPIC_MEMORY_COMMITTED, ev.MemoryCommitted, handler),
+                Subscription(TOPIC_JUDGED, ev.Judged, handler),
             ],
         )
         return producer, consumer
@@ -90,6 +92,7 @@ def test_bus_subscribes_publishes_and_groups_under_the_prefix() -> None:
         "run7.mars.turn.generated",
         "run7.mars.deadletter",
         "run7.mars.memory.committed",
+        "run7.mars.turn.judged",
     }
     assert consumer._group_id == "run7.mars-ingress-outcomes"
 
