@@ -174,7 +174,13 @@ class ServingCluster:
                 "securityProtocol": "PLAINTEXT",
                 "allowPlaintext": True,
             },
-            "postgres": {"host": POSTGRES_SERVICE, "port": POSTGRES_PORT, "password": self.postgres_password},
+            # The node's Postgres has no TLS: sslmode prefer, which NOTES lists as an insecure default.
+            "postgres": {
+                "host": POSTGRES_SERVICE,
+                "port": POSTGRES_PORT,
+                "password": self.postgres_password,
+                "sslMode": "prefer",
+            },
             "vllm": {"enabled": False},
             "state": {
                 "qtmBackend": "openai",

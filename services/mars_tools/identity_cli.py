@@ -18,7 +18,9 @@ def cmd_ensure_secrets(args: argparse.Namespace) -> int:
 
     try:
         labels = dict(label.split("=", 1) for label in args.label)
-        plan = IdentityPlan(args.fullname, args.scope, names_of(args.name), args.days, labels)
+        plan = IdentityPlan(
+            args.fullname, args.scope, names_of(args.name), args.days, labels, tuple(args.tls_host)
+        )
         api = ApiServer.in_cluster(args.namespace)
         outcome = ensure_identities(api, plan, progress=lambda m: console.print(escape(m)))
     except (SecretError, ValueError) as exc:
@@ -28,6 +30,11 @@ def cmd_ensure_secrets(args: argparse.Namespace) -> int:
         f"identities of {plan.scope}: {', '.join(outcome.renewed)} renewed ({plan.days} days); the CA bundle "
         f"holds {outcome.bundle} CA(s)" + (f"; new CA: {outcome.new_ca}" if outcome.new_ca else "")
     )
+    if plan.tls_hosts:
+        console.print(
+            f"services' TLS: {plan.tls_secret} renewed for {len(plan.tls_hosts)} DNS names; its CA bundle holds "
+            f"{outcome.tls_bundle} CA(s)" + (f"; new CA: {outcome.tls_new_ca}" if outcome.tls_new_ca else "")
+        )
     return 0
 
 
@@ -53,6 +60,13 @@ def add_identity_parser(sub: argparse._SubParsersAction) -> None:  # type: ignor
     p.add_argument("--scope", required=True, help="spiffe://<trust-domain>/ns/<namespace>/<release>")
     p.add_argument("--name", action="append", default=[], help="an identity to mint (repeatable)")
     p.add_argument("--days", type=int, default=90, help="each certificate's validity (default 90)")
+    p.add_argument(
+        "--tls-host",
+        action="append",
+        default=[],
+        help="a DNS name of the services (repeatable): also make the services' TLS, a CA of its own in "
+        "<fullname>-tls-ca-key and <fullname>-tls (tls.crt, tls.key, ca.crt) for these names",
+    )
     p.add_argument("--namespace", default="", help="default: the pod's own namespace")
     p.add_argument(
         "--label", action="append", default=[], type=label_arg, help="NAME=VALUE label, repeatable"

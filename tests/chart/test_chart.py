@@ -295,7 +295,7 @@ def test_every_service_container_has_grpc_probes(profile: str) -> None:
     for service in SERVICES:
         (container,) = deployments[service]["spec"]["template"]["spec"]["containers"]
         # With TLS on, the probes use the plaintext health port (Kubernetes' gRPC probes cannot speak TLS).
-        probe_port = "health" if PROFILES[profile].get("tls", {}).get("enabled") else "grpc"
+        probe_port = "health" if PROFILES[profile].get("tls", {}).get("enabled", True) else "grpc"
         port = next(p["containerPort"] for p in container["ports"] if p["name"] == probe_port)
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert container[probe]["grpc"]["port"] == port, (service, probe)
@@ -385,7 +385,10 @@ def test_each_service_logs_in_to_postgres_as_its_own_role_and_the_migrate_job_ma
     assert "may read and change every table" in helm.notes(shared_values)
     judge = by_component(shared, "Deployment")["judge"]["spec"]["template"]["spec"]["containers"][0]
     assert "PGUSER" not in {v["name"] for v in judge["env"]}
-    assert "--roles" not in by_component(shared, "Job")["migrate"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert (
+        "--roles"
+        not in by_component(shared, "Job")["migrate"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    )
 
 
 def test_only_the_services_that_seal_mount_the_master_key() -> None:
@@ -393,7 +396,10 @@ def test_only_the_services_that_seal_mount_the_master_key() -> None:
     gateway holds no secret."""
     objects = render(PROFILES["kafka-sasl-tls"])
     workloads = [o for o in objects if o["kind"] in ("Deployment", "Job")]
-    assert {o["metadata"]["labels"]["app.kubernetes.io/component"] for o in workloads} >= {"migrate", "gateway"}
+    assert {o["metadata"]["labels"]["app.kubernetes.io/component"] for o in workloads} >= {
+        "migrate",
+        "gateway",
+    }
     for workload in workloads:
         name = workload["metadata"]["labels"]["app.kubernetes.io/component"]
         pod = workload["spec"]["template"]["spec"]
@@ -655,9 +661,15 @@ def test_notes_tell_how_to_send_a_first_turn() -> None:
 
 
 def test_notes_name_each_insecure_default_in_one_line() -> None:
-    (line,) = [x for x in helm.notes(BASE).splitlines() if x.startswith("Insecure defaults")]
-    assert "gRPC without TLS" in line and "sslmode=prefer" in line
-    assert "identity" not in line and "Kafka" not in line  # both secure by default
+    # Secure by default: TLS minted and on, Kafka SASL_SSL, Postgres verify-full, identities required.
+    assert "Insecure defaults" not in helm.notes(BASE)
+    (line,) = [
+        x
+        for x in helm.notes(merged(BASE, {"tls": {"enabled": False}})).splitlines()
+        if x.startswith("Insecure defaults")
+    ]
+    assert "gRPC without TLS" in line and "sslmode=prefer" in line  # what the user turned off, and with it
+    assert "identity" not in line and "Kafka" not in line
     plaintext = merged(BASE, {"kafka": {"securityProtocol": "PLAINTEXT", "allowPlaintext": True}})
     (line,) = [x for x in helm.notes(plaintext).splitlines() if x.startswith("Insecure defaults")]
     assert "Kafka in PLAINTEXT" in line
@@ -668,6 +680,8 @@ def test_notes_name_each_insecure_default_in_one_line() -> None:
     assert "Insecure defaults" not in helm.notes(hardened)
     open_stages = helm.notes(merged(hardened, {"identity": {"enabled": False}}))
     assert "stage services open to any caller (identity.enabled)" in open_stages
+    one_login = helm.notes(merged(hardened, {"postgres": {"roles": {"enabled": False}}}))
+    assert "one Postgres login for every pod (postgres.roles.enabled)" in one_login
 
 
 def test_model_pool_schema_is_the_pools_own() -> None:
@@ -757,10 +771,70 @@ def test_tls_mounts_the_secret_and_probes_health_in_plaintext() -> None:
         assert env["MARS_TLS_KEY_FILE"] == "/etc/mars/tls/tls.key"
         assert env["MARS_TLS_CLIENT_CA_FILE"] == "/etc/mars/tls/ca.crt"
         assert container["readinessProbe"]["grpc"]["port"] == int(env["MARS_HEALTH_PORT"])
-    plain = helm.service_env(render(BASE), "ingress")
+    plain = helm.service_env(render(merged(BASE, {"tls": {"enabled": False}})), "ingress")
     assert not {k for k in plain if k.startswith("MARS_TLS_") or k == "MARS_HEALTH_PORT"}
     with pytest.raises(helm.ChartError, match=r"tls\.secretName is required"):
-        helm.install_dry_run(merged(BASE, {"tls": {"enabled": True}}))
+        helm.install_dry_run(merged(BASE, {"tls": {"enabled": True, "mint": False}}))
+    with pytest.raises(helm.ChartError, match=r"tls\.mint needs identity"):
+        helm.install_dry_run(merged(BASE, {"identity": {"mint": False}}))
+
+
+def test_the_minted_tls_serves_each_service_under_its_service_name(tmp_path: Any) -> None:
+    """TLS is on by default, from the identity Job (tls.mint): with the arguments the chart renders, the Job
+    makes <fullname>-tls, whose certificate names every service's Service, and a client that trusts its
+    ca.crt (as NOTES says to fetch it) reaches a TLS server holding it under the Service's name; a client
+    that trusts nothing else refuses it. Nothing of it is in the rendered manifest."""
+    import asyncio
+    import base64
+
+    import grpc
+    from cryptography import x509
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    objects = render(BASE)
+    assert not [o for o in helm.find(objects, "Secret") if o["metadata"]["name"].startswith("mars-tls")]
+    for service in SERVICES:
+        env = helm.service_env(objects, service)
+        assert env["MARS_TLS_CERT_FILE"] == "/etc/mars/tls/tls.crt" and env["MARS_HEALTH_PORT"] == "8086"
+        volumes = by_component(objects, "Deployment")[service]["spec"]["template"]["spec"]["volumes"]
+        assert {v["name"]: v for v in volumes}["tls"]["secret"]["secretName"] == "mars-tls"
+    made = run_in_memory(helm.job_args(objects, "identity"))
+    tls = {k: base64.b64decode(v) for k, v in made["mars-tls"]["data"].items()}
+    assert made["mars-tls"]["type"] == "kubernetes.io/tls" and "mars-tls-ca-key" in made
+    names = (
+        x509.load_pem_x509_certificate(tls["tls.crt"])
+        .extensions.get_extension_for_class(x509.SubjectAlternativeName)
+        .value.get_values_for_type(x509.DNSName)
+    )
+    for service in SERVICES:
+        assert {f"mars-{service}", f"mars-{service}.mars.svc.cluster.local"} <= set(names), service
+    assert "gRPC without TLS" not in helm.notes(BASE) and "mars-tls" in helm.notes(BASE)
+
+    async def health_over_tls(trusted: bytes) -> str:
+        server = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
+        port = server.add_secure_port(
+            "127.0.0.1:0", grpc.ssl_server_credentials([(tls["tls.key"], tls["tls.crt"])])
+        )
+        await server.start()
+        try:
+            options = (("grpc.ssl_target_name_override", "mars-ingress"),)
+            creds = grpc.ssl_channel_credentials(root_certificates=trusted)
+            async with grpc.aio.secure_channel(f"127.0.0.1:{port}", creds, options=options) as channel:
+                try:
+                    reply = await health_pb2_grpc.HealthStub(channel).Check(
+                        health_pb2.HealthCheckRequest(), timeout=5
+                    )
+                except grpc.aio.AioRpcError as exc:
+                    return exc.code().name
+                return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+        finally:
+            await server.stop(None)
+
+    assert asyncio.run(health_over_tls(tls["ca.crt"])) == "SERVING"
+    other = run_in_memory(helm.job_args(helm.render(BASE, release="other"), "identity"))
+    stranger_ca = base64.b64decode(other["other-mars-tls"]["data"]["ca.crt"])
+    assert asyncio.run(health_over_tls(stranger_ca)) == "UNAVAILABLE"
 
 
 def test_every_service_opens_sealed_events_with_one_master_key() -> None:
@@ -847,7 +921,8 @@ def test_the_chart_mints_identities_the_stage_services_verify(tmp_path: Any) -> 
             "apiGroups": [""],
             "resources": ["secrets"],
             "resourceNames": [
-                "mars-identity-ca-key", "mars-identity-ca", "mars-identity-replay", "mars-identity-ingress"
+                "mars-identity-ca-key", "mars-identity-ca", "mars-identity-replay", "mars-identity-ingress",
+                "mars-tls-ca-key", "mars-tls",
             ],
             "verbs": ["get", "update"],
         }
@@ -882,10 +957,16 @@ def test_the_chart_mints_identities_the_stage_services_verify(tmp_path: Any) -> 
         "/etc/mars/identity/tls.crt",
         "/etc/mars/identity/tls.key",
     )
-    off = render(merged(BASE, {"identity": {"enabled": False}}))
+    # Without the Job, TLS comes from the operator's own Secret too.
+    off = render(merged(BASE, {"identity": {"enabled": False}, "tls": {"secretName": "their-tls"}}))
     assert helm.service_env(off, "memory")["MARS_IDENTITY_REQUIRED"] == "false"
     assert not [j for j in helm.find(off, "Job") if j["metadata"]["name"] == "mars-identity"]
-    theirs = render(merged(BASE, {"identity": {"mint": False, "scope": "spiffe://example.org/ns/a/b"}}))
+    theirs = render(
+        merged(
+            BASE,
+            {"identity": {"mint": False, "scope": "spiffe://example.org/ns/a/b"}, "tls": {"secretName": "t"}},
+        )
+    )
     assert not [j for j in helm.find(theirs, "Job") if j["metadata"]["name"] == "mars-identity"]
     assert helm.service_env(theirs, "judge")["MARS_IDENTITY_CA_FILE"] == "/etc/mars/identity-ca/ca.crt"
     assert helm.service_env(theirs, "judge")["MARS_IDENTITY_SCOPE"] == "spiffe://example.org/ns/a/b"
@@ -894,8 +975,11 @@ def test_the_chart_mints_identities_the_stage_services_verify(tmp_path: Any) -> 
 def test_postgres_certificates_are_verified_where_tls_is_on() -> None:
     """Default sslmode: prefer on a laptop-style install (it checks no certificate), verify-full where TLS is
     on, against postgres.caSecret's CA (mounted in every MARS pod) or the system CAs."""
-    plain = helm.service_env(render(BASE), "memory")["MARS_POSTGRES_DSN"]
+    plain = helm.service_env(render(merged(BASE, {"tls": {"enabled": False}})), "memory")["MARS_POSTGRES_DSN"]
     assert plain.endswith("?sslmode=prefer")
+    assert helm.service_env(render(BASE), "memory")["MARS_POSTGRES_DSN"].endswith(  # TLS on by default
+        "?sslmode=verify-full&sslrootcert=system"
+    )
     tls = render(PROFILES["tls-mutual"])
     assert helm.service_env(tls, "memory")["MARS_POSTGRES_DSN"].endswith(
         "?sslmode=verify-full&sslrootcert=system"
@@ -930,8 +1014,13 @@ def test_gateway_is_a_keyless_caller_of_the_ingress() -> None:
     from mars_gateway.settings import GatewaySettings
 
     fields = {f"MARS_{name.upper()}" for name in GatewaySettings.model_fields}
-    for profile in ("default", "tls-mutual"):
-        objects = render(PROFILES[profile])
+    variants = {
+        "plaintext": merged(BASE, {"tls": {"enabled": False}}),
+        "default": PROFILES["default"],
+        "tls-mutual": PROFILES["tls-mutual"],
+    }
+    for profile, values in variants.items():
+        objects = render(values)
         deployment = by_component(objects, "Deployment")["gateway"]
         pod = deployment["spec"]["template"]["spec"]
         (container,) = pod["containers"]
@@ -957,6 +1046,11 @@ def test_gateway_is_a_keyless_caller_of_the_ingress() -> None:
             # Only what a caller needs: the CA from the services' Secret, never the services' server key.
             ca_volume = {v["name"]: v for v in pod["volumes"]}["tls"]["secret"]
             assert ca_volume["items"] == [{"key": "ca.crt", "path": "ca.crt"}]
+        elif profile == "default":  # TLS minted by the identity Job: the gateway trusts its CA, presents none
+            assert (
+                env["MARS_TLS_CA_FILE"] == "/etc/mars/tls/ca.crt" and "MARS_TLS_CLIENT_CERT_FILE" not in env
+            )
+            assert {v["name"]: v for v in pod["volumes"]}["tls"]["secret"]["secretName"] == "mars-tls"
         else:
             assert "MARS_TLS_CA_FILE" not in env
     off = render(merged(BASE, {"gateway": {"enabled": False}}))

@@ -33,6 +33,9 @@ RESTRICTED = {
 COMPONENTS = (*serving_cluster.STAGES, "gateway")
 #: The run's figures (install time, turns answered, the fault runs' counts), printed at its end.
 REPORT: list[str] = []
+#: The ingress serves TLS (the chart's default, minted by its identity Job): reached by its ClusterIP, a
+#: client checks the certificate against the Service's name. `api_key` sets MARS_TLS_CA_FILE.
+INGRESS_OPTIONS = (("grpc.ssl_target_name_override", f"{RELEASE}-ingress"),)
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
@@ -101,8 +104,15 @@ def release(serving: serving_cluster.ServingCluster) -> float:
 
 @pytest.fixture(scope="session")
 def api_key(serving: serving_cluster.ServingCluster, release: float) -> str:
+    import base64
+
     from mars.auth import mint_key
 
+    # The ingress's TLS: trust the CA of the Secret the chart's identity Job made, as NOTES tells users to.
+    secret = core(serving).read_namespaced_secret(f"{RELEASE}-tls", NAMESPACE)
+    ca = serving.workdir / "ingress-ca.crt"
+    ca.write_bytes(base64.b64decode(secret.data["ca.crt"]))
+    os.environ["MARS_TLS_CA_FILE"] = str(ca)
     return mint_key(serving.postgres_dsn, TENANT, label="k8s e2e").key
 
 

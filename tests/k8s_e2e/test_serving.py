@@ -16,6 +16,7 @@ import grpc
 import pytest
 from conftest import (
     COMPONENTS,
+    INGRESS_OPTIONS,
     NAMESPACE,
     RELEASE,
     REPORT,
@@ -98,7 +99,9 @@ def test_every_service_and_the_gateway_run_ready_on_the_real_node(
     # none of them Helm's (so no rollback brings an old one back).
     for name in ("identity-ca-key", "identity-ca", "identity-ingress", "identity-replay"):
         secret = core(serving).read_namespaced_secret(f"{RELEASE}-{name}", NAMESPACE)
-        assert secret.data and (secret.metadata.labels or {}).get("app.kubernetes.io/managed-by") != "Helm", name
+        assert secret.data and (secret.metadata.labels or {}).get("app.kubernetes.io/managed-by") != "Helm", (
+            name
+        )
 
 
 def test_deploy_status_shows_every_deployment_ready_and_the_lag(
@@ -128,7 +131,9 @@ def test_turns_through_the_ingress_service_remember_across_sessions(
     session's turns; the router's Postgres rows move."""
     ledger_before, decisions_before = router_rows(serving)
     user = f"user-{uuid.uuid4().hex[:8]}"
-    stub = svc_grpc.IngressStub(ingress_channel(service_address(serving, "ingress"), api_key))
+    stub = svc_grpc.IngressStub(
+        ingress_channel(service_address(serving, "ingress"), api_key, INGRESS_OPTIONS)
+    )
     first_session = [
         "I am planning a zebra safari in Kenya for my family in August.",
         "Which zebra parks are best in the dry season?",
@@ -231,7 +236,9 @@ def resolve(name: str) -> list[str]:
 def test_bad_input_through_the_service_is_invalid_argument(
     serving: serving_cluster.ServingCluster, api_key: str
 ) -> None:
-    stub = svc_grpc.IngressStub(ingress_channel(service_address(serving, "ingress"), api_key))
+    stub = svc_grpc.IngressStub(
+        ingress_channel(service_address(serving, "ingress"), api_key, INGRESS_OPTIONS)
+    )
     with pytest.raises(grpc.RpcError) as refused:
         stub.SendTurn(svc.TurnRequest(tenant=TENANT, user_id="u", session_id="s", text=""), timeout=30)
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT

@@ -21,6 +21,7 @@ import pytest
 from conftest import (
     COMPONENTS,
     HELM_TIMEOUT_S,
+    INGRESS_OPTIONS,
     NAMESPACE,
     RELEASE,
     REPORT,
@@ -75,7 +76,9 @@ def turns_flowing(
     serving: serving_cluster.ServingCluster, api_key: str
 ) -> Iterator[tuple[OpenLoop, ReadyFloor]]:
     """Turns at RATE through the ingress Service around the block, for at least RUN_S; then counted."""
-    load = OpenLoop(service_address(serving, "ingress"), api_key, TENANT, rate=RATE).start()
+    load = OpenLoop(
+        service_address(serving, "ingress"), api_key, TENANT, rate=RATE, options=INGRESS_OPTIONS
+    ).start()
     with ReadyFloor(serving) as floor:
         time.sleep(5)  # a baseline before the fault
         yield load, floor

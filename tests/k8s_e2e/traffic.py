@@ -58,8 +58,17 @@ class RunCounts:
 class OpenLoop:
     """Sends turns at `rate` per second from a thread of its own until `stop()`."""
 
-    def __init__(self, target: str, api_key: str, tenant: str, rate: float = 5.0, deadline_s: float = 60.0):
+    def __init__(
+        self,
+        target: str,
+        api_key: str,
+        tenant: str,
+        rate: float = 5.0,
+        deadline_s: float = 60.0,
+        options: tuple[tuple[str, str], ...] = (),
+    ):
         self.target = target
+        self.options = options
         self.api_key = api_key
         self.tenant = tenant
         self.rate = rate
@@ -93,7 +102,7 @@ class OpenLoop:
         from mars.v1 import services_pb2 as svc
         from mars.v1 import services_pb2_grpc as svc_grpc
 
-        channel = aio_ingress_channel(self.target, self.api_key)
+        channel = aio_ingress_channel(self.target, self.api_key, list(self.options))
         stub = svc_grpc.IngressStub(channel)
 
         async def one(call: Call) -> None:

@@ -14,13 +14,13 @@ from typing import Any
 import grpc
 import psycopg
 import pytest
-from mars_stack.certs import identity_authority
 from mars.config import ServiceSettings
 from mars.identity import CallerIdentity
 from mars.runtime import GrpcBinding, grpc_server
 from mars.v1 import events_pb2 as ev
 from mars.v1 import services_pb2 as svc
 from mars.v1 import services_pb2_grpc as svc_grpc
+from mars_stack.certs import identity_authority
 
 SECRET = "connection to server at 10.9.8.7 failed: password authentication failed for user mars_ingress"
 

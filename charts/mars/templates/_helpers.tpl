@@ -131,6 +131,29 @@ judge:
 {{- end }}
 {{- end -}}
 
+{{/* The services' kubernetes.io/tls Secret: tls.secretName, else the one the identity Job mints. */}}
+{{- define "mars.tlsSecret" -}}
+{{- if .Values.tls.secretName -}}
+{{- .Values.tls.secretName -}}
+{{- else if .Values.tls.mint -}}
+{{- printf "%s-tls" (include "mars.fullname" .) -}}
+{{- else -}}
+{{- fail "tls.secretName is required with tls.enabled and tls.mint=false: a kubernetes.io/tls Secret" -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The DNS names the minted TLS certificate carries: each service's Service, short and qualified. */}}
+{{- define "mars.tlsHosts" -}}
+{{- $root := . }}
+{{- range $name := keys .Values.services | sortAlpha }}
+{{- $svc := printf "%s-%s" (include "mars.fullname" $root) $name }}
+- {{ $svc }}
+- {{ printf "%s.%s" $svc $root.Release.Namespace }}
+- {{ printf "%s.%s.svc" $svc $root.Release.Namespace }}
+- {{ printf "%s.%s.svc.%s" $svc $root.Release.Namespace $root.Values.tls.clusterDomain }}
+{{- end }}
+{{- end -}}
+
 {{/* The Postgres login of a container, (list root login) with login a service, "operator" (the tools) or
      "admin" (the migrate Job, as postgres.user): with postgres.roles, PGUSER <prefix>_<login> and PGPASSWORD
      from the Secret <fullname>-postgres-<login>; libpq reads both (the DSN names no user then). */}}
@@ -354,7 +377,7 @@ MARS_IDENTITY_REQUIRED: "false"
 {{- if .Values.tls.enabled }}
 - name: tls
   secret:
-    secretName: {{ required "tls.secretName is required with tls.enabled: a kubernetes.io/tls Secret" .Values.tls.secretName }}
+    secretName: {{ include "mars.tlsSecret" . }}
     # It holds the server's key: the pod's group alone, as the master key.
     defaultMode: 0440
 {{- end }}

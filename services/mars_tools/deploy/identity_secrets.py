@@ -17,6 +17,11 @@ API server instead, outside the release's manifests:
 
 The stage services check the SPIFFE ID against MARS_IDENTITY_SCOPE (mars.identity), so a certificate of this
 CA for another release, or another CA's, opens nothing. Talks to the API server as master_key_secret does.
+
+With `--tls-host`, the same run makes the services' TLS (the chart's tls.mint): a CA of its own in
+`<fullname>-tls-ca-key` (kept, rotated and revoked as the identity CA is) and `<fullname>-tls`
+(kubernetes.io/tls: tls.crt, tls.key and the CA bundle as ca.crt), one certificate for every service's DNS
+names, for server and client authentication (mutual TLS presents it), minted anew on every run.
 """
 
 from __future__ import annotations
@@ -56,11 +61,13 @@ def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
     )
 
 
-def mint_ca(scope: str, days: int, now: float | None = None) -> tuple[bytes, bytes]:
-    """(certificate PEM, key PEM) of a new identity CA for the release `scope`, valid `days`."""
+def mint_ca(
+    scope: str, days: int, now: float | None = None, title: str = "MARS identity CA"
+) -> tuple[bytes, bytes]:
+    """(certificate PEM, key PEM) of a new CA (`title`) for the release `scope`, valid `days`."""
     key = ec.generate_private_key(ec.SECP256R1())
     start = _utc(now)
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"MARS identity CA {scope}"[:64])])
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"{title} {scope}"[:64])])
     cert = (
         x509.CertificateBuilder()
         .subject_name(name)
@@ -74,6 +81,35 @@ def mint_ca(scope: str, days: int, now: float | None = None) -> tuple[bytes, byt
             x509.KeyUsage(False, False, False, False, False, True, True, False, False), critical=True
         )
         .sign(key, hashes.SHA256())
+    )
+    return cert.public_bytes(serialization.Encoding.PEM), _pem_key(key)
+
+
+def mint_server(
+    ca_cert_pem: bytes, ca_key_pem: bytes, hosts: Sequence[str], days: int, now: float | None = None
+) -> tuple[bytes, bytes]:
+    """(certificate PEM, key PEM) of the services' TLS certificate: the DNS names `hosts`, server and client
+    authentication (mutual TLS presents the same certificate)."""
+    ca_cert = x509.load_pem_x509_certificate(ca_cert_pem)
+    ca_key = serialization.load_pem_private_key(ca_key_pem, None)
+    if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
+        raise SecretError("the TLS CA's key is not an EC key this tool made")
+    key = ec.generate_private_key(ec.SECP256R1())
+    start = _utc(now)
+    end = min(start + datetime.timedelta(days=days), ca_cert.not_valid_after_utc)
+    usages = [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hosts[0][:64])]))
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(start - datetime.timedelta(minutes=5))
+        .not_valid_after(end)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName(h) for h in hosts]), critical=False)
+        .sign(ca_key, hashes.SHA256())
     )
     return cert.public_bytes(serialization.Encoding.PEM), _pem_key(key)
 
@@ -116,6 +152,8 @@ class IdentityPlan:
     names: tuple[str, ...]
     days: int = 90
     labels: dict[str, str] = field(default_factory=dict)
+    #: The services' DNS names: with any, the services' TLS is made too (`tls_secret`).
+    tls_hosts: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         check_scope(self.scope)
@@ -135,6 +173,14 @@ class IdentityPlan:
     def secret(self, name: str) -> str:
         return f"{self.fullname}-identity-{name}"
 
+    @property
+    def tls_ca_key_secret(self) -> str:
+        return f"{self.fullname}-tls-ca-key"
+
+    @property
+    def tls_secret(self) -> str:
+        return f"{self.fullname}-tls"
+
 
 @dataclass
 class Outcome:
@@ -143,6 +189,9 @@ class Outcome:
     new_ca: str = ""  # "", "first", "revoked" (the key Secret was gone) or "expiring"
     bundle: int = 0
     renewed: list[str] = field(default_factory=list)
+    #: The same for the services' TLS CA, when the run made the TLS Secret.
+    tls_new_ca: str = ""
+    tls_bundle: int = 0
 
 
 def _b64(data: bytes) -> str:
@@ -203,6 +252,47 @@ def _still_valid(pem: bytes, at: datetime.datetime) -> list[bytes]:
     return out
 
 
+@dataclass
+class _Authority:
+    cert: bytes
+    key: bytes
+    #: Every CA certificate still trusted: this one first, then older ones while they are valid.
+    bundle: list[bytes]
+    new: str  # "", "first", "revoked" or "expiring"
+
+
+def _ensure_ca(
+    secrets: _Secrets,
+    key_secret: str,
+    old_bundle_pem: bytes,
+    had_bundle: bool,
+    title: str,
+    plan: IdentityPlan,
+    at: datetime.datetime,
+    now: float | None,
+) -> _Authority:
+    """Keep (or make) the CA held in `key_secret`: made anew when missing (a revocation, when a bundle
+    existed: nothing of it is carried) or expiring within a leaf's validity (the old one stays trusted while
+    it is valid)."""
+    held = secrets.get(key_secret)
+    ca_cert, ca_key = (_unb64(held, CA_CERT_FILE), _unb64(held, CA_KEY_FILE)) if held else (b"", b"")
+    new, carried = "", []
+    if not ca_cert or not ca_key:
+        new = "revoked" if had_bundle else "first"
+    else:
+        expires = x509.load_pem_x509_certificate(ca_cert).not_valid_after_utc
+        if expires - at < datetime.timedelta(days=plan.days):
+            new = "expiring"
+            carried = _still_valid(ca_cert, at)
+    if new:
+        ca_cert, ca_key = mint_ca(plan.scope, plan.days * CA_LIFETIMES, now, title)
+        secrets.put(key_secret, "Opaque", {CA_CERT_FILE: ca_cert, CA_KEY_FILE: ca_key}, plan.labels)
+    else:  # keep what the bundle held besides the current CA while it is valid
+        current = x509.load_pem_x509_certificate(ca_cert).public_bytes(serialization.Encoding.PEM)
+        carried = [c for c in _still_valid(old_bundle_pem, at) if c != current]
+    return _Authority(ca_cert, ca_key, [ca_cert, *carried], new)
+
+
 def ensure_identities(
     api: ApiServer,
     plan: IdentityPlan,
@@ -210,43 +300,52 @@ def ensure_identities(
     now: float | None = None,
     progress: Callable[[str], None] = lambda _: None,
 ) -> Outcome:
-    """Make (or keep) the CA, write the bundle, and mint every identity anew (see the module's text)."""
+    """Make (or keep) the CA, write the bundle, and mint every identity anew (see the module's text); the
+    services' TLS likewise where the plan names their hosts."""
     at = _utc(now)
     outcome = Outcome()
     verify = ssl.create_default_context(cafile=api.ca_file) if isinstance(api.ca_file, str) else api.ca_file
     with httpx.Client(verify=verify, transport=transport, timeout=30) as client:
         secrets = _Secrets(api, client)
-        held = secrets.get(plan.ca_key_secret)
-        old_bundle = secrets.get(plan.ca_secret) or {}
-        carried: list[bytes] = []
-        ca_cert, ca_key = (_unb64(held, CA_CERT_FILE), _unb64(held, CA_KEY_FILE)) if held else (b"", b"")
-        if not ca_cert or not ca_key:
-            # First run, or the key Secret was deleted: a revocation. Nothing of the old bundle is carried.
-            outcome.new_ca = "revoked" if old_bundle else "first"
-        else:
-            expires = x509.load_pem_x509_certificate(ca_cert).not_valid_after_utc
-            if expires - at < datetime.timedelta(days=plan.days):
-                outcome.new_ca = "expiring"
-                carried = _still_valid(ca_cert, at)
-        if outcome.new_ca:
-            ca_cert, ca_key = mint_ca(plan.scope, plan.days * CA_LIFETIMES, now)
-            secrets.put(
-                plan.ca_key_secret, "Opaque", {CA_CERT_FILE: ca_cert, CA_KEY_FILE: ca_key}, plan.labels
-            )
-            progress(f"made a new identity CA ({outcome.new_ca}) in {plan.ca_key_secret}")
-        if not outcome.new_ca:  # keep what the bundle held besides the current CA while it is valid
-            current = x509.load_pem_x509_certificate(ca_cert).public_bytes(serialization.Encoding.PEM)
-            carried = [c for c in _still_valid(_unb64(old_bundle, CA_CERT_FILE), at) if c != current]
-        bundle = [ca_cert, *carried]
-        outcome.bundle = len(bundle)
-        secrets.put(plan.ca_secret, "Opaque", {CA_CERT_FILE: b"".join(bundle)}, plan.labels)
+        old_bundle = secrets.get(plan.ca_secret)
+        ca = _ensure_ca(
+            secrets,
+            plan.ca_key_secret,
+            _unb64(old_bundle or {}, CA_CERT_FILE),
+            old_bundle is not None,
+            "MARS identity CA",
+            plan,
+            at,
+            now,
+        )
+        outcome.new_ca, outcome.bundle = ca.new, len(ca.bundle)
+        if ca.new:
+            progress(f"made a new identity CA ({ca.new}) in {plan.ca_key_secret}")
+        secrets.put(plan.ca_secret, "Opaque", {CA_CERT_FILE: b"".join(ca.bundle)}, plan.labels)
         for name in plan.names:
-            cert, key = mint_leaf(ca_cert, ca_key, name, plan.scope, plan.days, now)
+            cert, key = mint_leaf(ca.cert, ca.key, name, plan.scope, plan.days, now)
             secrets.put(
                 plan.secret(name), "kubernetes.io/tls", {"tls.crt": cert, "tls.key": key}, plan.labels
             )
             outcome.renewed.append(name)
             progress(f"minted {plan.secret(name)} ({plan.scope}/{name}, {plan.days} days)")
+        if plan.tls_hosts:
+            old_tls = secrets.get(plan.tls_secret)
+            tls_ca = _ensure_ca(
+                secrets,
+                plan.tls_ca_key_secret,
+                _unb64(old_tls or {}, CA_CERT_FILE),
+                old_tls is not None,
+                "MARS services TLS CA",
+                plan,
+                at,
+                now,
+            )
+            outcome.tls_new_ca, outcome.tls_bundle = tls_ca.new, len(tls_ca.bundle)
+            cert, key = mint_server(tls_ca.cert, tls_ca.key, plan.tls_hosts, plan.days, now)
+            tls = {"tls.crt": cert, "tls.key": key, CA_CERT_FILE: b"".join(tls_ca.bundle)}
+            secrets.put(plan.tls_secret, "kubernetes.io/tls", tls, plan.labels)
+            progress(f"minted {plan.tls_secret} for {len(plan.tls_hosts)} DNS names ({plan.days} days)")
     return outcome
 
 
@@ -284,7 +383,11 @@ def run_in_memory(args: Sequence[str]) -> dict[str, dict[str, Any]]:
         return httpx.Response(201 if request.method == "POST" else 200, json=body)
 
     plan = IdentityPlan(
-        flags["--fullname"][0], flags["--scope"][0], names_of(flags["--name"]), int(flags["--days"][0])
+        flags["--fullname"][0],
+        flags["--scope"][0],
+        names_of(flags["--name"]),
+        int(flags["--days"][0]),
+        tls_hosts=tuple(flags.get("--tls-host", [])),
     )
     ensure_identities(
         ApiServer("https://in-memory", "token", False, "default"), plan, httpx.MockTransport(api)
