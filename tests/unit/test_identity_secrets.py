@@ -146,3 +146,48 @@ def test_bad_arguments_are_refused_with_what_to_give() -> None:
     with pytest.raises(SecretError, match="letters, digits"):
         names_of(["ingress,../etc"])
     assert names_of(["ingress,replay", "replay"]) == ("ingress", "replay")
+
+
+TLS_PLAN = IdentityPlan(
+    "prod-mars", SCOPE, ("ingress",), days=90, tls_hosts=("prod-mars-ingress", "prod-mars-ingress.mars.svc")
+)
+
+
+def _tls_ca(cluster: Cluster) -> list[x509.Certificate]:
+    return x509.load_pem_x509_certificates(cluster.data("prod-mars-tls", "ca.crt"))
+
+
+def test_the_services_tls_has_a_ca_of_its_own_kept_renewed_and_revocable() -> None:
+    """With TLS hosts the run also makes the services' TLS: a CA apart from the identity CA (a TLS
+    certificate is no identity, and the reverse), its bundle in <fullname>-tls beside a certificate for every
+    name given, server and client authentication; kept across runs, the certificate renewed; deleting
+    <fullname>-tls-ca-key revokes it (the new bundle holds only the new CA)."""
+    from cryptography.x509.oid import ExtendedKeyUsageOID
+
+    cluster = Cluster()
+    outcome = _run(cluster, plan=TLS_PLAN)
+    assert outcome.tls_new_ca == "first" and outcome.tls_bundle == 1  # type: ignore[attr-defined]
+    assert cluster.secrets["prod-mars-tls"]["type"] == "kubernetes.io/tls"
+    cert = x509.load_pem_x509_certificate(cluster.data("prod-mars-tls", "tls.crt"))
+    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert names.get_values_for_type(x509.DNSName) == list(TLS_PLAN.tls_hosts)
+    usages = set(cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value)
+    assert usages == {ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH}
+    (ca,) = _tls_ca(cluster)
+    assert cert.issuer == ca.subject
+    identity_ca = x509.load_pem_x509_certificate(cluster.data("prod-mars-identity-ca", "ca.crt"))
+    assert identity_ca.subject != ca.subject and "TLS" in ca.subject.rfc4514_string()
+    # A later run keeps the CA and renews the certificate.
+    again = _run(cluster, plan=TLS_PLAN)
+    assert again.tls_new_ca == "" and _tls_ca(cluster) == [ca]  # type: ignore[attr-defined]
+    renewed = x509.load_pem_x509_certificate(cluster.data("prod-mars-tls", "tls.crt"))
+    assert renewed.serial_number != cert.serial_number
+    # Revocation: the key Secret gone, a new CA, and the old one is not carried.
+    del cluster.secrets["prod-mars-tls-ca-key"]
+    revoked = _run(cluster, plan=TLS_PLAN)
+    assert revoked.tls_new_ca == "revoked"  # type: ignore[attr-defined]
+    assert [c.subject for c in _tls_ca(cluster)] == [ca.subject] and _tls_ca(cluster) != [ca]
+    # Without TLS hosts nothing of it is made.
+    plain = Cluster()
+    _run(plain)
+    assert not [name for name in plain.secrets if name.startswith("prod-mars-tls")]
