@@ -118,17 +118,37 @@ def pod_templates(serving: serving_cluster.ServingCluster) -> dict[str, str]:
     }
 
 
+def identity_cas(serving: serving_cluster.ServingCluster) -> set[bytes]:
+    """The identity CAs the stage services trust now (the bundle the identity Job writes), DER."""
+    import base64
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives.serialization import Encoding
+
+    secret = core(serving).read_namespaced_secret(f"{RELEASE}-identity-ca", NAMESPACE)
+    pem = base64.b64decode(secret.data["ca.crt"])
+    return {c.public_bytes(Encoding.DER) for c in x509.load_pem_x509_certificates(pem)}
+
+
+#: The identity CAs revoked before the upgrade: the rollback must not bring them back.
+REVOKED: set[bytes] = set()
+
+
 def test_helm_upgrade_rolling_every_deployment_fails_no_turn(
     serving: serving_cluster.ServingCluster, api_key: str
 ) -> None:
     before = pod_templates(serving)
     values = serving.chart_values()
     values["env"] = {"MARS_LOG_LEVEL": "WARNING", "MARS_UVLOOP": "true"}  # a config change: every pod rolls
+    # Revoke every identity as the README says: delete the CA's key Secret; the upgrade's Job starts anew.
+    REVOKED.update(identity_cas(serving))
+    core(serving).delete_namespaced_secret(f"{RELEASE}-identity-ca-key", NAMESPACE)
     with turns_flowing(serving, api_key) as (load, floor):
         upgrade(serving, values)
     after = pod_templates(serving)
     assert all(after[c] != before[c] for c in COMPONENTS), (before, after)
-    assert_zero(counted(serving, load, "helm upgrade (every Deployment rolls)"), floor)
+    assert identity_cas(serving) and not identity_cas(serving) & REVOKED, "the revoked CA is still trusted"
+    assert_zero(counted(serving, load, "helm upgrade (every Deployment rolls, identities revoked)"), floor)
 
 
 def test_helm_rollback_fails_no_turn(serving: serving_cluster.ServingCluster, api_key: str) -> None:
@@ -142,6 +162,8 @@ def test_helm_rollback_fails_no_turn(serving: serving_cluster.ServingCluster, ap
             config.close()
     assert history[-1]["status"] == "deployed" and history[-1]["revision"] == 3, history
     assert all(pod_templates(serving)[c] != before[c] for c in COMPONENTS)
+    # The rollback restores revision 1's manifest, which holds no identity Secret: the revocation stays.
+    assert REVOKED and not identity_cas(serving) & REVOKED, "the rollback brought a revoked CA back"
     assert_zero(counted(serving, load, "helm rollback"), floor)
 
 
