@@ -71,6 +71,8 @@ def test_the_chart_pod_runs_in_a_real_container_under_restricted(
         core.create_namespaced_secret(NAMESPACE, made)
     # The ingress's own Kafka login, as Strimzi's User Operator makes it for its KafkaUser (key password).
     core.create_namespaced_secret(NAMESPACE, secret_manifest(f"{RELEASE}-mars-kafka-ingress", "password", {}))
+    # Its own Postgres role's password (postgres.roles), as the operator creates it before installing.
+    core.create_namespaced_secret(NAMESPACE, secret_manifest(f"{RELEASE}-mars-postgres-ingress", "password", {}))
 
     (ingress,) = [o for o in helm.find(objects, "Deployment") if o["metadata"]["name"].endswith("-ingress")]
     pod = pod_from_template(ingress)
