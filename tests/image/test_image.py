@@ -299,8 +299,10 @@ def test_six_services_and_the_gateway_serve_and_answer_turns(
     try:
         for service in topology.NAMES:
             env = service_env(objects, service, ports[service], metrics_ports[service], health_ports[service])
-            # The Secret-backed password, as the pod gets it from postgres.existingSecret (PGPASSWORD).
-            env["PGPASSWORD"] = urlsplit(infra.env["MARS_POSTGRES_DSN"]).password or ""
+            # Its own Postgres role (postgres.roles, the chart's default): PGUSER from the chart, the password
+            # as the pod gets it from the Secret <fullname>-postgres-<service> (the local stack made the roles).
+            assert env["PGUSER"] == f"mars_{service}" and "@" not in env["MARS_POSTGRES_DSN"]
+            env["PGPASSWORD"] = infra.postgres_logins[service]
             own: list[str] = []
             if service == "ingress":
                 assert env["MARS_STATE_ADDR"] == "mars-state:50052"  # the chart's; host networking here
