@@ -7,13 +7,17 @@ ones before it) for `--seconds`, over `--users` users, from this process; the sy
 as their own processes. The upstream is `mars_stack.standin_llm`, answering after a fixed
 `--latency-ms` (the one test double: it stands in for the LLM so the numbers are the systems' own).
 
-Per rate and system: achieved rate, errors, end-to-end p50 / p99 / max, and overhead p50 / p99, where
+Per rate and system: achieved rate, errors (of them: shed at the door, with the p99 wait for the refusal,
+and timed out), end-to-end p50 / p99 / max, and overhead p50 / p99, where
 overhead = end-to-end minus the time spent in the model call (MARS: the dispatch attempts' measured
 call time from the reply; LiteLLM: the upstream's fixed latency). OUT is
 {"mars": [ROW...], "litellm": [ROW...]}.
 
 LiteLLM runs from its own virtual environment (`make litellm` creates load-tests/.venv-litellm);
 `--no-litellm` measures MARS alone.
+
+The ingress's load shedding (mars_ingress.capacity, off by default) is measured with
+`--service-env MARS_ADMISSION_LIMIT=true`.
 
 `--kafka-security both` measures what the broker's SASL_SSL (per-service SCRAM logins over TLS, ACLs; the
 local stack's default) costs: MARS alone, once with a plaintext broker and once with SASL_SSL, one after
@@ -67,11 +71,21 @@ class Row:
     overhead_p50_ms: float
     overhead_p99_ms: float
     error_kinds: dict[str, int] = field(default_factory=dict)
+    #: Turns shed at the door (RESOURCE_EXHAUSTED: MARS's concurrency limit, or LiteLLM's HTTP 429), how
+    #: long the slowest of them waited for the refusal (p99), and turns that ran out of time.
+    rejected: int = 0
+    rejected_p99_ms: float = float("nan")
+    timed_out: int = 0
     #: CPU ms per turn sent, per process of the system (and the load generator), and cores busy in all.
     cpu_ms_per_turn: dict[str, float] = field(default_factory=dict)
     cores_busy: float = 0.0
     #: Postgres statements per turn, by the service owning each statement's table (MARS only).
     pg_statements: dict[str, Any] = field(default_factory=dict)
+
+
+#: How a shed turn and a turn out of time show in Sample.error (gRPC code names, HTTP statuses).
+REFUSALS = ("RESOURCE_EXHAUSTED", "HTTP 429")
+TIMEOUTS = ("DEADLINE_EXCEEDED", "timeout")
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -89,6 +103,7 @@ def summarise(rate: float, seconds: float, samples: list[Sample], elapsed_s: flo
             kinds[s.error] = kinds.get(s.error, 0) + 1
     e2e = [1000 * s.e2e_s for s in ok]
     over = [1000 * (s.e2e_s - s.model_s) for s in ok]
+    refused = [1000 * s.e2e_s for s in samples if s.error in REFUSALS]
     return Row(
         rate=rate,
         achieved=len(ok) / max(elapsed_s, 1e-9),
@@ -100,6 +115,9 @@ def summarise(rate: float, seconds: float, samples: list[Sample], elapsed_s: flo
         overhead_p50_ms=percentile(over, 0.5),
         overhead_p99_ms=percentile(over, 0.99),
         error_kinds=kinds,
+        rejected=len(refused),
+        rejected_p99_ms=percentile(refused, 0.99),
+        timed_out=sum(n for kind, n in kinds.items() if kind in TIMEOUTS),
     )
 
 
@@ -289,13 +307,14 @@ async def run_rates(
 def print_table(system: str, rows: list[Row]) -> None:
     print(f"\n{system}")
     print(
-        f"{'rate':>6s} {'achieved':>9s} {'errors':>7s} {'e2e p50':>9s} {'e2e p99':>9s} {'e2e max':>9s} "
-        f"{'ovh p50':>9s} {'ovh p99':>9s}"
+        f"{'rate':>6s} {'achieved':>9s} {'errors':>7s} {'shed':>6s} {'shed p99':>9s} {'timeout':>7s} "
+        f"{'e2e p50':>9s} {'e2e p99':>9s} {'e2e max':>9s} {'ovh p50':>9s} {'ovh p99':>9s}"
     )
     for r in rows:
         print(
-            f"{r.rate:6g} {r.achieved:9.1f} {r.errors:7d} {r.e2e_p50_ms:9.1f} {r.e2e_p99_ms:9.1f} "
-            f"{r.e2e_max_ms:9.1f} {r.overhead_p50_ms:9.1f} {r.overhead_p99_ms:9.1f}"
+            f"{r.rate:6g} {r.achieved:9.1f} {r.errors:7d} {r.rejected:6d} {r.rejected_p99_ms:9.1f} "
+            f"{r.timed_out:7d} {r.e2e_p50_ms:9.1f} {r.e2e_p99_ms:9.1f} {r.e2e_max_ms:9.1f} "
+            f"{r.overhead_p50_ms:9.1f} {r.overhead_p99_ms:9.1f}"
         )
     print("CPU ms per turn (cores busy in all)")
     for r in rows:

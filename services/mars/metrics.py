@@ -19,6 +19,9 @@ mars.qtm.outcomes        counter           {call}    outcome, backend           
 mars.judge.outcomes      counter           {turn}    outcome                                           judge
 mars.circuit.state       observable gauge  1         arm (0 closed, 1 half-open, 2 open)            dispatch
 mars.dispatch.attempts   counter           {attempt} arm, outcome (DISPATCH_OUTCOMES)               dispatch
+mars.admission.shed      counter           {turn}    tenant                                          ingress
+mars.admission.limit     observable gauge  {turn}    (none: one series per ingress process)          ingress
+mars.admission.inflight  observable gauge  {turn}    (none: one series per ingress process)          ingress
 =======================  ================  ========  =====================================================
 
 Labels: `group` is the consumer group's name without the run's topic prefix (`mars.topology`, and
@@ -38,7 +41,7 @@ import asyncio
 import logging
 import threading
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Protocol
 
 from opentelemetry import metrics
@@ -126,6 +129,7 @@ class _Watched:
 
 _lag_sources = _Watched()
 _circuit_sources = _Watched()
+_admission_sources = _Watched()
 
 
 def watch_consumer(source: LagSource) -> None:
@@ -137,6 +141,33 @@ def watch_circuits(source: CircuitSource) -> None:
     """Report the state of each of `source.breakers` (arm name -> CircuitBreaker, read at collection
     time) as `mars.circuit.state` from now on (while the source lives)."""
     _circuit_sources.add(source)
+
+
+class AdmissionSource(Protocol):
+    @property
+    def limit(self) -> int: ...
+
+    @property
+    def inflight(self) -> int: ...
+
+
+def watch_admission(source: AdmissionSource) -> None:
+    """Report `source.limit` and `source.inflight` (the ingress's load shedding, read at collection time)
+    as `mars.admission.limit` and `mars.admission.inflight` from now on (while the source lives)."""
+    _admission_sources.add(source)
+
+
+def _observe_admission(attribute: str) -> Callable[[CallbackOptions], Iterable[Observation]]:
+    def observe(options: CallbackOptions) -> Iterable[Observation]:
+        out: list[Observation] = []
+        for source in _admission_sources.items():
+            try:
+                out.append(Observation(int(getattr(source, attribute))))
+            except Exception:
+                log.debug("admission %s unavailable", attribute, exc_info=True)
+        return out
+
+    return observe
 
 
 def _observe_lag(options: CallbackOptions) -> Iterable[Observation]:
@@ -220,6 +251,23 @@ class Instruments:
         self.dispatch_attempts = meter.create_counter(
             "mars.dispatch.attempts", unit="{attempt}", description="arm attempts by arm and outcome"
         )
+        self.admission_shed = meter.create_counter(
+            "mars.admission.shed",
+            unit="{turn}",
+            description="turns refused at once because the pipeline was at its concurrency limit, per tenant",
+        )
+        self.admission_limit = meter.create_observable_gauge(
+            "mars.admission.limit",
+            callbacks=[_observe_admission("limit")],
+            unit="{turn}",
+            description="the ingress's adaptive concurrency limit: turns it lets into the pipeline at once",
+        )
+        self.admission_inflight = meter.create_observable_gauge(
+            "mars.admission.inflight",
+            callbacks=[_observe_admission("inflight")],
+            unit="{turn}",
+            description="turns this ingress process has in the pipeline now",
+        )
         self.gateway_requests = meter.create_counter(
             "mars.gateway.requests", unit="{request}", description="HTTP gateway requests by route and status"
         )
@@ -292,6 +340,11 @@ def turn_status(exc: BaseException) -> str:
     if isinstance(exc, ValueError):
         return "invalid"
     return "error"
+
+
+def record_shed(tenant: str) -> None:
+    """One turn shed at the concurrency limit, for the authenticated `tenant` ("" without one)."""
+    _current.admission_shed.add(1, {"tenant": tenant})
 
 
 def record_dead_letter(group: str, topic: str, reason_kind: str) -> None:

@@ -47,6 +47,7 @@ from mars_ingress.admission import (
     check_feedback,
     check_user_ids,
 )
+from mars_ingress.capacity import Capacity
 from mars_ingress.history_import import HistoryImport
 from mars_ingress.schema import MIGRATIONS
 from mars_ingress.settings import IngressSettings
@@ -82,6 +83,7 @@ class IngressServicer(svc_grpc.IngressServicer):
         self._streams: dict[str, asyncio.Queue[ev.TokenChunk]] = {}
         self._tracer = trace.get_tracer("mars.ingress")
         self._admission = Admission(settings, pool)
+        self._capacity = Capacity(settings)
         self.turns = TurnStore(settings, producer, pool)
         self.state = StateContextClient(settings)
         self._imports = HistoryImport(settings, producer, pool, self._admission, self.state)
@@ -151,6 +153,28 @@ class IngressServicer(svc_grpc.IngressServicer):
         caller_remaining_s: float | None = None,
     ) -> svc.TurnReply:
         options = await self._admission.admit(req, principal)
+        slot = self._capacity.enter(req.tenant, principal.tenant if principal is not None else "")
+        pipeline_ms: float | None = None
+        failure: BaseException | None = None
+        try:
+            reply = await self._admitted(req, metadata, options, tokens, caller_remaining_s)
+            # The turn's time in MARS: what the model calls took is not the pipeline's capacity.
+            pipeline_ms = reply.latency_ms - sum(a.latency_ms for a in reply.attempts)
+            return reply
+        except BaseException as exc:
+            failure = exc
+            raise
+        finally:
+            self._capacity.leave(slot, pipeline_ms, failure)
+
+    async def _admitted(
+        self,
+        req: svc.TurnRequest,
+        metadata: object,
+        options: dict[str, str],
+        tokens: asyncio.Queue[ev.TokenChunk] | None,
+        caller_remaining_s: float | None,
+    ) -> svc.TurnReply:
         started = time.perf_counter()
         parent = context_from_metadata(metadata)  # type: ignore[arg-type]
         with text_free_span(

@@ -50,3 +50,22 @@ class IngressSettings(ServiceSettings):
     #: (StateEstimator.ImportContext, with this service's identity, MARS_IDENTITY_CERT_FILE / _KEY_FILE);
     #: empty: imports leave the controller's context as it is (a warning at start).
     state_addr: str = ""
+    #: Load shedding (mars.domain.concurrency): at most an adaptive number of turns in flight per replica,
+    #: shared fairly by tenant; a turn beyond it gets RESOURCE_EXHAUSTED at once with retry-after-ms. Off by
+    #: default for now: closed-loop clients (the harnesses) do not retry a shed turn yet. Off, the limit
+    #: still learns and is reported (mars.admission.limit), and nothing is shed.
+    admission_limit: bool = False
+    admission_initial_limit: int = Field(default=16, ge=1)
+    admission_min_limit: int = Field(default=2, ge=1)
+    admission_max_limit: int = Field(default=256, ge=1)
+    #: A window's median time in MARS (end-to-end minus the model calls) above this times its no-load value
+    #: shrinks the limit.
+    admission_tolerance: float = Field(default=2.0, gt=1.0)
+    #: Answered turns per limit decision.
+    admission_window: int = Field(default=16, ge=1)
+    admission_retry_after_ms: int = Field(default=1000, ge=0)
+    #: Turns in flight and none finished for this long is a stall (a stage restarting), not an overload:
+    #: nothing is shed until a turn finishes again.
+    admission_stall_s: float = Field(default=2.0, gt=0)
+    #: Tenants' weights in the fair shares, as JSON ({"acme": 2}); unnamed tenants weigh 1.
+    admission_tenant_weights: dict[str, float] = Field(default_factory=dict)

@@ -12,6 +12,7 @@ from collections import defaultdict
 from collections.abc import Iterator
 from typing import Any
 
+import grpc
 import httpx
 import pytest
 from conftest import REPO, ingress_stub, start_stack, wait_for
@@ -34,6 +35,15 @@ for _group in STAGE_GROUPS:
 GROUPS["ingress"].add("ingress-replies")
 
 Sample = tuple[str, dict[str, str], float]
+#: The ingress's concurrency limit held at 2 (mars_ingress.capacity), so that a burst is shed for sure.
+SHEDDING = {
+    "MARS_ADMISSION_LIMIT": "true",
+    "MARS_ADMISSION_INITIAL_LIMIT": "2",
+    "MARS_ADMISSION_MIN_LIMIT": "1",
+    "MARS_ADMISSION_MAX_LIMIT": "2",
+    "MARS_ADMISSION_RETRY_AFTER_MS": "700",
+}
+BURST = 12
 DASHBOARD = REPO / "charts" / "mars" / "dashboards" / "mars.json"
 
 
@@ -50,7 +60,10 @@ def metrics_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Lo
         tmp_path_factory.mktemp("metrics"),
         str(REPO / "config" / "models.standin.yaml"),
         llm="standin",
-        service_env={service: {"MARS_METRICS_PORT": str(port)} for service, port in ports.items()},
+        service_env={
+            service: {"MARS_METRICS_PORT": str(port), **(SHEDDING if service == "ingress" else {})}
+            for service, port in ports.items()
+        },
     )
     try:
         yield s, ports
@@ -77,6 +90,54 @@ def turns(metrics_stack: tuple[LocalStack, dict[str, int]]) -> list[svc.TurnRepl
                 )
             )
     return replies
+
+
+@pytest.fixture(scope="module")
+def burst(metrics_stack: tuple[LocalStack, dict[str, int]]) -> dict[str, list[Any]]:
+    """BURST turns of one tenant at once, and one turn of another tenant among them: per tenant, each
+    turn's reply or its grpc.RpcError."""
+    stack, _ = metrics_stack
+    stubs = {TENANT: ingress_stub(stack, TENANT), "quiet": ingress_stub(stack, "quiet")}
+    calls = [(TENANT, i) for i in range(BURST)]
+    calls.insert(BURST // 2, ("quiet", 0))
+    futures = [
+        (
+            tenant,
+            stubs[tenant].SendTurn.future(
+                svc.TurnRequest(
+                    tenant=tenant, user_id="u-burst", session_id=f"b{i}", text=f"Burst turn {i}."
+                ),
+                timeout=120,
+            ),
+        )
+        for tenant, i in calls
+    ]
+    out: dict[str, list[Any]] = defaultdict(list)
+    for tenant, future in futures:
+        try:
+            out[tenant].append(future.result())
+        except grpc.RpcError as exc:
+            out[tenant].append(exc)
+    return out
+
+
+def test_a_burst_beyond_the_limit_is_shed_at_once_and_another_tenant_still_gets_in(
+    metrics_stack: tuple[LocalStack, dict[str, int]], burst: dict[str, list[Any]]
+) -> None:
+    _, ports = metrics_stack
+    refused = [r for r in burst[TENANT] if isinstance(r, grpc.RpcError)]
+    answered = [r for r in burst[TENANT] if isinstance(r, svc.TurnReply)]
+    assert answered and refused, "a burst of 12 over a limit of 2 has turns both ways"
+    assert all(r.code() == grpc.StatusCode.RESOURCE_EXHAUSTED for r in refused), [r.code() for r in refused]
+    assert all("at capacity" in (r.details() or "") for r in refused)
+    assert all(dict(r.trailing_metadata() or ()).get("retry-after-ms") == "700" for r in refused)
+    # A tenant with no turn in flight is under its share: it gets in however full the limit is.
+    assert [type(r) for r in burst["quiet"]] == [svc.TurnReply]
+    samples = scrape(ports["ingress"])
+    assert total(samples, "mars_admission_shed_total", tenant=TENANT) == len(refused)
+    assert total(samples, "mars_admission_shed_total", tenant="quiet") == 0
+    assert 1 <= total(samples, "mars_admission_limit") <= 2
+    assert total(samples, "mars_admission_inflight") == 0  # every slot given back
 
 
 def scrape(port: int) -> list[Sample]:
@@ -269,7 +330,7 @@ def test_promql_metrics_finds_the_series_names() -> None:
 
 
 def test_every_series_on_the_dashboard_is_served(
-    metrics_stack: tuple[LocalStack, dict[str, int]], turns: list[svc.TurnReply]
+    metrics_stack: tuple[LocalStack, dict[str, int]], turns: list[svc.TurnReply], burst: dict[str, list[Any]]
 ) -> None:
     _, ports = metrics_stack
     queries = dashboard_queries()

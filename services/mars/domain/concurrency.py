@@ -1,0 +1,232 @@
+"""Admission by an adaptive concurrency limit, with fair shares per tenant.
+
+A pipeline that is offered more turns than it can answer queues them: every stage's backlog grows, each
+admitted turn waits behind the ones before it, and callers wait out their deadline for an error. Shedding
+the excess at the door keeps the admitted turns fast and answers the rest at once.
+
+The limit follows the pipeline's real capacity from one signal, the time a turn spends in MARS (its
+end-to-end time minus the model calls'): when it grows past `tolerance` times its no-load value, turns are
+queueing somewhere and the limit shrinks (multiplicatively); while it stays near no-load and the limit is
+what holds turns back, the limit grows (additively). This is AIMD on a latency target anchored to the
+no-load time, as in TCP Vegas and Netflix's concurrency-limits (`VegasLimit`, `AIMDLimit`). The anchor
+is a windowed minimum of per-window medians, so one lucky fast turn does not set it and a sustained
+overload cannot drag it up (the limit keeps the admitted turns near no-load, so the window keeps seeing
+no-load medians).
+
+Fairness (`FairAdmission`): within the limit a tenant may hold at most its share of the slots when the
+limit is full (the shares of the tenants with turns in flight, by weight), as in concurrency-limits'
+partitioned limiter: a burst of one tenant fills free slots, but once the limit is reached, a tenant under
+its share still gets in and the one over its share is refused, so no tenant starves another.
+
+A stall is not an overload: when turns are in flight and none has finished for `stall_s` (a stage is
+restarting, a broker is electing), nothing is shed. Those turns will be answered when the stage is back,
+within their deadline; shedding them would fail turns that a waiting caller gets answered. Overload is the
+pipeline finishing turns at its capacity while more arrive, and that is what the limit sheds.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LimitSettings:
+    """The limiter's constants; the ingress reads them from its settings (MARS_ADMISSION_*)."""
+
+    initial: int = 16
+    min_limit: int = 2
+    max_limit: int = 256
+    #: A window's median pipeline time above tolerance x the no-load time means turns are queueing.
+    tolerance: float = 2.0
+    #: The limit's factor after a queueing window or a turn that ran out of time.
+    backoff: float = 0.9
+    #: Completed turns per decision.
+    window: int = 16
+    #: How long a no-load measurement stays the anchor (two half-windows rotate, so between this and half).
+    noload_window_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_limit <= self.initial <= self.max_limit:
+            raise ValueError("need 1 <= min_limit <= initial <= max_limit")
+        if self.tolerance <= 1.0:
+            raise ValueError("tolerance must be above 1")
+        if not 0.0 < self.backoff < 1.0:
+            raise ValueError("backoff must be in (0, 1)")
+        if self.window < 1 or self.noload_window_s <= 0:
+            raise ValueError("window must be >= 1 and noload_window_s > 0")
+
+
+class _WindowedMin:
+    """The minimum over the last `span_s` seconds, kept in two rotating half-spans (O(1) memory)."""
+
+    def __init__(self, span_s: float, clock: Callable[[], float]) -> None:
+        self._half = span_s / 2
+        self._clock = clock
+        self._started = clock()
+        self._current = math.inf
+        self._previous = math.inf
+
+    def add(self, value: float) -> None:
+        self._rotate()
+        self._current = min(self._current, value)
+
+    def value(self) -> float:
+        self._rotate()
+        return min(self._current, self._previous)
+
+    def _rotate(self) -> None:
+        elapsed = self._clock() - self._started
+        if elapsed < self._half:
+            return
+        # One half-span on: the current becomes the previous; two or more: both are stale.
+        self._previous = self._current if elapsed < 2 * self._half else math.inf
+        self._current = math.inf
+        self._started = self._clock()
+
+
+class AdaptiveLimit:
+    """How many turns may be in the pipeline at once (see the module's docstring)."""
+
+    def __init__(
+        self, settings: LimitSettings | None = None, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.settings = settings or LimitSettings()
+        self._limit = float(self.settings.initial)
+        self._noload = _WindowedMin(self.settings.noload_window_s, clock)
+        self._samples: list[float] = []
+        self._peak_inflight = 0
+
+    @property
+    def limit(self) -> int:
+        return int(self._limit)
+
+    @property
+    def noload_ms(self) -> float:
+        """The anchor (inf before the first full window)."""
+        return self._noload.value()
+
+    def on_sample(self, pipeline_ms: float, inflight: int) -> None:
+        """A turn finished after `pipeline_ms` in MARS, with `inflight` turns in flight when it started."""
+        if not math.isfinite(pipeline_ms) or pipeline_ms < 0:
+            return
+        self._samples.append(pipeline_ms)
+        self._peak_inflight = max(self._peak_inflight, inflight)
+        if len(self._samples) < self.settings.window:
+            return
+        median = statistics.median(self._samples)
+        peak = self._peak_inflight
+        self._samples.clear()
+        self._peak_inflight = 0
+        noload = self._noload.value()
+        self._noload.add(median)
+        s = self.settings
+        if median > s.tolerance * min(noload, median):
+            self._limit = max(float(s.min_limit), self._limit * s.backoff)
+        elif peak >= self._limit - 1:
+            # Only a limit that held turns back grows: an idle pipeline proves nothing about more.
+            self._limit = min(float(s.max_limit), self._limit + 1.0)
+
+    def on_drop(self) -> None:
+        """A turn ran out of time in the pipeline: back off at once."""
+        s = self.settings
+        self._limit = max(float(s.min_limit), self._limit * s.backoff)
+
+
+@dataclass(frozen=True)
+class Shed:
+    """A refused turn: why, and when to try again."""
+
+    message: str
+    retry_after_ms: int
+
+
+class FairAdmission:
+    """Slots of an `AdaptiveLimit`, shared fairly by tenant (see the module's docstring).
+
+    `try_acquire` answers at once; every acquired slot must be released (`release`) exactly once."""
+
+    def __init__(
+        self,
+        limit: AdaptiveLimit,
+        weights: Mapping[str, float] | None = None,
+        retry_after_ms: int = 1000,
+        stall_s: float = 2.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if stall_s <= 0:
+            raise ValueError("stall_s must be above 0")
+        self._limit = limit
+        self._stall_s = stall_s
+        self._clock = clock
+        #: When a turn last finished, or the pipeline last went from idle to busy.
+        self._progress_at = clock()
+        self._weights = dict(weights or {})
+        bad = sorted(t for t, w in self._weights.items() if not (math.isfinite(w) and w > 0))
+        if bad:
+            raise ValueError(f"tenant weights must be positive numbers: {', '.join(bad)}")
+        self._retry_after_ms = retry_after_ms
+        self._inflight: dict[str, int] = {}
+        self._total = 0
+
+    @property
+    def inflight(self) -> int:
+        return self._total
+
+    @property
+    def limit(self) -> int:
+        return self._limit.limit
+
+    def weight(self, tenant: str) -> float:
+        return self._weights.get(tenant, 1.0)
+
+    def share(self, tenant: str) -> int:
+        """The slots `tenant` is sure of while the limit is full: its weight's part of the limit among the
+        tenants with turns in flight (itself included), at least one."""
+        active = set(self._inflight) | {tenant}
+        total_weight = sum(self.weight(t) for t in active)
+        return max(1, math.floor(self._limit.limit * self.weight(tenant) / total_weight))
+
+    def stalled(self) -> bool:
+        """Turns in flight and none finished for stall_s."""
+        return self._total > 0 and self._clock() - self._progress_at >= self._stall_s
+
+    def try_acquire(self, tenant: str, enforce: bool = True) -> Shed | None:
+        """None when the turn may go in (its slot is taken), else why not. `enforce=False` takes the slot
+        anyway: the limit learns and counts, and sheds nothing."""
+        held = self._inflight.get(tenant, 0)
+        if self._total == 0:
+            self._progress_at = self._clock()
+        elif (
+            enforce and self._total >= self._limit.limit and held >= self.share(tenant) and not self.stalled()
+        ):
+            return Shed(
+                f"MARS is at capacity ({self._total} turns in flight, limit {self._limit.limit}); "
+                f"tenant {tenant!r} holds {held} (its share {self.share(tenant)})",
+                self._retry_after_ms,
+            )
+        self._inflight[tenant] = held + 1
+        self._total += 1
+        return None
+
+    def release(self, tenant: str, pipeline_ms: float | None = None, dropped: bool = False) -> None:
+        """Give back a slot; `pipeline_ms` is the turn's time in MARS when it was answered, `dropped` when it
+        ran out of time (neither: it ended with no verdict on capacity, e.g. a refusal or a cancel)."""
+        held = self._inflight.get(tenant, 0)
+        if held <= 0:
+            raise ValueError(f"tenant {tenant!r} holds no slot")
+        inflight = self._total
+        if held == 1:
+            del self._inflight[tenant]
+        else:
+            self._inflight[tenant] = held - 1
+        self._total -= 1
+        if dropped or pipeline_ms is not None:
+            self._progress_at = self._clock()
+        if dropped:
+            self._limit.on_drop()
+        elif pipeline_ms is not None:
+            self._limit.on_sample(pipeline_ms, inflight)

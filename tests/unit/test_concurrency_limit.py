@@ -1,0 +1,176 @@
+"""The adaptive concurrency limit and its fair shares (mars.domain.concurrency): pure logic, a fake clock."""
+
+from __future__ import annotations
+
+import pytest
+from mars.domain.concurrency import AdaptiveLimit, FairAdmission, LimitSettings
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _windows(limit: AdaptiveLimit, ms: float, inflight: int, n: int = 1) -> None:
+    for _ in range(n * limit.settings.window):
+        limit.on_sample(ms, inflight)
+
+
+def test_a_limit_that_holds_turns_back_at_no_load_latency_grows_by_one_per_window() -> None:
+    limit = AdaptiveLimit(LimitSettings(initial=10, window=4), clock=Clock())
+    for _ in range(3):
+        _windows(limit, 40.0, inflight=limit.limit)
+    assert limit.limit == 13
+    _windows(limit, 40.0, inflight=limit.limit - 2)  # slots to spare: the limit held nothing back
+    assert limit.limit == 13
+
+
+def test_an_idle_pipeline_does_not_grow_the_limit() -> None:
+    limit = AdaptiveLimit(LimitSettings(initial=10, window=4), clock=Clock())
+    _windows(limit, 40.0, inflight=2, n=5)
+    assert limit.limit == 10
+
+
+def test_queueing_past_the_tolerance_shrinks_the_limit_down_to_its_floor() -> None:
+    limit = AdaptiveLimit(
+        LimitSettings(initial=20, min_limit=3, window=4, tolerance=2.0, backoff=0.5), Clock()
+    )
+    _windows(limit, 40.0, inflight=1)  # anchors no-load at 40 ms
+    _windows(limit, 79.0, inflight=20)  # within 2x: grows
+    assert limit.limit == 21
+    _windows(limit, 81.0, inflight=20)
+    assert limit.limit == 10
+    _windows(limit, 500.0, inflight=20, n=5)
+    assert limit.limit == 3
+
+
+def test_one_fast_turn_does_not_set_the_anchor_a_window_median_does() -> None:
+    limit = AdaptiveLimit(LimitSettings(initial=20, window=5), clock=Clock())
+    for ms in (1.0, 50.0, 50.0, 50.0, 50.0):
+        limit.on_sample(ms, 1)
+    assert limit.noload_ms == 50.0
+    _windows(limit, 90.0, inflight=20)
+    assert limit.limit == 21  # 90 < 2 x 50: no backoff, as a 1 ms anchor would have caused
+
+
+def test_the_anchor_is_forgotten_after_its_window() -> None:
+    clock = Clock()
+    limit = AdaptiveLimit(LimitSettings(initial=20, window=2, noload_window_s=10.0), clock)
+    _windows(limit, 30.0, inflight=1)
+    clock.now = 6.0
+    _windows(limit, 100.0, inflight=1)
+    assert limit.noload_ms == 30.0
+    clock.now = 12.0
+    assert limit.noload_ms == 100.0
+    clock.now = 30.0
+    assert limit.noload_ms == float("inf")
+
+
+def test_a_turn_out_of_time_backs_off_at_once_and_bad_samples_are_ignored() -> None:
+    limit = AdaptiveLimit(LimitSettings(initial=20, window=1, backoff=0.5), Clock())
+    limit.on_drop()
+    assert limit.limit == 10
+    for bad in (float("nan"), float("inf"), -1.0):
+        limit.on_sample(bad, 10)
+    assert limit.limit == 10 and limit.noload_ms == float("inf")
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(min_limit=0), dict(initial=1, min_limit=2), dict(tolerance=1.0), dict(backoff=1.0), dict(window=0)],
+)
+def test_settings_refuse_what_cannot_work(kwargs: dict[str, float]) -> None:
+    with pytest.raises(ValueError):
+        LimitSettings(**kwargs)  # type: ignore[arg-type]
+
+
+def _admission(limit: int, **kw: object) -> FairAdmission:
+    return FairAdmission(AdaptiveLimit(LimitSettings(initial=limit, min_limit=1, window=1000)), **kw)  # type: ignore[arg-type]
+
+
+def test_a_burst_fills_the_free_slots_and_the_next_turn_is_shed_with_a_retry_hint() -> None:
+    gate = _admission(4, retry_after_ms=250)
+    assert all(gate.try_acquire("a") is None for _ in range(4))
+    shed = gate.try_acquire("a")
+    assert shed is not None and shed.retry_after_ms == 250
+    assert "limit 4" in shed.message and gate.inflight == 4
+
+
+def test_a_tenant_under_its_share_gets_in_past_a_full_limit_and_the_burster_does_not() -> None:
+    gate = _admission(4)
+    for _ in range(4):
+        assert gate.try_acquire("burst") is None
+    assert gate.try_acquire("quiet") is None  # its share of 4 among two tenants is 2
+    assert gate.try_acquire("quiet") is None
+    assert gate.try_acquire("quiet") is not None
+    assert gate.try_acquire("burst") is not None
+    # The burster gives slots back; while it is over its share and the limit is full, it stays out.
+    gate.release("burst")
+    assert gate.try_acquire("burst") is not None
+    gate.release("burst")
+    gate.release("burst")
+    assert gate.try_acquire("burst") is None  # 4 in flight: 2 each, the burster at its share again
+
+
+def test_weights_divide_the_limit() -> None:
+    gate = _admission(6, weights={"gold": 2.0})
+    for _ in range(6):
+        assert gate.try_acquire("free") is None
+    assert gate.share("gold") == 4
+    assert [gate.try_acquire("gold") is None for _ in range(5)] == [True, True, True, True, False]
+
+
+def test_releases_feed_the_limit_and_an_unheld_release_is_an_error() -> None:
+    limit = AdaptiveLimit(LimitSettings(initial=4, min_limit=1, window=2, backoff=0.5))
+    gate = FairAdmission(limit)
+    for _ in range(4):
+        gate.try_acquire("a")
+    gate.release("a", pipeline_ms=40.0)
+    gate.release("a", pipeline_ms=40.0)  # a full window with 4 in flight at start: grows
+    assert gate.limit == 5
+    gate.release("a", dropped=True)
+    assert gate.limit == 2
+    gate.release("a")  # no verdict: nothing learnt
+    assert gate.limit == 2 and gate.inflight == 0
+    with pytest.raises(ValueError):
+        gate.release("a")
+
+
+def test_tenant_weights_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="acme"):
+        FairAdmission(AdaptiveLimit(), {"acme": 0.0, "ok": 1.0})
+
+
+def test_a_stalled_pipeline_sheds_nothing_until_a_turn_finishes_again() -> None:
+    clock = Clock()
+    gate = FairAdmission(
+        AdaptiveLimit(LimitSettings(initial=2, min_limit=1, window=1000)), stall_s=2.0, clock=clock
+    )
+    assert gate.try_acquire("a") is None and gate.try_acquire("a") is None
+    clock.now = 1.9
+    assert gate.try_acquire("a") is not None  # busy, finishing nothing for 1.9 s: still at the limit
+    clock.now = 2.0
+    assert gate.stalled()
+    assert gate.try_acquire("a") is None  # nothing finished for 2 s: turns wait for the stage
+    assert gate.inflight == 3
+    gate.release("a", pipeline_ms=40.0)  # the stage is back
+    assert not gate.stalled() and gate.try_acquire("a") is not None
+
+
+def test_an_idle_pipeline_is_not_stalled_when_its_first_turn_arrives() -> None:
+    clock = Clock()
+    gate = FairAdmission(
+        AdaptiveLimit(LimitSettings(initial=1, min_limit=1, window=1000)), stall_s=2.0, clock=clock
+    )
+    clock.now = 100.0  # idle for long: the first turn starts the clock
+    assert gate.try_acquire("a") is None
+    assert not gate.stalled() and gate.try_acquire("a") is not None
+
+
+def test_unenforced_the_limit_counts_and_learns_and_sheds_nothing() -> None:
+    gate = _admission(2)
+    assert all(gate.try_acquire("a", enforce=False) is None for _ in range(5))
+    assert gate.inflight == 5
