@@ -146,7 +146,8 @@ def mars_sender(target: str, timeout_s: float, api_key: str) -> tuple[Any, Any]:
     from mars.v1 import services_pb2 as svc
     from mars.v1 import services_pb2_grpc as svc_grpc
 
-    channel = aio_ingress_channel(target, api_key)
+    # No retries by gRPC itself (mars.client sends a shed turn again): every refusal is counted as it came.
+    channel = aio_ingress_channel(target, api_key, options=[("grpc.enable_retries", 0)])
     stub = svc_grpc.IngressStub(channel)
 
     async def send(user: str, text: str) -> Sample:

@@ -6,10 +6,18 @@ tools that send as several tenants.
 
 The key travels as gRPC metadata `authorization: Bearer <key>` (see mars.auth). An empty key sends none
 (an ingress with MARS_AUTH_REQUIRED=false).
+
+A turn the ingress sheds at its concurrency limit (RESOURCE_EXHAUSTED with the trailer
+`grpc-retry-pushback-ms`, mars_ingress.capacity) is sent again by gRPC itself after the server's pushback, up
+to `SHED_RETRY_ATTEMPTS` attempts within the call's deadline (gRFC A6 retries, `RETRY_SERVICE_CONFIG`). A quota
+refusal carries a pushback of -1 and is not retried: its wait (`retry-after-ms`) is the caller's to decide.
+Nothing is written before a turn is admitted, so sending it again is safe. Pass the option
+`("grpc.enable_retries", 0)` to see every refusal (a load generator measuring them does).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -19,6 +27,33 @@ import grpc.aio
 from mars import tls
 
 Options = Sequence[tuple[str, Any]]
+
+SHED_RETRY_ATTEMPTS = 5  # the most gRPC allows
+RETRY_SERVICE_CONFIG = json.dumps(
+    {
+        "methodConfig": [
+            {
+                "name": [{"service": "mars.v1.Ingress", "method": "SendTurn"}],
+                "retryPolicy": {
+                    "maxAttempts": SHED_RETRY_ATTEMPTS,
+                    # Used only when a refusal names no pushback (the ingress's always do).
+                    "initialBackoff": "0.2s",
+                    "maxBackoff": "2s",
+                    "backoffMultiplier": 2,
+                    "retryableStatusCodes": ["RESOURCE_EXHAUSTED"],
+                },
+            }
+        ]
+    }
+)
+
+
+def _channel_options(options: Options | None) -> list[tuple[str, Any]]:
+    """`options` with the shed-retry service config, unless the caller brings a service config of its own."""
+    out = list(options or ())
+    if not any(name == "grpc.service_config" for name, _ in out):
+        out.append(("grpc.service_config", RETRY_SERVICE_CONFIG))
+    return out
 
 
 def bearer(api_key: str) -> tuple[tuple[str, str], ...]:
@@ -57,7 +92,7 @@ class _BearerInterceptor(
 def ingress_channel(target: str, api_key: str, options: Options | None = None) -> grpc.Channel:
     """A blocking channel to the ingress at `target` that sends `api_key` with every call; over TLS when
     the caller has TLS settings (MARS_TLS_CA_FILE, and a client certificate for mutual TLS: mars.tls)."""
-    channel = tls.channel(target, options=options)
+    channel = tls.channel(target, options=_channel_options(options))
     if not api_key:
         return channel
     return grpc.intercept_channel(channel, _BearerInterceptor(api_key))
@@ -82,7 +117,7 @@ class _AioStreamStream(grpc.aio.StreamStreamClientInterceptor):
 def aio_ingress_channel(target: str, api_key: str, options: Options | None = None) -> grpc.aio.Channel:
     """An asyncio channel to the ingress at `target` that sends `api_key` with every call (TLS as above)."""
     interceptors: list[Any] = [_AioUnaryUnary(api_key), _AioStreamStream(api_key)] if api_key else []
-    return tls.aio_channel(target, options=options, interceptors=interceptors)
+    return tls.aio_channel(target, options=_channel_options(options), interceptors=interceptors)
 
 
 class TenantKeys:

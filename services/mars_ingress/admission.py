@@ -101,11 +101,12 @@ def auth_failure(exc: AuthError) -> TurnFailed:
 
 
 def quota_failure(refusal: Refusal) -> TurnFailed:
-    """RESOURCE_EXHAUSTED with the wait in the message and in trailing metadata `retry-after-ms`."""
+    """RESOURCE_EXHAUSTED with the wait in the message and in trailing metadata `retry-after-ms`; a pushback
+    of -1 tells gRPC's own retries (mars.client) not to send it again: the wait may be hours."""
     return TurnFailed(
         grpc.StatusCode.RESOURCE_EXHAUSTED,
         refusal.message,
-        trailing=(("retry-after-ms", str(refusal.retry_after_ms)),),
+        trailing=(("retry-after-ms", str(refusal.retry_after_ms)), ("grpc-retry-pushback-ms", "-1")),
     )
 
 

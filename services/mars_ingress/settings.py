@@ -51,9 +51,10 @@ class IngressSettings(ServiceSettings):
     #: empty: imports leave the controller's context as it is (a warning at start).
     state_addr: str = ""
     #: Load shedding (mars.domain.concurrency): at most an adaptive number of turns in flight per replica,
-    #: shared fairly by tenant; a turn beyond it gets RESOURCE_EXHAUSTED at once with retry-after-ms. Off by
-    #: default for now: closed-loop clients (the harnesses) do not retry a shed turn yet. Off, the limit
-    #: still learns and is reported (mars.admission.limit), and nothing is shed.
+    #: shared fairly by tenant; a turn beyond it gets RESOURCE_EXHAUSTED at once with retry-after-ms (and
+    #: grpc-retry-pushback-ms: mars.client's channels send it again). Off by default for now: as tuned, it
+    #: holds the pipeline below what it can answer (README, "Load shedding"). Off, the limit still learns
+    #: and is reported (mars.admission.limit), and nothing is shed.
     admission_limit: bool = False
     admission_initial_limit: int = Field(default=16, ge=1)
     admission_min_limit: int = Field(default=2, ge=1)

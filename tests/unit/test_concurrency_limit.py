@@ -92,10 +92,14 @@ def _admission(limit: int, **kw: object) -> FairAdmission:
 
 
 def test_a_burst_fills_the_free_slots_and_the_next_turn_is_shed_with_a_retry_hint() -> None:
-    gate = _admission(4, retry_after_ms=250)
+    jitter = iter([0.0, 0.5, 0.999])
+    gate = _admission(4, retry_after_ms=250, jitter=lambda: next(jitter))
     assert all(gate.try_acquire("a") is None for _ in range(4))
-    shed = gate.try_acquire("a")
-    assert shed is not None and shed.retry_after_ms == 250
+    hints = [gate.try_acquire("a") for _ in range(3)]
+    # Spread over 0.5x to 1.5x: a burst shed together does not come back together.
+    assert [h.retry_after_ms for h in hints if h is not None] == [125, 250, 375]
+    shed = hints[0]
+    assert shed is not None
     assert "limit 4" in shed.message and gate.inflight == 4
 
 

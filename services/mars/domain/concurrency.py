@@ -27,6 +27,7 @@ pipeline finishing turns at its capacity while more arrive, and that is what the
 from __future__ import annotations
 
 import math
+import random
 import statistics
 import time
 from collections.abc import Callable, Mapping
@@ -156,12 +157,14 @@ class FairAdmission:
         retry_after_ms: int = 1000,
         stall_s: float = 2.0,
         clock: Callable[[], float] = time.monotonic,
+        jitter: Callable[[], float] = random.random,
     ) -> None:
         if stall_s <= 0:
             raise ValueError("stall_s must be above 0")
         self._limit = limit
         self._stall_s = stall_s
         self._clock = clock
+        self._jitter = jitter
         #: When a turn last finished, or the pipeline last went from idle to busy.
         self._progress_at = clock()
         self._weights = dict(weights or {})
@@ -190,6 +193,11 @@ class FairAdmission:
         total_weight = sum(self.weight(t) for t in active)
         return max(1, math.floor(self._limit.limit * self.weight(tenant) / total_weight))
 
+    def retry_after_ms(self) -> int:
+        """The wait a shed turn is told: the configured one spread over 0.5x to 1.5x, so that the turns of a
+        burst, shed together, do not all come back at the same instant and meet a full limit again."""
+        return round(self._retry_after_ms * (0.5 + self._jitter()))
+
     def stalled(self) -> bool:
         """Turns in flight and none finished for stall_s."""
         return self._total > 0 and self._clock() - self._progress_at >= self._stall_s
@@ -206,7 +214,7 @@ class FairAdmission:
             return Shed(
                 f"MARS is at capacity ({self._total} turns in flight, limit {self._limit.limit}); "
                 f"tenant {tenant!r} holds {held} (its share {self.share(tenant)})",
-                self._retry_after_ms,
+                self.retry_after_ms(),
             )
         self._inflight[tenant] = held + 1
         self._total += 1
