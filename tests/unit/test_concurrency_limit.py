@@ -47,6 +47,19 @@ def test_queueing_past_the_tolerance_shrinks_the_limit_down_to_its_floor() -> No
     assert limit.limit == 3
 
 
+def test_the_further_past_the_tolerance_the_harder_the_limit_shrinks_at_most_by_half() -> None:
+    limit = AdaptiveLimit(
+        LimitSettings(initial=40, min_limit=1, window=4, tolerance=2.0, backoff=0.9), Clock()
+    )
+    _windows(limit, 40.0, inflight=1)  # no-load 40 ms: the tolerance ends at 80
+    _windows(limit, 85.0, inflight=40)
+    assert limit.limit == 36  # just past it: the backoff, 0.9
+    _windows(limit, 120.0, inflight=36)
+    assert limit.limit == 24  # 1.5x past it: by 80/120
+    _windows(limit, 400.0, inflight=24)
+    assert limit.limit == 12  # 5x past it: by half, no more
+
+
 def test_one_fast_turn_does_not_set_the_anchor_a_window_median_does() -> None:
     limit = AdaptiveLimit(LimitSettings(initial=20, window=5), clock=Clock())
     for ms in (1.0, 50.0, 50.0, 50.0, 50.0):

@@ -8,7 +8,8 @@ The limit follows the pipeline's real capacity from one signal, the time a turn 
 end-to-end time minus the model calls'): when it grows past `tolerance` times its no-load value, turns are
 queueing somewhere and the limit shrinks (multiplicatively); while it stays near no-load and the limit is
 what holds turns back, the limit grows (additively). This is AIMD on a latency target anchored to the
-no-load time, as in TCP Vegas and Netflix's concurrency-limits (`VegasLimit`, `AIMDLimit`). The anchor
+no-load time, as in TCP Vegas and Netflix's concurrency-limits (`VegasLimit`, `AIMDLimit`), shrinking by
+how far past the tolerance a window went (`Gradient2Limit`). The anchor
 is a windowed minimum of per-window medians, so one lucky fast turn does not set it and a sustained
 overload cannot drag it up (the limit keeps the admitted turns near no-load, so the window keeps seeing
 no-load medians).
@@ -111,7 +112,7 @@ class AdaptiveLimit:
         return self._noload.value()
 
     def on_sample(self, pipeline_ms: float, inflight: int) -> None:
-        """A turn finished after `pipeline_ms` in MARS, with `inflight` turns in flight when it started."""
+        """A turn finished after `pipeline_ms` in MARS, with `inflight` turns in flight as it finished."""
         if not math.isfinite(pipeline_ms) or pipeline_ms < 0:
             return
         self._samples.append(pipeline_ms)
@@ -126,7 +127,10 @@ class AdaptiveLimit:
         self._noload.add(median)
         s = self.settings
         if median > s.tolerance * min(noload, median):
-            self._limit = max(float(s.min_limit), self._limit * s.backoff)
+            # Shrink by how far past the tolerance the window went (as Gradient2 does), by at least
+            # `backoff` and at most half: a limit far too high comes down in one or two windows, not ten.
+            factor = max(0.5, min(s.backoff, s.tolerance * noload / median))
+            self._limit = max(float(s.min_limit), self._limit * factor)
         elif peak >= self._limit - 1:
             # Only a limit that held turns back grows: an idle pipeline proves nothing about more.
             self._limit = min(float(s.max_limit), self._limit + 1.0)
