@@ -97,9 +97,13 @@ def from_rpc(exc: grpc.aio.AioRpcError) -> GatewayError:
         if key == "retry-after-ms":
             headers["Retry-After"] = str(max(1, -(-int(str(value)) // 1000)))
     message = exc.details() or exc.code().name
+    param = None
+    if exc.code() == grpc.StatusCode.INVALID_ARGUMENT and message == "user_id is required":
+        # The ingress's words are gRPC's field; an OpenAI client has several ways to say who the user is.
+        message, param = mapping.NO_USER, "user"
     if err is mapping.INTERNAL:
         log.error("ingress answered %s: %s", exc.code().name, message)
-    return GatewayError(err.status, message, err.type, err.code, headers=headers)
+    return GatewayError(err.status, message, err.type, err.code, param=param, headers=headers)
 
 
 class Edge:
@@ -241,8 +245,9 @@ def create_app(settings: GatewaySettings, arms: list[str]) -> FastAPI:
         version="1.0.0",
         description=(
             "The OpenAI chat API in front of MARS. Send model `mars` and MARS routes each turn to one of the "
-            "pool's arms, with a memory view chosen by the session state. The end user is the body's `user` "
-            "(or header X-MARS-User), the conversation `metadata.session_id` (or header X-MARS-Session). "
+            "pool's arms, with a memory view chosen by the session state. The end user is the first given of "
+            "the header X-MARS-User, the body's `user`, `safety_identifier` and `metadata.user_id` (or a "
+            "user-scoped key); the conversation is the header X-MARS-Session, else `metadata.session_id`. "
             "Completions carry MARS's own fields in `mars`."
         ),
         lifespan=lifespan,
@@ -338,8 +343,8 @@ def _add_openai_routes(app: FastAPI, gateway: Gateway, settings: GatewaySettings
         """One MARS turn: the last (user) message, with the earlier ones as its conversation."""
         plan = mapping.plan_turn(body, gateway.arms, ROUTED_MODEL)
         request = svc.TurnRequest(
-            user_id=x_mars_user or body.user or "",
-            session_id=x_mars_session or (body.metadata or {}).get("session_id", ""),
+            user_id=mapping.end_user(x_mars_user, body),
+            session_id=mapping.session_of(x_mars_session, body),
             text=plan.text,
             options=mapping.turn_options(plan, body.stream),
             history=plan.history,

@@ -78,6 +78,30 @@ def message_text(message: ChatMessage, where: str) -> str:
     return "\n".join(texts)
 
 
+#: Where a request names its end user, in the order they are looked at (the first one given wins); an API
+#: key scoped to one user (`mars tenant create --user`) names it too, and then a user given here must match.
+USER_SOURCES = ("header X-MARS-User", "`user`", "`safety_identifier`", "`metadata.user_id`")
+NO_USER = (
+    "the end user is missing: name it with the header X-MARS-User, or `user`, `safety_identifier` or "
+    "`metadata.user_id` in the body (looked at in that order), or call with an API key scoped to one user "
+    "(mars tenant create --user)"
+)
+
+
+def end_user(header: str | None, body: ChatCompletionRequest) -> str:
+    """The request's end user, from the first of USER_SOURCES that names one; "" when none does (the
+    ingress then takes it from a user-scoped key, or answers that it is missing)."""
+    for value in (header, body.user, body.safety_identifier, (body.metadata or {}).get("user_id")):
+        if value and value.strip():
+            return value
+    return ""
+
+
+def session_of(header: str | None, body: ChatCompletionRequest) -> str:
+    """The conversation: header X-MARS-Session, else `metadata.session_id`; "" (the default session)."""
+    return header or (body.metadata or {}).get("session_id", "")
+
+
 @dataclass(frozen=True)
 class TurnPlan:
     """What one chat request asks of MARS."""

@@ -60,9 +60,15 @@ class ChatCompletionRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int | None = Field(default=None, description="only 1")
-    user: str | None = Field(default=None, description="the end user (or header X-MARS-User)")
+    user: str | None = Field(
+        default=None,
+        description="the end user; first found of: header X-MARS-User, user, safety_identifier, "
+        "metadata.user_id (or a key scoped to one user)",
+    )
+    safety_identifier: str | None = Field(default=None, description="OpenAI's newer name for the end user")
     metadata: dict[str, str] | None = Field(
-        default=None, description='"session_id" names the conversation (or header X-MARS-Session)'
+        default=None,
+        description='"session_id" names the conversation (or header X-MARS-Session); "user_id" the end user',
     )
     tools: list[dict[str, Any]] | None = Field(default=None, description="not supported: refused when given")
 

@@ -309,6 +309,31 @@ def test_bad_input_gets_openai_errors_and_writes_nothing(gw_stack: LocalStack) -
     assert turns_of(gw_stack, "gw-bad") == [] and turns_of(gw_stack, "gw-other") == []
 
 
+LITELLM_PYTHON = Path(__file__).resolve().parents[2] / "load-tests" / ".venv-litellm" / "bin" / "python"
+
+
+def test_the_litellm_sdk_names_the_user_every_way_it_can(gw_stack: LocalStack) -> None:
+    """LiteLLM's SDK, as a client putting MARS behind an existing LLM proxy: a header, safety_identifier,
+    metadata.user_id (through extra_body: the SDK keeps `metadata` for itself) and a body `user` all name
+    the user; the SDK's own `user=` is dropped before the request leaves, and the 400 names every way."""
+    assert LITELLM_PYTHON.exists(), f"LiteLLM's environment is missing ({LITELLM_PYTHON}): make litellm"
+    done = subprocess.run(
+        [str(LITELLM_PYTHON), str(Path(__file__).parent / "litellm_client.py"), url(gw_stack) + "/v1",
+         api_key(gw_stack, TENANT), "ll"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    named = ("header", "safety_identifier", "metadata", "extra_body_user")
+    assert {way: results[way] for way in named} == dict.fromkeys(named, "ok"), results
+    for way in named:  # one turn each, recorded under the user that way named
+        assert [session for session, _ in turns_of(gw_stack, f"ll-{way}")] == ["default"], way
+    assert results["user"].startswith("BadRequestError"), results["user"]
+    for way in ("X-MARS-User", "safety_identifier", "metadata.user_id", "--user"):
+        assert way in results["user"], results["user"]
+    assert turns_of(gw_stack, "ll-user") == []
+
+
 def test_quota_is_429_with_retry_after(gw_stack: LocalStack) -> None:
     c = openai.OpenAI(base_url=url(gw_stack) + "/v1", api_key=api_key(gw_stack, QUOTA_TENANT), max_retries=0)
     body = {"model": "mars", "user": "gw-q", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}

@@ -125,3 +125,46 @@ def test_a_reply_becomes_an_openai_completion_with_the_mars_extension() -> None:
 def test_grpc_statuses_read_as_http(code: grpc.StatusCode, status: int, type_: str) -> None:
     err = mapping.http_error(code)
     assert (err.status, err.type) == (status, type_)
+
+
+@pytest.mark.parametrize(
+    ("header", "fields", "user"),
+    [
+        ("hdr", {"user": "u", "safety_identifier": "s", "metadata": {"user_id": "m"}}, "hdr"),
+        (None, {"user": "u", "safety_identifier": "s", "metadata": {"user_id": "m"}}, "u"),
+        (None, {"user": " ", "safety_identifier": "s", "metadata": {"user_id": "m"}}, "s"),
+        (None, {"metadata": {"user_id": "m", "session_id": "trip"}}, "m"),
+        (None, {"metadata": {"session_id": "trip"}}, ""),  # the key's user, or the ingress says it is missing
+        (None, {}, ""),
+    ],
+)
+def test_the_end_user_is_the_first_way_given(header: str | None, fields: dict[str, Any], user: str) -> None:
+    assert mapping.end_user(header, body(("user", "hi"), **fields)) == user
+
+
+def test_the_session_is_the_header_else_the_metadata() -> None:
+    request = body(("user", "hi"), metadata={"session_id": "trip"})
+    assert mapping.session_of("hdr", request) == "hdr"
+    assert mapping.session_of(None, request) == "trip"
+    assert mapping.session_of(None, body(("user", "hi"))) == ""
+
+
+def test_the_missing_user_message_names_every_way() -> None:
+    for way in ("X-MARS-User", "`user`", "`safety_identifier`", "`metadata.user_id`", "--user"):
+        assert way in mapping.NO_USER
+
+
+def test_the_ingress_saying_user_id_is_required_reads_as_every_way_to_name_the_user() -> None:
+    from grpc.aio import AioRpcError, Metadata
+    from mars_gateway.app import from_rpc
+
+    def refused(details: str) -> Any:
+        return from_rpc(
+            AioRpcError(grpc.StatusCode.INVALID_ARGUMENT, Metadata(), Metadata(), details=details)
+        )
+
+    missing = refused("user_id is required")
+    assert missing.status == 400
+    assert (missing.body.error.message, missing.body.error.param) == (mapping.NO_USER, "user")
+    other = refused("text is empty")
+    assert (other.body.error.message, other.body.error.param) == ("text is empty", None)
