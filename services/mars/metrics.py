@@ -20,6 +20,7 @@ mars.judge.outcomes      counter           {turn}    outcome                    
 mars.circuit.state       observable gauge  1         arm (0 closed, 1 half-open, 2 open)            dispatch
 mars.dispatch.attempts   counter           {attempt} arm, outcome (DISPATCH_OUTCOMES)               dispatch
 mars.admission.shed      counter           {turn}    tenant                                          ingress
+mars.stage.expired       counter           {turn}    stage (EXPIRED_STAGES)                       answer path
 mars.admission.limit     observable gauge  {turn}    (none: one series per ingress process)          ingress
 mars.admission.inflight  observable gauge  {turn}    (none: one series per ingress process)          ingress
 =======================  ================  ========  =====================================================
@@ -88,6 +89,8 @@ DISPATCH_OUTCOMES = (
     "deadline_passed",
     "error",
 )
+#: The answer-path stages that pass a turn on without their work once its deadline passed (mars.deadline).
+EXPIRED_STAGES = ("state", "memory", "router", "dispatch")
 #: mars.circuit.state values.
 CIRCUIT_VALUES = {"closed": 0, "half_open": 1, "open": 2}
 
@@ -251,6 +254,11 @@ class Instruments:
         self.dispatch_attempts = meter.create_counter(
             "mars.dispatch.attempts", unit="{attempt}", description="arm attempts by arm and outcome"
         )
+        self.stage_expired = meter.create_counter(
+            "mars.stage.expired",
+            unit="{turn}",
+            description="turns an answer-path stage passed on without its work: their deadline had passed",
+        )
         self.admission_shed = meter.create_counter(
             "mars.admission.shed",
             unit="{turn}",
@@ -340,6 +348,11 @@ def turn_status(exc: BaseException) -> str:
     if isinstance(exc, ValueError):
         return "invalid"
     return "error"
+
+
+def record_expired(stage: str) -> None:
+    if stage in EXPIRED_STAGES:
+        _current.stage_expired.add(1, {"stage": stage})
 
 
 def record_shed(tenant: str) -> None:

@@ -8,7 +8,7 @@ import functools
 import time
 
 import grpc
-from mars import topology
+from mars import deadline, topology
 from mars.bus import EventProducer, PoisonEvent, StageConsumer, StageOutput, Subscription
 from mars.config import DISPATCH_STAGE, TOPIC_GENERATED, TOPIC_ROUTED, TOPIC_TOKENS
 from mars.domain.circuit import CircuitBreaker
@@ -58,6 +58,18 @@ class DispatchStage:
                 f"routed event names no arm of this pool (chosen {event.chosen_arm[:100]!r}, "
                 f"{len(event.fallback_order)} fallback(s)); the pool has {', '.join(self._pool_arms)}"
             )
+        if deadline.passed(turn, "dispatch"):
+            # No packing and no model call: the turn fails here and nothing is rewarded (mars.deadline).
+            expired = ev.Generated(
+                turn=turn,
+                status=ev.FAILED,
+                query=event.text,
+                state=event.state,
+                error=deadline.note("dispatch"),
+            )
+            expired.controller_cost_usd = event.state.usage.cost_usd
+            await self._out.emit(expired, turn)
+            return
         on_delta = None
         if options.stream:
             index = 0

@@ -10,7 +10,7 @@ import logging
 import time
 
 import grpc
-from mars import topology
+from mars import deadline, topology
 from mars.bus import EventProducer, StageConsumer, StageOutput, Subscription
 from mars.config import (
     MEMORY_COMMIT_STAGE,
@@ -49,6 +49,16 @@ class MemoryStage:
         turn = event.turn
         started = time.perf_counter()
         if await self._views.done(turn.turn_id):
+            return
+        if deadline.passed(turn, "memory"):
+            # No retrieval and no read-your-writes wait: an empty view (mars.deadline).
+            expired = ev.ViewBuilt(
+                turn=turn,
+                text=event.text,
+                state=event.state,
+                latency_ms=(time.perf_counter() - started) * 1000,
+            )
+            await self._views.emit(expired, turn)
             return
         self._store.accept_query_embedding(event.text, event.text_embedder, event.text_embedding)
         view, fresh = await self._store.view_after(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 
 import grpc
-from mars import topology
+from mars import deadline, topology
 from mars.bus import EventProducer, StageConsumer, StageOutput, Subscription
 from mars.config import ROUTER_STAGE, TOPIC_JUDGED, TOPIC_ROUTED, TOPIC_VIEW
 from mars.domain.bandits import draw_key
@@ -49,6 +49,17 @@ class RouterStage:
     async def on_view(self, event: ev.ViewBuilt) -> None:
         turn = event.turn
         if await self._out.done(turn.turn_id):
+            return
+        if deadline.passed(turn, "router"):
+            # No decision recorded and none to learn from (dispatch fails the turn): the first arm stands in.
+            expired = ev.Routed(
+                turn=turn,
+                text=event.text,
+                state=event.state,
+                view=event.view,
+                chosen_arm=self._pool_cfg.arms[0],
+            )
+            await self._out.emit(expired, turn)
             return
         session_key = f"{turn.tenant}/{turn.user_id}/{turn.session_id}"
         with step("router phases"):  # and the policy, in the same round trip

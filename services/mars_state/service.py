@@ -10,7 +10,7 @@ import os
 import time
 
 import grpc
-from mars import topology
+from mars import deadline, topology
 from mars.bus import EventProducer, StageConsumer, StageOutput, Subscription
 from mars.config import STATE_STAGE, TOPIC_RECEIVED, TOPIC_STATE
 from mars.domain.vectors import encode_vector
@@ -113,6 +113,13 @@ class StateStage:
         turn = event.turn
         started = time.perf_counter()
         if await self._out.done(turn.turn_id):
+            return
+        if deadline.passed(turn, "state"):
+            # No controller call and no context saved: the turn fails at dispatch (mars.deadline).
+            out = ev.StateEstimated(
+                turn=turn, text=event.text, latency_ms=(time.perf_counter() - started) * 1000
+            )
+            await self._out.emit(out, turn)
             return
         active = await self._contexts.load(turn.tenant, turn.user_id)
         # An imported history may leave more turns than this service's context holds.

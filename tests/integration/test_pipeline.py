@@ -449,6 +449,75 @@ def test_a_plaintext_answer_planted_for_a_real_user_never_reaches_memory(
     assert not query(stack, "SELECT 1 FROM judge_rewards WHERE turn_id = %s", (turn.turn_id,))
 
 
+def test_a_turn_past_its_deadline_costs_no_stage_its_work_and_still_advances_the_users_seq(
+    stack: LocalStack,
+) -> None:
+    """A turn whose deadline passed before the state stage took it (a backlog under overload) flows to its
+    end without the controller call, retrieval, a routing decision or a model call (mars.deadline): its
+    caller stopped waiting, so the work would only delay turns whose callers still wait. It still ends as a
+    FAILED Generated, so the memory writer advances the user's applied seq and the user's next view does
+    not wait for it, and nothing is rewarded."""
+    from mars import deadline
+    from mars.bus import event_key
+    from mars.config import SCHEMA_VERSION
+
+    keys = stack.keyring()
+    assert keys is not None
+    user = f"user-late-{uuid.uuid4().hex[:6]}"
+    turn = ev.TurnEnvelope(
+        turn_id=f"late-{uuid.uuid4().hex[:8]}",
+        tenant=TENANT,
+        user_id=user,
+        session_id="s1",
+        seq=1,
+        received_at_ms=1,
+        schema_version=SCHEMA_VERSION,
+        deadline_ms=2,  # long past
+    )
+    received = keys.seal(ev.TurnReceived(turn=turn, text="Plan a trip to Lisbon, please."))
+    # As the ingress, whose principal writes the topic (sealed with the user's data key, as it would).
+    produce_raw(
+        stack.env["MARS_KAFKA_BOOTSTRAP"],
+        TOPIC_RECEIVED,
+        received.SerializeToString(),
+        event_key(turn),
+        "ingress",
+    )
+
+    def generated() -> list[ev.Generated]:
+        return [
+            g
+            for g in read_events(stack, TOPIC_GENERATED, ev.Generated, 0.5)
+            if g.turn.turn_id == turn.turn_id
+        ]
+
+    wait_for(lambda: bool(generated()), 60, "the late turn's Generated event")
+    (out,) = generated()
+    assert out.status == ev.FAILED and out.error == deadline.note("dispatch")
+    assert list(out.attempts) == []  # no arm was packed for or called
+    (state,) = [
+        s for s in read_events(stack, TOPIC_STATE, ev.StateEstimated, 0.5) if s.turn.turn_id == turn.turn_id
+    ]
+    assert state.state.usage.backend == "" and not state.text_embedding  # no controller call
+    (view,) = [v for v in read_events(stack, TOPIC_VIEW, ev.ViewBuilt, 0.5) if v.turn.turn_id == turn.turn_id]
+    assert len(view.view.blocks) == 0 and not view.query_embedding  # no retrieval
+    assert not query(stack, "SELECT 1 FROM router_decisions WHERE turn_id = %s", (turn.turn_id,))
+    wait_for(
+        lambda: (
+            query(
+                stack,
+                "SELECT applied_seq FROM memory_progress WHERE tenant = %s AND user_id = %s",
+                (TENANT, user),
+            )
+            == [(1,)]
+        ),
+        30,
+        "the user's applied seq",
+    )
+    assert not query(stack, "SELECT 1 FROM state_context WHERE tenant = %s AND user_id = %s", (TENANT, user))
+    assert not query(stack, "SELECT 1 FROM judge_rewards WHERE turn_id = %s", (turn.turn_id,))
+
+
 def test_the_local_postgres_asks_every_login_for_its_password(stack: LocalStack) -> None:
     """Trust let any local user log in as `mars` and read every user's memory; now every login (loopback
     included) needs the role's password, which the stack keeps 0600 and hands out in its DSN."""
