@@ -254,6 +254,19 @@ class Instruments:
         self.dispatch_attempts = meter.create_counter(
             "mars.dispatch.attempts", unit="{attempt}", description="arm attempts by arm and outcome"
         )
+        self._add_overload_instruments(meter)
+        self.gateway_requests = meter.create_counter(
+            "mars.gateway.requests", unit="{request}", description="HTTP gateway requests by route and status"
+        )
+        self.gateway_duration = meter.create_histogram(
+            "mars.gateway.duration",
+            unit="ms",
+            description="the HTTP gateway's own time per request (everything but the ingress call), by route",
+            explicit_bucket_boundaries_advisory=DURATION_BUCKETS_MS,
+        )
+
+    def _add_overload_instruments(self, meter: Meter) -> None:
+        """Load shedding at the ingress and expired turns on the answer path."""
         self.stage_expired = meter.create_counter(
             "mars.stage.expired",
             unit="{turn}",
@@ -275,15 +288,6 @@ class Instruments:
             callbacks=[_observe_admission("inflight")],
             unit="{turn}",
             description="turns this ingress process has in the pipeline now",
-        )
-        self.gateway_requests = meter.create_counter(
-            "mars.gateway.requests", unit="{request}", description="HTTP gateway requests by route and status"
-        )
-        self.gateway_duration = meter.create_histogram(
-            "mars.gateway.duration",
-            unit="ms",
-            description="the HTTP gateway's own time per request (everything but the ingress call), by route",
-            explicit_bucket_boundaries_advisory=DURATION_BUCKETS_MS,
         )
 
 
