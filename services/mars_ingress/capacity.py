@@ -17,10 +17,9 @@ from mars_ingress.settings import IngressSettings
 
 @dataclass(frozen=True)
 class Slot:
-    """A turn's place within the limit: the tenant it counts for, and the tenant label for metrics."""
+    """A turn's place within the limit: the tenant it counts for."""
 
     tenant: str
-    label: str
 
 
 class Capacity:
@@ -61,7 +60,7 @@ class Capacity:
                     ("grpc-retry-pushback-ms", str(shed.retry_after_ms)),
                 ),
             )
-        return Slot(tenant, label)
+        return Slot(tenant)
 
     def leave(self, slot: Slot, pipeline_ms: float | None, exc: BaseException | None) -> None:
         """Give the slot back: an answered turn's time in MARS is a sample, a turn out of time is a drop,
