@@ -17,6 +17,10 @@ class MemorySettings(ServiceSettings):
 
     #: Longest a view waits for turn n-1 to be applied before it is built and flagged possibly_stale.
     read_your_writes_wait_s: float = 10.0
+    #: Stored pairs embedded behind their commit (mars_memory.write_behind), at most this many waiting: a
+    #: pair is applied without waiting for its embedding, and the user's next view takes the vectors from
+    #: the embedding under way. 0: each pair is embedded in its commit, before it is applied.
+    embed_behind: int = Field(default=64, ge=0)
     #: Sessions in the view's logged ranking (CandidateView.ranking, what `mars eval realmem` scores). It is
     #: searched for every turn of a user with memory, also when the state retrieves nothing; 0 leaves it
     #: out (and saves that search).

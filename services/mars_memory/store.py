@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import logging
 import time
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +37,7 @@ from mars.retrieval.hybrid import (
     POLICY_CONFIGS,
     HybridConfig,
     HybridMemory,
+    chunk_pieces,
     embed_chunks,
     state_conditioned,
 )
@@ -47,6 +50,7 @@ from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
 from mars_memory.settings import MemorySettings
+from mars_memory.write_behind import WriteBehind
 
 log = logging.getLogger(__name__)
 
@@ -155,6 +159,10 @@ class MemoryStore:
         base = POLICY_CONFIGS.get(settings.view_policy, POLICY_CONFIGS["mars"])
         self._config = dataclasses.replace(base, **settings.fusion)  # type: ignore[arg-type]
         self.ranker = memory_ranker(settings)
+        #: Stored pairs embedded behind their commit (None: each in its commit, before it is applied).
+        self.write_behind: WriteBehind | None = None
+        if embedder is not None and settings.embed_behind > 0:
+            self.write_behind = WriteBehind(self._embed_records, self._store_vectors, settings.embed_behind)
 
     def _new_memory(self) -> HybridMemory:
         return HybridMemory(self._embedder, self._config, self._settings.use_gpu, self._query_embedder)
@@ -177,6 +185,8 @@ class MemoryStore:
         if self._query_embedder is not None:
             self._query_embedder.clear()
         self._committed_seq.pop((tenant, user_id), None)  # a forgotten user's seqs start again
+        if self.write_behind is not None:
+            self.write_behind.forget((tenant, user_id))
         index = self._indexes.pop((tenant, user_id), None)
         if index is None:
             return 0
@@ -201,20 +211,7 @@ class MemoryStore:
         loaded = []
         for row in rows:
             record = _record(row)
-            blob, model = row[7], row[8]
-            vectors = None
-            if self._embedder is None:
-                pass
-            elif blob is not None and model == self._model_name:
-                vectors = np.frombuffer(bytes(blob), dtype=np.float32).reshape(-1, self._embedder.dim)
-            else:
-                # Written by another embedding model (or none): re-embed and store back.
-                vectors = await asyncio.to_thread(self._embed_record, record)
-                async with self._pool.connection() as conn:
-                    await conn.execute(
-                        "UPDATE memory_records SET embedding = %s, embedding_model = %s WHERE record_id = %s",
-                        (_blob(vectors), self._model_name, record.record_id),
-                    )
+            vectors = await self._vectors_of(record, blob=row[7], model=row[8])
             loaded.append((record, str(row[6]), vectors, int(row[9])))
 
         # Index writes on a worker thread too (FAISS adds), never beside a search: the lock is held.
@@ -223,6 +220,39 @@ class MemoryStore:
                 index.add(*item)
 
         await asyncio.to_thread(add_all)
+
+    async def _vectors_of(self, record: MemoryRecord, blob: Any, model: Any) -> np.ndarray | None:
+        """A loaded record's vectors: as stored, from the write-behind embedding under way, or (stored by
+        another model, or by none) embedded here and stored back."""
+        if self._embedder is None:
+            return None
+        if blob is not None and model == self._model_name:
+            return np.frombuffer(bytes(blob), dtype=np.float32).reshape(-1, self._embedder.dim)
+        pending = self.write_behind.pending(record.record_id) if self.write_behind else None
+        if blob is None and pending is not None:
+            with step("memory wait-write-behind"):
+                try:
+                    return await asyncio.shield(pending)
+                except Exception:
+                    pass  # it failed behind: embedded here
+        vectors = (await asyncio.to_thread(self._embed_records, [record]))[0]
+        await self._store_vectors([(record.record_id, vectors)])
+        return vectors
+
+    def _embed_records(self, records: Sequence[MemoryRecord]) -> list[np.ndarray]:
+        """Each record's chunk vectors, as `_embed_record` gives them, from one call of the model."""
+        assert self._embedder is not None
+        pieces = [chunk_pieces([r.text], self._config.max_chunk_words) for r in records]
+        vectors = self._embedder.encode([p for ps in pieces for p in ps])
+        bounds = np.cumsum([0] + [len(ps) for ps in pieces])
+        return [vectors[a:b] for a, b in itertools.pairwise(bounds)]
+
+    async def _store_vectors(self, vectors: list[tuple[str, np.ndarray]]) -> None:
+        async with self._pool.connection() as conn, conn.cursor() as cur:
+            await cur.executemany(
+                "UPDATE memory_records SET embedding = %s, embedding_model = %s WHERE record_id = %s",
+                [(_blob(v), self._model_name, rid) for rid, v in vectors],
+            )
 
     async def describe(self, tenant: str, user_id: str) -> svc.IndexDescription:
         index = await self.user_index(tenant, user_id)
@@ -419,10 +449,14 @@ class MemoryStore:
         # Postgres refuses NUL in TEXT and JSONB: the turn is stored without it.
         query, answer = pg_text(event.query), pg_text(event.text)
         pair: tuple[MemoryRecord, np.ndarray | None] | None = None
+        behind = False
         if event.status == ev.OK and turn.options.get("remember") != "false":
             record = MemoryRecord(uuid.uuid4().hex, turn.session_id, turn.turn_id, turn.seq, query, answer)
-            # Embedded before the transaction: no connection (nor the user's lock) is held meanwhile.
-            pair = record, await asyncio.to_thread(self._embed_record, record)
+            # Embedded behind the commit (mars_memory.write_behind), or, with the write-behind at its bound,
+            # before the transaction: no connection (nor the user's lock) is held meanwhile.
+            behind = self.write_behind is not None and not self.write_behind.full
+            vectors = None if behind else await asyncio.to_thread(self._embed_record, record)
+            pair = record, vectors
         async with self._pool.connection() as conn, conn.pipeline(), conn.transaction():
             # Serialise a user's commits (two replicas during a rebalance, or a redelivery).
             await conn.execute(
@@ -436,6 +470,7 @@ class MemoryStore:
             active = await active_cur.fetchone()
             if existing is not None:
                 out.record_id, out.thread_id, out.stored = existing[0], existing[1], True
+                behind = False  # a redelivery: the pair was stored (and submitted) the first time
             elif pair is not None:
                 await self._store_pair(conn, event, out, pair, active)
             # A failed (or remember=false) turn stores nothing but still advances seq, so turn n+1 never
@@ -450,6 +485,8 @@ class MemoryStore:
             )
         # Indexes (this replica's and any other's) pick the record up from Postgres before their next use.
         key = (turn.tenant, turn.user_id)
+        if behind and pair is not None and self.write_behind is not None:
+            self.write_behind.submit(pair[0], key)
         if len(self._committed_seq) > 100_000:
             self._committed_seq.clear()  # a cache: a view not found here reads Postgres
         self._committed_seq[key] = max(self._committed_seq.get(key, 0), turn.seq)

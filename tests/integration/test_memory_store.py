@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
+from collections.abc import Sequence
 
+import numpy as np
 import pytest
 from conftest import session_state
 from mars import db
@@ -304,3 +307,108 @@ async def _rebuild(dsn: str, embedder: SentenceTransformerEmbedder, user: str): 
         return index
     finally:
         await pool.close()  # type: ignore[attr-defined]
+
+
+class GatedEmbedder:
+    """The real embedder, holding back every text that names the gate's word until the gate opens (a
+    stored pair's embedding that takes its time)."""
+
+    def __init__(self, inner: SentenceTransformerEmbedder, word: str) -> None:
+        self.inner, self.word, self.dim = inner, word, inner.dim
+        self.gate = threading.Event()
+
+    def encode(self, texts: Sequence[str]) -> np.ndarray:
+        if any(self.word in t for t in texts):
+            assert self.gate.wait(30), "the gate never opened"
+        return self.inner.encode(texts)
+
+
+async def _settled(store: MemoryStore) -> None:
+    """Until the store's write-behind has stored every pair it took."""
+    for _ in range(100):
+        if store.write_behind is None or store.write_behind.backlog == 0:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("the write-behind never caught up")
+
+
+async def _stored_vectors(pool: object, turn_id: str) -> tuple[object, object]:
+    async with pool.connection() as conn:  # type: ignore[attr-defined]
+        cur = await conn.execute(
+            "SELECT embedding, embedding_model FROM memory_records WHERE turn_id = %s", (turn_id,)
+        )
+        row = await cur.fetchone()
+    assert row is not None
+    return row[0], row[1]
+
+
+def test_a_pair_is_applied_before_its_embedding_and_the_next_view_still_holds_it(
+    postgres: str, embedder: SentenceTransformerEmbedder
+) -> None:
+    """The write path never delays the view path (mars_memory.write_behind): a commit applies its pair
+    without waiting for the pair's embedding, and the user's next view holds the pair, ranked with the
+    vectors that an embedding in the commit gives (read-your-writes stays exact)."""
+
+    async def scenario() -> None:
+        gated = GatedEmbedder(embedder, "saffron")
+        store, pool = await make_store(postgres, gated)  # type: ignore[arg-type]
+        await store.commit(generated("fay", 1, "How deep do I plant tulip bulbs?", "About 15 cm deep."))
+        await _settled(store)
+        first = generated("fay", 2, "I grow saffron crocuses on my balcony", "Harvest the red stigmas.")
+        # The gate is shut: an embedding in the commit would hang it; behind it, the commit is done.
+        committed = await asyncio.wait_for(store.commit(first), timeout=5)
+        assert committed.stored and await store.wait_applied("t", "fay", 2)
+        assert await _stored_vectors(pool, "fay-2") == (None, None)
+        assert store.write_behind is not None and store.write_behind.backlog == 1
+
+        probe = session_state(action=ev.NEW_TOPIC, top_k_hint=4)
+        view = asyncio.create_task(store.view("t", "fay", "when do crocuses flower?", probe))
+        await asyncio.sleep(0.3)
+        assert not view.done()  # it waits for the pair's vectors, not for nothing
+        gated.gate.set()
+        held = await asyncio.wait_for(view, timeout=30)
+        assert "fay-2" in {b.source_turn_id for b in held.blocks}
+        await _settled(store)  # stored just after the view had them
+        blob, model = await _stored_vectors(pool, "fay-2")
+        assert blob is not None and model == store._model_name
+
+        # The same records embedded in their commits: the same view, the same scores.
+        inline, pool2 = await make_store(postgres, embedder, embed_behind=0)
+        assert inline.write_behind is None
+        await inline.commit(generated("gus", 1, "How deep do I plant tulip bulbs?", "About 15 cm deep."))
+        await inline.commit(
+            generated("gus", 2, "I grow saffron crocuses on my balcony", "Harvest the red stigmas.")
+        )
+        assert (await _stored_vectors(pool2, "gus-2"))[0] is not None  # in the commit
+        same = await inline.view("t", "gus", "when do crocuses flower?", probe)
+        assert [b.source_turn_id.replace("gus", "fay") for b in same.blocks] == [
+            b.source_turn_id for b in held.blocks
+        ]
+        assert [b.score for b in same.blocks] == pytest.approx([b.score for b in held.blocks], abs=1e-5)
+        await pool.close()  # type: ignore[attr-defined]
+        await pool2.close()  # type: ignore[attr-defined]
+
+    asyncio.run(scenario())
+
+
+def test_the_write_behind_lag_is_bounded(postgres: str, embedder: SentenceTransformerEmbedder) -> None:
+    """With `embed_behind` pairs waiting, the next commit embeds its own pair before it applies it."""
+
+    async def scenario() -> None:
+        gated = GatedEmbedder(embedder, "quince")
+        store, pool = await make_store(postgres, gated, embed_behind=1)  # type: ignore[arg-type]
+        try:
+            await store.commit(generated("hal", 0, "Should I prune roses in March?", "Yes, lightly."))
+            await _settled(store)
+            await asyncio.wait_for(
+                store.commit(generated("hal", 1, "Is quince jelly hard to make?", "Not at all.")), 5
+            )
+            assert store.write_behind is not None and store.write_behind.full
+            await store.commit(generated("hal", 2, "What goes with roast lamb?", "Mint sauce."))
+            assert (await _stored_vectors(pool, "hal-2"))[0] is not None  # embedded in its commit
+            assert (await _stored_vectors(pool, "hal-1"))[0] is None  # still behind
+        finally:
+            gated.gate.set()
+            await pool.close()  # type: ignore[attr-defined]
+
+    asyncio.run(scenario())
