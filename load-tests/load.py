@@ -74,11 +74,16 @@ class Row:
     #: Turns shed at the door (RESOURCE_EXHAUSTED: MARS's concurrency limit, or LiteLLM's HTTP 429), how
     #: long the slowest of them waited for the refusal (p99), and turns that ran out of time.
     rejected: int = 0
+    #: Errors that were neither a refusal nor a timeout.
+    failed: int = 0
     rejected_p99_ms: float = float("nan")
     timed_out: int = 0
     #: CPU ms per turn sent, per process of the system (and the load generator), and cores busy in all.
     cpu_ms_per_turn: dict[str, float] = field(default_factory=dict)
     cores_busy: float = 0.0
+    #: The system's CPU (its processes, not the load generator) per turn answered: what a turn it admitted
+    #: and answered cost, refused and failed turns' work included.
+    cpu_ms_per_answered: float = float("nan")
     #: Postgres statements per turn, by the service owning each statement's table (MARS only).
     pg_statements: dict[str, Any] = field(default_factory=dict)
 
@@ -118,6 +123,7 @@ def summarise(rate: float, seconds: float, samples: list[Sample], elapsed_s: flo
         rejected=len(refused),
         rejected_p99_ms=percentile(refused, 0.99),
         timed_out=sum(n for kind, n in kinds.items() if kind in TIMEOUTS),
+        failed=sum(n for kind, n in kinds.items() if kind not in TIMEOUTS and kind not in REFUSALS),
     )
 
 
@@ -290,6 +296,9 @@ async def run_rates(
                 row.cpu_ms_per_turn = {n: 1000 * (cpu1[n] - cpu0[n]) / turns for n in cpu0}
                 row.cpu_ms_per_turn["load generator"] = 1000 * (own1 - own0) / turns
                 row.cores_busy = (sum(cpu1.values()) - sum(cpu0.values()) + own1 - own0) / elapsed
+                answered = len(samples) - row.errors
+                if answered:
+                    row.cpu_ms_per_answered = 1000 * (sum(cpu1.values()) - sum(cpu0.values())) / answered
                 if system == "mars" and args.postgres_dsn:
                     row.pg_statements = await asyncio.to_thread(
                         pg_statements.per_turn, args.postgres_dsn, len(samples)
@@ -308,15 +317,17 @@ async def run_rates(
 def print_table(system: str, rows: list[Row]) -> None:
     print(f"\n{system}")
     print(
-        f"{'rate':>6s} {'achieved':>9s} {'errors':>7s} {'shed':>6s} {'shed p99':>9s} {'timeout':>7s} "
-        f"{'e2e p50':>9s} {'e2e p99':>9s} {'e2e max':>9s} {'ovh p50':>9s} {'ovh p99':>9s}"
+        f"{'rate':>6s} {'achieved':>9s} {'shed':>6s} {'shed p99':>9s} {'failed':>7s} {'timeout':>7s} "
+        f"{'e2e p50':>9s} {'e2e p99':>9s} {'e2e max':>9s} {'ovh p50':>9s} {'ovh p99':>9s} {'CPU/ans':>8s}"
     )
     for r in rows:
         print(
-            f"{r.rate:6g} {r.achieved:9.1f} {r.errors:7d} {r.rejected:6d} {r.rejected_p99_ms:9.1f} "
+            f"{r.rate:6g} {r.achieved:9.1f} {r.rejected:6d} {r.rejected_p99_ms:9.1f} {r.failed:7d} "
             f"{r.timed_out:7d} {r.e2e_p50_ms:9.1f} {r.e2e_p99_ms:9.1f} {r.e2e_max_ms:9.1f} "
-            f"{r.overhead_p50_ms:9.1f} {r.overhead_p99_ms:9.1f}"
+            f"{r.overhead_p50_ms:9.1f} {r.overhead_p99_ms:9.1f} {r.cpu_ms_per_answered:8.1f}"
         )
+    print("(achieved: answered per second; ovh: end-to-end minus the model call, answered turns; CPU/ans: the")
+    print(" system's CPU ms per answered turn)")
     print("CPU ms per turn (cores busy in all)")
     for r in rows:
         parts = ", ".join(f"{n} {v:.1f}" for n, v in sorted(r.cpu_ms_per_turn.items(), key=lambda kv: -kv[1]))
@@ -324,26 +335,39 @@ def print_table(system: str, rows: list[Row]) -> None:
 
 
 def plot(out: dict[str, Any], path: Path) -> None:
-    """Overhead p50 and p99 against offered load, both systems, log scale."""
+    """Against offered load, both systems: answered and refused turns per second (left), and the answered
+    turns' overhead p50 and p99 (right, log scale)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, (done, ax) = plt.subplots(1, 2, figsize=(12, 4.5))
+    top = 1.0
     for system, color in (("mars", "tab:red"), ("litellm", "tab:blue")):
         rows = out.get(system) or []
         if not rows:
             continue
         rates = [r["rate"] for r in rows]
+        top = max(top, *rates)
+        done.plot(rates, [r["achieved"] for r in rows], "o-", color=color, label=f"{system} answered/s")
+        shed = [r.get("rejected", 0) / max(r["sent"], 1) * r["rate"] for r in rows]
+        done.plot(rates, shed, "v:", color=color, label=f"{system} refused/s")
         ax.plot(rates, [r["overhead_p50_ms"] for r in rows], "o-", color=color, label=f"{system} p50")
         ax.plot(rates, [r["overhead_p99_ms"] for r in rows], "s--", color=color, label=f"{system} p99")
+    done.plot([0, top], [0, top], color="grey", alpha=0.4, label="offered")
+    done.set_xlabel("offered load (turns/s)")
+    done.set_ylabel("turns per second")
+    done.grid(True, alpha=0.3)
+    done.legend()
+    done.set_title("answered and refused")
     ax.set_xlabel("offered load (turns/s)")
     ax.set_ylabel("overhead (ms, end-to-end minus model call)")
     ax.set_yscale("log")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
-    ax.set_title("MARS vs LiteLLM proxy: overhead against offered load")
+    ax.set_title("overhead of the answered turns")
+    fig.suptitle("MARS vs LiteLLM proxy against offered load")
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -35,6 +35,10 @@ def test_load_short_run_measures_mars_and_litellm(tmp_path: Path) -> None:
             assert 0 < row["overhead_p50_ms"] <= row["overhead_p99_ms"] < row["e2e_p99_ms"]
             # Some process of the system used CPU for the turns.
             assert sum(row["cpu_ms_per_turn"].values()) > 0 and row["cores_busy"] > 0
+            # Every turn was answered: the system's CPU per answered turn is its CPU per turn sent.
+            system_cpu = sum(v for k, v in row["cpu_ms_per_turn"].items() if k != "load generator")
+            assert row["cpu_ms_per_answered"] == pytest.approx(system_cpu, rel=1e-6)
+            assert row["failed"] == row["rejected"] == row["timed_out"] == 0
     assert (
         "memory" in report["mars"][0]["cpu_ms_per_turn"]
         and "postgres" in report["mars"][0]["cpu_ms_per_turn"]
