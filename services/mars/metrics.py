@@ -23,6 +23,7 @@ mars.admission.shed      counter           {turn}    tenant                     
 mars.stage.expired       counter           {turn}    stage (EXPIRED_STAGES)                       answer path
 mars.admission.limit     observable gauge  {turn}    (none: one series per ingress process)          ingress
 mars.admission.inflight  observable gauge  {turn}    (none: one series per ingress process)          ingress
+mars.memory.embed_behind observable gauge  {record}  (none: one series per memory process)           memory
 =======================  ================  ========  =====================================================
 
 Labels: `group` is the consumer group's name without the run's topic prefix (`mars.topology`, and
@@ -160,6 +161,30 @@ def watch_admission(source: AdmissionSource) -> None:
     _admission_sources.add(source)
 
 
+class WriteBehindSource(Protocol):
+    @property
+    def backlog(self) -> int: ...
+
+
+_write_behind_sources = _Watched()
+
+
+def watch_write_behind(source: WriteBehindSource) -> None:
+    """Report `source.backlog` (stored pairs waiting for their embedding, read at collection time) as
+    `mars.memory.embed_behind` from now on (while the source lives)."""
+    _write_behind_sources.add(source)
+
+
+def _observe_write_behind(options: CallbackOptions) -> Iterable[Observation]:
+    out: list[Observation] = []
+    for source in _write_behind_sources.items():
+        try:
+            out.append(Observation(int(source.backlog)))  # type: ignore[attr-defined]
+        except Exception:
+            log.debug("write-behind backlog unavailable", exc_info=True)
+    return out
+
+
 def _observe_admission(attribute: str) -> Callable[[CallbackOptions], Iterable[Observation]]:
     def observe(options: CallbackOptions) -> Iterable[Observation]:
         out: list[Observation] = []
@@ -266,7 +291,7 @@ class Instruments:
         )
 
     def _add_overload_instruments(self, meter: Meter) -> None:
-        """Load shedding at the ingress and expired turns on the answer path."""
+        """Load shedding at the ingress, expired turns on the answer path, and the memory writer's lag."""
         self.stage_expired = meter.create_counter(
             "mars.stage.expired",
             unit="{turn}",
@@ -288,6 +313,12 @@ class Instruments:
             callbacks=[_observe_admission("inflight")],
             unit="{turn}",
             description="turns this ingress process has in the pipeline now",
+        )
+        self.memory_embed_behind = meter.create_observable_gauge(
+            "mars.memory.embed_behind",
+            callbacks=[_observe_write_behind],
+            unit="{record}",
+            description="stored pairs applied and waiting for their embedding (bounded: MARS_EMBED_BEHIND)",
         )
 
 

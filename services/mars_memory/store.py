@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from mars import metrics
 from mars.db import pg_text
 from mars.domain.memory_policy import (
     MemoryControls,
@@ -163,6 +164,7 @@ class MemoryStore:
         self.write_behind: WriteBehind | None = None
         if embedder is not None and settings.embed_behind > 0:
             self.write_behind = WriteBehind(self._embed_records, self._store_vectors, settings.embed_behind)
+            metrics.watch_write_behind(self.write_behind)
 
     def _new_memory(self) -> HybridMemory:
         return HybridMemory(self._embedder, self._config, self._settings.use_gpu, self._query_embedder)

@@ -6,18 +6,20 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from types import SimpleNamespace
 from typing import Any
 
 import grpc
 import httpx
+import numpy as np
 import pytest
 from aiokafka import ConsumerRecord, TopicPartition
 from mars import metrics
 from mars.bus import EventProducer, PoisonEvent, StageConsumer, Subscription, _PartitionTrack, event_key
 from mars.config import TOPIC_GENERATED, TOPIC_RECEIVED, ServiceSettings
 from mars.domain.circuit import CircuitBreaker
+from mars.domain.memory_policy import MemoryRecord
 from mars.pool import ModelPool, ModelSpec
 from mars.qtm.guard import GuardedEstimator
 from mars.telemetry import setup_telemetry
@@ -26,6 +28,7 @@ from mars_dispatch.clients import Completion, GenerationError
 from mars_dispatch.dispatcher import Dispatcher
 from mars_dispatch.settings import DispatchSettings
 from mars_judge.service import count_costs
+from mars_memory.write_behind import WriteBehind
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
@@ -321,3 +324,25 @@ def test_setup_telemetry_binds_the_instruments_to_the_prometheus_endpoint() -> N
     } <= names, sorted(names)
     # Each series once (a gauge's callback registered twice would report it twice).
     assert sum(ln.startswith('mars_circuit_state{arm="arm-x"') for ln in body.splitlines()) == 1
+
+
+def test_the_memory_writers_embedding_backlog_is_a_gauge(reader: InMemoryMetricReader) -> None:
+    async def scenario() -> None:
+        def embed(records: Sequence[MemoryRecord]) -> list[np.ndarray]:
+            return [np.zeros((1, 2), dtype=np.float32) for _ in records]
+
+        async def store(vectors: list[tuple[str, np.ndarray]]) -> None:
+            await asyncio.sleep(0)
+
+        behind = WriteBehind(embed, store, max_pending=10)
+        metrics.watch_write_behind(behind)
+        for n in (1, 2):
+            behind.submit(MemoryRecord(f"r{n}", "s", f"t{n}", n, "q", "a"), ("t", "u"))
+        assert [p.value for _, p in points(reader, "mars.memory.embed_behind")] == [2]
+        for _ in range(200):
+            if behind.backlog == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert [p.value for _, p in points(reader, "mars.memory.embed_behind")] == [0]
+
+    asyncio.run(scenario())
