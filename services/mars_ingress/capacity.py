@@ -33,6 +33,7 @@ class Capacity:
                         min_limit=settings.admission_min_limit,
                         max_limit=settings.admission_max_limit,
                         tolerance=settings.admission_tolerance,
+                        grow_below=settings.admission_grow_below,
                         window=settings.admission_window,
                     )
                 ),

@@ -62,6 +62,9 @@ class IngressSettings(ServiceSettings):
     #: A window's median time in MARS (end-to-end minus the model calls) above this times its no-load value
     #: shrinks the limit.
     admission_tolerance: float = Field(default=2.0, gt=1.0)
+    #: The limit grows only after a window whose median stayed below this times the no-load value; between
+    #: this and the tolerance it holds. Unset: the tolerance (no band).
+    admission_grow_below: float | None = Field(default=None, gt=1.0)
     #: Answered turns per limit decision.
     admission_window: int = Field(default=16, ge=1)
     admission_retry_after_ms: int = Field(default=1000, ge=0)

@@ -47,6 +47,23 @@ def test_queueing_past_the_tolerance_shrinks_the_limit_down_to_its_floor() -> No
     assert limit.limit == 3
 
 
+def test_between_grow_below_and_the_tolerance_the_limit_holds() -> None:
+    limit = AdaptiveLimit(LimitSettings(initial=10, window=4, tolerance=2.5, grow_below=2.0), Clock())
+    _windows(limit, 40.0, inflight=1)  # no-load 40 ms: grows below 80, holds to 100, shrinks past it
+    _windows(limit, 70.0, inflight=10)
+    assert limit.limit == 11
+    _windows(limit, 90.0, inflight=11, n=4)  # in the band: neither up nor down, window after window
+    assert limit.limit == 11
+    _windows(limit, 110.0, inflight=11)
+    assert limit.limit == 9  # past the tolerance: by 0.9 (11 * 0.9 = 9.9)
+    # Without a band the same windows grow it: it climbs until it overshoots and is cut.
+    plain = AdaptiveLimit(LimitSettings(initial=10, window=4, tolerance=2.5), Clock())
+    _windows(plain, 40.0, inflight=1)
+    for _ in range(4):
+        _windows(plain, 90.0, inflight=plain.limit)
+    assert plain.limit == 14
+
+
 def test_the_further_past_the_tolerance_the_harder_the_limit_shrinks_at_most_by_half() -> None:
     limit = AdaptiveLimit(
         LimitSettings(initial=40, min_limit=1, window=4, tolerance=2.0, backoff=0.9), Clock()
@@ -93,7 +110,15 @@ def test_a_turn_out_of_time_backs_off_at_once_and_bad_samples_are_ignored() -> N
 
 @pytest.mark.parametrize(
     "kwargs",
-    [dict(min_limit=0), dict(initial=1, min_limit=2), dict(tolerance=1.0), dict(backoff=1.0), dict(window=0)],
+    [
+        dict(min_limit=0),
+        dict(initial=1, min_limit=2),
+        dict(tolerance=1.0),
+        dict(backoff=1.0),
+        dict(window=0),
+        dict(grow_below=1.0),
+        dict(tolerance=2.0, grow_below=2.5),
+    ],
 )
 def test_settings_refuse_what_cannot_work(kwargs: dict[str, float]) -> None:
     with pytest.raises(ValueError):

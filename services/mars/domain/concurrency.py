@@ -44,6 +44,11 @@ class LimitSettings:
     max_limit: int = 256
     #: A window's median pipeline time above tolerance x the no-load time means turns are queueing.
     tolerance: float = 2.0
+    #: The limit grows only after a window whose median stayed below grow_below x the no-load time; between
+    #: that and the tolerance it holds (a dead band, as Vegas's alpha and beta: a limit that grows until it
+    #: overshoots and is cut oscillates, and its admitted turns' p99 is set by the overshoots). None: the
+    #: tolerance (no band).
+    grow_below: float | None = None
     #: The limit's factor after a queueing window or a turn that ran out of time.
     backoff: float = 0.9
     #: Completed turns per decision.
@@ -58,6 +63,8 @@ class LimitSettings:
             raise ValueError("tolerance must be above 1")
         if not 0.0 < self.backoff < 1.0:
             raise ValueError("backoff must be in (0, 1)")
+        if self.grow_below is not None and not 1.0 < self.grow_below <= self.tolerance:
+            raise ValueError("grow_below must be above 1 and at most the tolerance")
         if self.window < 1 or self.noload_window_s <= 0:
             raise ValueError("window must be >= 1 and noload_window_s > 0")
 
@@ -131,7 +138,7 @@ class AdaptiveLimit:
             # `backoff` and at most half: a limit far too high comes down in one or two windows, not ten.
             factor = max(0.5, min(s.backoff, s.tolerance * noload / median))
             self._limit = max(float(s.min_limit), self._limit * factor)
-        elif peak >= self._limit - 1:
+        elif peak >= self._limit - 1 and median <= (s.grow_below or s.tolerance) * min(noload, median):
             # Only a limit that held turns back grows: an idle pipeline proves nothing about more.
             self._limit = min(float(s.max_limit), self._limit + 1.0)
 
