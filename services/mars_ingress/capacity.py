@@ -9,7 +9,14 @@ from dataclasses import dataclass
 
 import grpc
 from mars import metrics
-from mars.domain.concurrency import AdaptiveLimit, FairAdmission, LimitSettings
+from mars.domain.concurrency import (
+    AdaptiveLimit,
+    ConcurrencyLimit,
+    FairAdmission,
+    LimitSettings,
+    ThroughputLimit,
+    ThroughputSettings,
+)
 
 from mars_ingress.admission import TurnFailed
 from mars_ingress.settings import IngressSettings
@@ -22,21 +29,35 @@ class Slot:
     tenant: str
 
 
+def _limit(settings: IngressSettings) -> ConcurrencyLimit:
+    """The limit MARS_ADMISSION_ALGORITHM names, from its MARS_ADMISSION_* settings."""
+    if settings.admission_algorithm == "throughput":
+        return ThroughputLimit(
+            ThroughputSettings(
+                initial=settings.admission_initial_limit,
+                min_limit=settings.admission_min_limit,
+                max_limit=settings.admission_max_limit,
+                gain=settings.admission_gain,
+            )
+        )
+    return AdaptiveLimit(
+        LimitSettings(
+            initial=settings.admission_initial_limit,
+            min_limit=settings.admission_min_limit,
+            max_limit=settings.admission_max_limit,
+            tolerance=settings.admission_tolerance,
+            grow_below=settings.admission_grow_below,
+            window=settings.admission_window,
+        )
+    )
+
+
 class Capacity:
     def __init__(self, settings: IngressSettings) -> None:
         self.enabled = settings.admission_limit
         try:
             self.gate = FairAdmission(
-                AdaptiveLimit(
-                    LimitSettings(
-                        initial=settings.admission_initial_limit,
-                        min_limit=settings.admission_min_limit,
-                        max_limit=settings.admission_max_limit,
-                        tolerance=settings.admission_tolerance,
-                        grow_below=settings.admission_grow_below,
-                        window=settings.admission_window,
-                    )
-                ),
+                _limit(settings),
                 settings.admission_tenant_weights,
                 settings.admission_retry_after_ms,
                 settings.admission_stall_s,
@@ -63,8 +84,13 @@ class Capacity:
             )
         return Slot(tenant)
 
-    def leave(self, slot: Slot, pipeline_ms: float | None, exc: BaseException | None) -> None:
+    def leave(
+        self, slot: Slot, pipeline_ms: float | None, exc: BaseException | None, turn_ms: float | None = None
+    ) -> None:
         """Give the slot back: an answered turn's time in MARS is a sample, a turn out of time is a drop,
         anything else (a model failure, a cancel) says nothing about the pipeline's capacity."""
         dropped = getattr(exc, "code", None) == grpc.StatusCode.DEADLINE_EXCEEDED
-        self.gate.release(slot.tenant, pipeline_ms if exc is None else None, dropped)
+        answered = exc is None
+        self.gate.release(
+            slot.tenant, pipeline_ms if answered else None, dropped, turn_ms if answered else None
+        )

@@ -155,17 +155,19 @@ class IngressServicer(svc_grpc.IngressServicer):
         options = await self._admission.admit(req, principal)
         slot = self._capacity.enter(req.tenant, principal.tenant if principal is not None else "")
         pipeline_ms: float | None = None
+        turn_ms: float | None = None
         failure: BaseException | None = None
         try:
             reply = await self._admitted(req, metadata, options, tokens, caller_remaining_s)
             # The turn's time in MARS: what the model calls took is not the pipeline's capacity.
-            pipeline_ms = reply.latency_ms - sum(a.latency_ms for a in reply.attempts)
+            turn_ms = reply.latency_ms
+            pipeline_ms = turn_ms - sum(a.latency_ms for a in reply.attempts)
             return reply
         except BaseException as exc:
             failure = exc
             raise
         finally:
-            self._capacity.leave(slot, pipeline_ms, failure)
+            self._capacity.leave(slot, pipeline_ms, failure, turn_ms)
 
     async def _admitted(
         self,

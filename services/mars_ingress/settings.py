@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from mars.config import (
     ServiceSettings,
 )
@@ -56,6 +58,10 @@ class IngressSettings(ServiceSettings):
     #: holds the pipeline below what it can answer (README, "Load shedding"). Off, the limit still learns
     #: and is reported (mars.admission.limit), and nothing is shed.
     admission_limit: bool = False
+    #: latency: AIMD on the time in MARS against its no-load value (MARS_ADMISSION_TOLERANCE); throughput:
+    #: gain x the best answer rate x the shortest turn time (MARS_ADMISSION_GAIN; mars.domain.concurrency).
+    admission_algorithm: Literal["latency", "throughput"] = "latency"
+    admission_gain: float = Field(default=1.5, ge=1.0)
     admission_initial_limit: int = Field(default=16, ge=1)
     admission_min_limit: int = Field(default=2, ge=1)
     admission_max_limit: int = Field(default=256, ge=1)

@@ -2,8 +2,17 @@
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 import pytest
-from mars.domain.concurrency import AdaptiveLimit, FairAdmission, LimitSettings
+from mars.domain.concurrency import (
+    AdaptiveLimit,
+    FairAdmission,
+    LimitSettings,
+    ThroughputLimit,
+    ThroughputSettings,
+)
 
 
 class Clock:
@@ -216,3 +225,71 @@ def test_unenforced_the_limit_counts_and_learns_and_sheds_nothing() -> None:
     gate = _admission(2)
     assert all(gate.try_acquire("a", enforce=False) is None for _ in range(5))
     assert gate.inflight == 5
+
+
+def _bucket(limit: ThroughputLimit, clock: Clock, rate: float, turn_ms: float, inflight: int) -> None:
+    """One bucket of answered turns at `rate` per second, each `turn_ms` in flight."""
+    n = round(rate * limit.settings.bucket_s)
+    for i in range(n):
+        clock.now += limit.settings.bucket_s / n + (1e-9 if i == n - 1 else 0.0)  # the last one closes it
+        limit.on_sample(turn_ms / 2, inflight, turn_ms)
+
+
+def test_a_throughput_limit_below_its_capacity_grows_by_the_gain_and_settles_at_the_capacity() -> None:
+    clock = Clock()
+    limit = ThroughputLimit(ThroughputSettings(initial=2, gain=1.5, bucket_s=1.0), clock)
+    _bucket(limit, clock, rate=8, turn_ms=100.0, inflight=1)  # not binding: the shortest time, no move
+    assert limit.limit == 2 and limit.shortest_ms == 100.0
+    seen = []
+    for _ in range(12):
+        # The pipeline answers limit / 0.1 s per second, up to its capacity of 40 per second.
+        rate = min(limit.limit / 0.1, 40.0)
+        _bucket(limit, clock, rate=rate, turn_ms=100.0, inflight=limit.limit)
+        seen.append(limit.limit)
+    assert seen[:2] == [3, 5]  # 1.5 x (limit / 0.1 s) x 0.1 s, rounded up
+    # Then gain x capacity x shortest time, and it stays there.
+    assert seen[2:] == [math.ceil(1.5 * 40 * 0.1)] * 10
+
+
+def test_a_throughput_limit_that_holds_nothing_back_does_not_move() -> None:
+    clock = Clock()
+    limit = ThroughputLimit(ThroughputSettings(initial=16, bucket_s=1.0), clock)
+    for _ in range(5):
+        _bucket(limit, clock, rate=10, turn_ms=100.0, inflight=3)
+    assert limit.limit == 16 and limit.best_rate == 0.0  # what an idle pipeline answers proves nothing
+
+
+def test_a_throughput_limit_follows_a_capacity_that_drops_within_the_rate_window() -> None:
+    clock = Clock()
+    limit = ThroughputLimit(ThroughputSettings(initial=10, gain=1.5, bucket_s=1.0, rate_window_s=5.0), clock)
+    _bucket(limit, clock, rate=5, turn_ms=100.0, inflight=1)
+    for _ in range(3):
+        _bucket(limit, clock, rate=40, turn_ms=150.0, inflight=limit.limit)
+    assert limit.limit == 6
+    for _ in range(6):  # a stage lost half its capacity: the best rate of the last 5 s falls to 20
+        _bucket(limit, clock, rate=20, turn_ms=300.0, inflight=limit.limit)
+    assert limit.limit == 3
+    limit.on_drop()
+    assert limit.limit == 3 and limit._limit == pytest.approx(2.7)  # 3 x 0.9, rounded up
+
+
+def test_fair_admission_gives_a_throughput_limit_the_turns_whole_time() -> None:
+    clock = Clock()
+    limit = ThroughputLimit(ThroughputSettings(initial=2, min_limit=1, bucket_s=1.0), clock)
+    gate = FairAdmission(limit, clock=clock)
+    for _ in range(4):
+        assert gate.try_acquire("a") is None
+        clock.now += 0.1
+        gate.release("a", pipeline_ms=30.0, turn_ms=120.0)
+    clock.now += 1.0
+    assert gate.try_acquire("a") is None
+    gate.release("a", pipeline_ms=30.0, turn_ms=120.0)
+    assert limit.shortest_ms == 120.0
+
+
+@pytest.mark.parametrize(
+    "bad", [dict(gain=0.9), dict(min_limit=0), dict(bucket_s=0.0), dict(backoff=1.0), dict(initial=300)]
+)
+def test_throughput_settings_refuse_nonsense(bad: dict[str, Any]) -> None:
+    with pytest.raises(ValueError):
+        ThroughputSettings(**bad)

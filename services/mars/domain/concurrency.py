@@ -33,6 +33,7 @@ import statistics
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 
 @dataclass(frozen=True)
@@ -118,8 +119,9 @@ class AdaptiveLimit:
         """The anchor (inf before the first full window)."""
         return self._noload.value()
 
-    def on_sample(self, pipeline_ms: float, inflight: int) -> None:
-        """A turn finished after `pipeline_ms` in MARS, with `inflight` turns in flight as it finished."""
+    def on_sample(self, pipeline_ms: float, inflight: int, turn_ms: float | None = None) -> None:
+        """A turn finished after `pipeline_ms` in MARS, with `inflight` turns in flight as it finished
+        (`turn_ms`, its whole time, is not this limit's signal)."""
         if not math.isfinite(pipeline_ms) or pipeline_ms < 0:
             return
         self._samples.append(pipeline_ms)
@@ -149,6 +151,118 @@ class AdaptiveLimit:
 
 
 @dataclass(frozen=True)
+class ThroughputSettings:
+    """The constants of `ThroughputLimit` (MARS_ADMISSION_* at the ingress)."""
+
+    initial: int = 16
+    min_limit: int = 2
+    max_limit: int = 256
+    #: The limit is gain x (the best answer rate) x (the shortest turn time): the turns the pipeline holds
+    #: while it answers at its best, and (gain - 1) of that more, queued, so that no stage waits for work.
+    gain: float = 1.5
+    #: Answer rates are measured over buckets this long; the best is the highest of the last rate_window_s.
+    bucket_s: float = 2.0
+    rate_window_s: float = 10.0
+    #: The shortest turn time is the lowest bucket p25 of the last time_window_s.
+    time_window_s: float = 120.0
+    #: The limit's factor after a turn that ran out of time.
+    backoff: float = 0.9
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_limit <= self.initial <= self.max_limit:
+            raise ValueError("need 1 <= min_limit <= initial <= max_limit")
+        if self.gain < 1.0:
+            raise ValueError("gain must be at least 1")
+        if min(self.bucket_s, self.rate_window_s, self.time_window_s) <= 0:
+            raise ValueError("bucket_s, rate_window_s and time_window_s must be above 0")
+        if not 0.0 < self.backoff < 1.0:
+            raise ValueError("backoff must be in (0, 1)")
+
+
+class ThroughputLimit:
+    """A limit from the pipeline's capacity rather than from a latency target: gain x the bandwidth-delay
+    product (as BBR sizes its window: the best delivery rate of the last seconds times the shortest round
+    trip). Both filters move slowly (a maximum and a minimum over windows), so the limit settles where the
+    pipeline answers at its best instead of climbing until it overshoots and being cut (AIMD's saw-tooth,
+    whose overshoots set the admitted turns' p99). A turn's time here is its whole time in flight (the
+    model call included: it holds its slot throughout).
+
+    Only a bucket in which the limit held turns back moves the limit: a pipeline offered less than its
+    capacity answers at the offered rate, which says nothing about what it could answer. While the limit
+    binds and the pipeline keeps up, the rate follows the limit and the limit grows by up to `gain` per
+    bucket; once the rate stops growing with it, the limit settles at gain x rate x shortest time."""
+
+    def __init__(
+        self, settings: ThroughputSettings | None = None, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.settings = settings or ThroughputSettings()
+        self._clock = clock
+        self._limit = float(self.settings.initial)
+        self._shortest = _WindowedMin(self.settings.time_window_s, clock)
+        self._rates: list[tuple[float, float]] = []  # (bucket end, answers per second)
+        self._bucket_start = clock()
+        self._times: list[float] = []
+        self._peak_inflight = 0
+
+    @property
+    def limit(self) -> int:
+        # Rounded up: a target of 2.9 slots held at 2 would measure the rate of 2 and never grow.
+        return math.ceil(self._limit - 1e-9)
+
+    @property
+    def best_rate(self) -> float:
+        return max((r for _, r in self._rates), default=0.0)
+
+    @property
+    def shortest_ms(self) -> float:
+        return self._shortest.value()
+
+    def on_sample(self, pipeline_ms: float, inflight: int, turn_ms: float | None = None) -> None:
+        """A turn was answered after `turn_ms` in flight (`pipeline_ms` of it in MARS), with `inflight`
+        turns in flight as it finished."""
+        spent = turn_ms if turn_ms is not None else pipeline_ms
+        if not math.isfinite(spent) or spent < 0:
+            return
+        self._times.append(spent)
+        self._peak_inflight = max(self._peak_inflight, inflight)
+        now = self._clock()
+        if now - self._bucket_start >= self.settings.bucket_s:
+            self._close_bucket(now)
+
+    def _close_bucket(self, now: float) -> None:
+        s = self.settings
+        rate = len(self._times) / (now - self._bucket_start)
+        ordered = sorted(self._times)
+        self._shortest.add(ordered[len(ordered) // 4])
+        binding = self._peak_inflight >= self._limit - 1
+        self._times.clear()
+        self._peak_inflight = 0
+        self._bucket_start = now
+        if not binding:
+            return
+        self._rates = [(t, r) for t, r in self._rates if now - t < s.rate_window_s]
+        self._rates.append((now, rate))
+        target = s.gain * self.best_rate * self.shortest_ms / 1000.0
+        self._limit = min(float(s.max_limit), max(float(s.min_limit), target))
+
+    def on_drop(self) -> None:
+        """A turn ran out of time in the pipeline: back off at once."""
+        s = self.settings
+        self._limit = max(float(s.min_limit), self._limit * s.backoff)
+
+
+class ConcurrencyLimit(Protocol):
+    """What `FairAdmission` needs of a limit (`AdaptiveLimit`, `ThroughputLimit`)."""
+
+    @property
+    def limit(self) -> int: ...
+
+    def on_sample(self, pipeline_ms: float, inflight: int, turn_ms: float | None = None) -> None: ...
+
+    def on_drop(self) -> None: ...
+
+
+@dataclass(frozen=True)
 class Shed:
     """A refused turn: why, and when to try again."""
 
@@ -157,13 +271,13 @@ class Shed:
 
 
 class FairAdmission:
-    """Slots of an `AdaptiveLimit`, shared fairly by tenant (see the module's docstring).
+    """Slots of a `ConcurrencyLimit`, shared fairly by tenant (see the module's docstring).
 
     `try_acquire` answers at once; every acquired slot must be released (`release`) exactly once."""
 
     def __init__(
         self,
-        limit: AdaptiveLimit,
+        limit: ConcurrencyLimit,
         weights: Mapping[str, float] | None = None,
         retry_after_ms: int = 1000,
         stall_s: float = 2.0,
@@ -231,9 +345,16 @@ class FairAdmission:
         self._total += 1
         return None
 
-    def release(self, tenant: str, pipeline_ms: float | None = None, dropped: bool = False) -> None:
-        """Give back a slot; `pipeline_ms` is the turn's time in MARS when it was answered, `dropped` when it
-        ran out of time (neither: it ended with no verdict on capacity, e.g. a refusal or a cancel)."""
+    def release(
+        self,
+        tenant: str,
+        pipeline_ms: float | None = None,
+        dropped: bool = False,
+        turn_ms: float | None = None,
+    ) -> None:
+        """Give back a slot; `pipeline_ms` is the turn's time in MARS when it was answered (`turn_ms` its
+        whole time), `dropped` when it ran out of time (neither: it ended with no verdict on capacity, e.g.
+        a refusal or a cancel)."""
         held = self._inflight.get(tenant, 0)
         if held <= 0:
             raise ValueError(f"tenant {tenant!r} holds no slot")
@@ -248,4 +369,4 @@ class FairAdmission:
         if dropped:
             self._limit.on_drop()
         elif pipeline_ms is not None:
-            self._limit.on_sample(pipeline_ms, inflight)
+            self._limit.on_sample(pipeline_ms, inflight, turn_ms)
