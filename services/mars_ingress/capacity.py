@@ -5,6 +5,7 @@ queueing in the pipeline until its deadline."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import grpc
@@ -20,6 +21,8 @@ from mars.domain.concurrency import (
 
 from mars_ingress.admission import TurnFailed
 from mars_ingress.settings import IngressSettings
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,10 @@ class Capacity:
         anything else (a model failure, a cancel) says nothing about the pipeline's capacity."""
         dropped = getattr(exc, "code", None) == grpc.StatusCode.DEADLINE_EXCEEDED
         answered = exc is None
+        before = self.gate.limit
         self.gate.release(
             slot.tenant, pipeline_ms if answered else None, dropped, turn_ms if answered else None
         )
+        if self.enabled and self.gate.limit != before:
+            # At most once per decision window: what an operator reads to see the limit settle.
+            log.info("admission limit %d -> %d (%d in flight)", before, self.gate.limit, self.gate.inflight)
