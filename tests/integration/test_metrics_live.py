@@ -41,7 +41,7 @@ Sample = tuple[str, dict[str, str], float]
 SHEDDING = {
     "MARS_ADMISSION_LIMIT": "true",
     "MARS_ADMISSION_INITIAL_LIMIT": "2",
-    "MARS_ADMISSION_MIN_LIMIT": "1",
+    "MARS_ADMISSION_MIN_LIMIT": "2",  # held at 2: a burst drains within the retries even under load
     "MARS_ADMISSION_MAX_LIMIT": "2",
     "MARS_ADMISSION_RETRY_AFTER_MS": "700",
 }
@@ -117,7 +117,7 @@ def _send_burst(stubs: dict[str, svc_grpc.IngressStub]) -> dict[str, list[Any]]:
             tenant,
             stubs[tenant].SendTurn.future(
                 svc.TurnRequest(
-                    tenant=tenant, user_id="u-burst", session_id=f"b{i}", text=f"Burst turn {i}."
+                    tenant=tenant, user_id=f"u-burst-{i}", session_id=f"b{i}", text=f"Burst turn {i}."
                 ),
                 timeout=120,
             ),
