@@ -175,24 +175,16 @@ def watch_write_behind(source: WriteBehindSource) -> None:
     _write_behind_sources.add(source)
 
 
-def _observe_write_behind(options: CallbackOptions) -> Iterable[Observation]:
-    out: list[Observation] = []
-    for source in _write_behind_sources.items():
-        try:
-            out.append(Observation(int(source.backlog)))  # type: ignore[attr-defined]
-        except Exception:
-            log.debug("write-behind backlog unavailable", exc_info=True)
-    return out
+def _observe(sources: _Watched, attribute: str) -> Callable[[CallbackOptions], Iterable[Observation]]:
+    """A gauge callback: `attribute` of every watched source, one observation each."""
 
-
-def _observe_admission(attribute: str) -> Callable[[CallbackOptions], Iterable[Observation]]:
     def observe(options: CallbackOptions) -> Iterable[Observation]:
         out: list[Observation] = []
-        for source in _admission_sources.items():
+        for source in sources.items():
             try:
                 out.append(Observation(int(getattr(source, attribute))))
             except Exception:
-                log.debug("admission %s unavailable", attribute, exc_info=True)
+                log.debug("%s unavailable", attribute, exc_info=True)
         return out
 
     return observe
@@ -304,19 +296,19 @@ class Instruments:
         )
         self.admission_limit = meter.create_observable_gauge(
             "mars.admission.limit",
-            callbacks=[_observe_admission("limit")],
+            callbacks=[_observe(_admission_sources, "limit")],
             unit="{turn}",
             description="the ingress's adaptive concurrency limit: turns it lets into the pipeline at once",
         )
         self.admission_inflight = meter.create_observable_gauge(
             "mars.admission.inflight",
-            callbacks=[_observe_admission("inflight")],
+            callbacks=[_observe(_admission_sources, "inflight")],
             unit="{turn}",
             description="turns this ingress process has in the pipeline now",
         )
         self.memory_embed_behind = meter.create_observable_gauge(
             "mars.memory.embed_behind",
-            callbacks=[_observe_write_behind],
+            callbacks=[_observe(_write_behind_sources, "backlog")],
             unit="{record}",
             description="stored pairs applied and waiting for their embedding (bounded: MARS_EMBED_BEHIND)",
         )

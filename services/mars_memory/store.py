@@ -39,7 +39,6 @@ from mars.retrieval.hybrid import (
     HybridConfig,
     HybridMemory,
     chunk_pieces,
-    embed_chunks,
     state_conditioned,
 )
 from mars.retrieval.ranker import LearnedRanker, load_ranker
@@ -242,7 +241,7 @@ class MemoryStore:
         return vectors
 
     def _embed_records(self, records: Sequence[MemoryRecord]) -> list[np.ndarray]:
-        """Each record's chunk vectors, as `_embed_record` gives them, from one call of the model."""
+        """Each record's chunk vectors (as HybridMemory.add_group stores them), from one call of the model."""
         assert self._embedder is not None
         pieces = [chunk_pieces([r.text], self._config.max_chunk_words) for r in records]
         vectors = self._embedder.encode([p for ps in pieces for p in ps])
@@ -607,9 +606,7 @@ class MemoryStore:
         return [float(v) for v in self._query_embedder.encode([text])[0]]
 
     def _embed_record(self, record: MemoryRecord) -> np.ndarray | None:
-        if self._embedder is None:
-            return None
-        return embed_chunks(self._embedder, [record.text], self._config.max_chunk_words)
+        return self._embed_records([record])[0] if self._embedder is not None else None
 
     @property
     def dense_available(self) -> bool:
