@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
+from fresh_process import across_processes
 from mars import history
 from mars.domain.memory_policy import MemoryRecord, session_ranking
 from mars.v1 import events_pb2 as ev
@@ -19,14 +20,23 @@ def turn(session: str, user: str, answer: str = "ok", key: str = "") -> svc.Reco
 def test_keys_are_stable_and_a_repeated_exchange_stays_two_pairs() -> None:
     turns = [turn("a", "hi"), turn("a", "hi"), turn("b", "hi"), turn("a", "x", key="mine")]
     keys = history.pair_keys(turns)
-    assert keys == history.pair_keys(list(turns))  # the same call again: the same keys
+    # The same call made again, as a retry that another ingress replica serves: the same keys and turn ids,
+    # also in processes whose string hashes differ (PYTHONHASHSEED).
+    code = (
+        "import json; from mars import history; from mars.v1 import services_pb2 as svc; "
+        "turns = [svc.RecordedTurn(session_id=s, user_text=u, assistant_text='ok', key=k) "
+        "for s, u, k in (('a', 'hi', ''), ('a', 'hi', ''), ('b', 'hi', ''), ('a', 'x', 'mine'))]; "
+        "keys = history.pair_keys(turns); "
+        "print(json.dumps([keys, [history.imported_turn_id('t', 'u', k) for k in keys]]))"
+    )
+    first, second = across_processes(code)
+    assert first == second == [keys, [history.imported_turn_id("t", "u", k) for k in keys]]
     assert len(set(keys)) == 4 and keys[3] == "mine"
     assert keys[0] != keys[1]  # the same pair twice is two pairs
     assert keys[0] != keys[2]  # the same words in another session are another pair
     # Turn ids: the same key of another user, or another tenant, is another turn.
     ids = {history.imported_turn_id(t, u, "k") for t, u in (("t", "u"), ("t", "v"), ("s", "u"))}
     assert len(ids) == 3
-    assert history.imported_turn_id("t", "u", "k") == history.imported_turn_id("t", "u", "k")
     assert all(i.startswith("imp") and len(i) == 32 for i in ids)
 
 

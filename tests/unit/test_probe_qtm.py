@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from fresh_process import across_processes
 from mars_tools.bench.realmem import Session, Turn, load_persona
 from mars_tools.probe.qtm import (
     ControllerConfig,
@@ -65,7 +66,15 @@ def test_snapshots_are_deterministic_and_bounded() -> None:
     persona = load_persona(TINY)
     all_snaps = pick_snapshots([persona], 100, None)
     assert len(all_snaps) == len(persona.queries)
-    assert pick_snapshots([persona], 2, None) == pick_snapshots([persona], 2, None)
+    two = pick_snapshots([persona], 2, None)
+    assert two == [all_snaps[0], all_snaps[len(all_snaps) // 2]]  # spread evenly over the timeline
+    # The same persona file read in other processes (other string-hash seeds) gives the same snapshots.
+    code = (
+        "import json; from mars_tools.bench.realmem import load_persona; "
+        "from mars_tools.probe.qtm import pick_snapshots; "
+        f"print(json.dumps([s.query_id for s in pick_snapshots([load_persona({str(TINY)!r})], 2, None)]))"
+    )
+    assert across_processes(code) == [[s.query_id for s in two]] * 2
     assert all(s.session_position < 2 for s in pick_snapshots([persona], 100, 2))
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from fresh_process import across_processes
 from mars.qtm.guard import GuardedEstimator
 from mars.qtm.labelled import DEFAULT_LABELS, load_labelled
 from mars.qtm.learned import (
@@ -151,8 +152,14 @@ def test_the_packaged_model_is_for_these_features() -> None:
 def test_ngram_buckets_are_the_same_in_every_process_and_carry_the_wording() -> None:
     a = hashed_ngrams("is that still under budget?", 256)
     assert a.sum() > 5 and set(np.unique(a)) <= {0.0, 1.0}
-    # blake2b, not hash(): fixed buckets (PYTHONHASHSEED does not move them).
-    assert int(hashed_ngrams("fix", 256).argmax()) == int(hashed_ngrams("fix", 256).argmax())
+    # blake2b, not hash(): fixed buckets. Two processes with different string-hash seeds set the same ones,
+    # which a hash()-based bucket would not (PYTHONHASHSEED moves every str hash).
+    code = (
+        "import json; from mars.qtm.learned import hashed_ngrams; "
+        "print(json.dumps(hashed_ngrams('is that still under budget?', 256).nonzero()[0].tolist()))"
+    )
+    first, second = across_processes(code)
+    assert first == second == a.nonzero()[0].tolist()
     assert not np.array_equal(a, hashed_ngrams("that is still under budget?", 256))  # first words differ
     assert hashed_ngrams("", 64).sum() == 0
     # The turn's n-grams and the previous turn's are both in the features.
