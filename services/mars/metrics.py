@@ -176,16 +176,18 @@ def watch_write_behind(source: WriteBehindSource) -> None:
 
 
 def _observe(sources: _Watched, attribute: str) -> Callable[[CallbackOptions], Iterable[Observation]]:
-    """A gauge callback: `attribute` of every watched source, one observation each."""
+    """A gauge callback: the sum of `attribute` over the process's watched sources, as one observation. The
+    gauge has no labels, so one observation per source would be one series written several times, and the
+    last source read (an idle one, say) would win."""
 
     def observe(options: CallbackOptions) -> Iterable[Observation]:
-        out: list[Observation] = []
+        values: list[int] = []
         for source in sources.items():
             try:
-                out.append(Observation(int(getattr(source, attribute))))
+                values.append(int(getattr(source, attribute)))
             except Exception:
                 log.debug("%s unavailable", attribute, exc_info=True)
-        return out
+        return [Observation(sum(values))] if values else []
 
     return observe
 

@@ -334,6 +334,8 @@ def test_the_memory_writers_embedding_backlog_is_a_gauge(reader: InMemoryMetricR
         async def store(vectors: list[tuple[str, np.ndarray]]) -> None:
             await asyncio.sleep(0)
 
+        idle = WriteBehind(embed, store, max_pending=10)  # another store's writer in the process, idle
+        metrics.watch_write_behind(idle)
         behind = WriteBehind(embed, store, max_pending=10)
         metrics.watch_write_behind(behind)
         for n in (1, 2):
