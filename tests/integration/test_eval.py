@@ -22,7 +22,8 @@ pytestmark = pytest.mark.integration
 def eval_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
     s = start_stack(
         tmp_path_factory.mktemp("eval"),
-        "models.test.yaml",
+        "models.standin-test.yaml",  # the stand-in LLM: no test here reads the answers' words
+        llm="standin",
         service_env={"dispatch": {"MARS_DEFAULT_MAX_TOKENS": "8"}},
     )
     try:

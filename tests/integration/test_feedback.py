@@ -26,7 +26,10 @@ def fb_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
         "MARS_FEEDBACK_BLEND_WEIGHT": "0.25",
         "MARS_LAMBDA_TENANTS": json.dumps({"fb-blend": 0.5}),
     }
-    s = start_stack(tmp_path_factory.mktemp("feedback"), "models.test.yaml", service_env={"judge": env})
+    # The stand-in LLM: the rewards, not the answers' words, are under test.
+    s = start_stack(
+        tmp_path_factory.mktemp("feedback"), "models.standin-test.yaml", llm="standin", service_env={"judge": env}
+    )
     try:
         yield s
     finally:
@@ -86,11 +89,15 @@ def test_late_feedback_replaces_the_reward_by_the_difference_once(fb_stack: Loca
     _feedback(fb_stack, "fb-replace", "u1", turn_id, rating=0.2)  # the same rating again: nothing to move
     _feedback(fb_stack, "fb-replace", "u1", turn_id, thumbs=1)  # thumbs up = 1.0
     wait_for(lambda: len(_corrections(fb_stack, turn_id)) == 2, 30, "the second correction")
-    time.sleep(1.0)
-    got = _corrections(fb_stack, turn_id)
-    assert set(got) == {f"{turn_id}#feedback-1", f"{turn_id}#feedback-2"}
-    assert got[f"{turn_id}#feedback-2"] == pytest.approx(1.0 - 0.2)
     assert _judged(fb_stack, turn_id)[3] == pytest.approx(1.0 - lam * cost)
+    # A marker after them: a user's feedback is handled in order (one key, one partition), so once the
+    # marker's correction is applied, a correction for the repeated rating would have been applied too.
+    _feedback(fb_stack, "fb-replace", "u1", turn_id, rating=0.5)
+    wait_for(lambda: f"{turn_id}#feedback-3" in _corrections(fb_stack, turn_id), 30, "the marker's correction")
+    got = _corrections(fb_stack, turn_id)
+    assert set(got) == {f"{turn_id}#feedback-{n}" for n in (1, 2, 3)}
+    assert got[f"{turn_id}#feedback-2"] == pytest.approx(1.0 - 0.2)
+    assert got[f"{turn_id}#feedback-3"] == pytest.approx(0.5 - 1.0)
 
 
 def test_blend_mode_and_log_mode(fb_stack: LocalStack) -> None:
@@ -109,7 +116,9 @@ def test_blend_mode_and_log_mode(fb_stack: LocalStack) -> None:
         30,
         "feedback row",
     )
-    time.sleep(1.0)
+    # A marker behind it: the same user's next turn, whose reward reaches the router through the same
+    # topic and partition after any correction the feedback could have caused (_turn waits for it).
+    _turn(fb_stack, "fb-log", "u3")
     assert _corrections(fb_stack, logged) == {}
 
 

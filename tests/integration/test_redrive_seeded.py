@@ -30,7 +30,8 @@ def _version(router: svc_grpc.RouterStub, tenant: str) -> int:
 def seeded_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
     s = start_stack(
         tmp_path_factory.mktemp("seeded"),
-        "models.test.yaml",
+        "models.standin-test.yaml",  # the stand-in LLM: no test here reads the answers' words
+        llm="standin",
         service_env={"router": ROUTER_ENV, "dispatch": {"MARS_DEFAULT_MAX_TOKENS": "8"}},
     )
     try:

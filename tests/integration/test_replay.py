@@ -26,7 +26,8 @@ USERS, TURNS = 5, 10
 def replay_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
     s = start_stack(
         tmp_path_factory.mktemp("replay"),
-        "models.test.yaml",
+        "models.standin-test.yaml",  # the stand-in LLM: no test here reads the answers' words
+        llm="standin",
         service_env={"dispatch": {"MARS_DEFAULT_MAX_TOKENS": "8"}},
     )
     try:

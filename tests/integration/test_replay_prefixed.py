@@ -27,7 +27,8 @@ PREFIX, TURNS = "it7.", 3
 def prefixed_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
     s = start_stack(
         tmp_path_factory.mktemp("prefixed"),
-        "models.test.yaml",
+        "models.standin-test.yaml",  # the stand-in LLM: no test here reads the answers' words
+        llm="standin",
         service_env={"dispatch": {"MARS_DEFAULT_MAX_TOKENS": "8"}},
         topic_prefix=PREFIX,
     )
@@ -90,8 +91,8 @@ def test_replay_run_with_a_preset_on_a_stack_of_its_own(prefixed_stack: LocalSta
     # Exports carry the base topic names, so a prefixed run's file reads like any other.
     assert {json.loads(line)["topic"] for line in log.read_text().splitlines()} <= set(ALL_TOPICS)
     run = mars(
-        "replay", "run", "--file", str(log), "--model-pool", str(HERE / "models.test.yaml"),
-        "--config", "lambda-0.5", "--config", "fixed:smollm2-135m-short", "--set", "MARS_DEFAULT_MAX_TOKENS=8",
+        "replay", "run", "--file", str(log), "--model-pool", str(HERE / "models.standin-test.yaml"),
+        "--config", "lambda-0.5", "--config", "fixed:standin-short", "--set", "MARS_DEFAULT_MAX_TOKENS=8",
         "--topic-prefix", "rerun.", "--strict", "--summary", str(tmp_path / "compare.json"),
         "--traces", str(tmp_path / "traces"),
         stack=prefixed_stack,
@@ -107,5 +108,5 @@ def test_replay_run_with_a_preset_on_a_stack_of_its_own(prefixed_stack: LocalSta
     redriven = [
         json.loads(line) for line in (tmp_path / "traces" / "redriven.jsonl").read_text().splitlines()
     ]
-    assert {t["generated"]["model"] for t in redriven} == {"smollm2-135m-short"}
+    assert {t["generated"]["model"] for t in redriven} == {"standin-short"}
     assert {t["judged"]["lambda_cost"] for t in redriven} == {0.5}
