@@ -11,7 +11,9 @@ environment the chart sets is the services' real settings.
 from __future__ import annotations
 
 import copy
+import functools
 import importlib
+import json
 from typing import Any
 
 import jsonschema
@@ -113,8 +115,15 @@ KUBE_VERSIONS = (helm.OLDEST_KUBE, helm.NEWEST_KUBE)
 def render(
     values: dict[str, Any], kube: str = helm.NEWEST_KUBE, strimzi: bool = False
 ) -> list[dict[str, Any]]:
+    """The chart rendered with `values`; the same values render the same objects, so each distinct render
+    runs Helm once per session, and every caller gets its own copy to change."""
+    return copy.deepcopy(_render(json.dumps(values, sort_keys=True), kube, strimzi))
+
+
+@functools.cache
+def _render(values_json: str, kube: str, strimzi: bool) -> list[dict[str, Any]]:
     apis = [helm.STRIMZI_API, helm.STRIMZI_USER_API] if strimzi else []
-    return helm.render(values, kube_version=kube, api_versions=apis)
+    return helm.render(json.loads(values_json), kube_version=kube, api_versions=apis)
 
 
 def by_component(objects: list[dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:
