@@ -25,7 +25,7 @@ pytestmark = pytest.mark.integration
 
 TENANT = "gw"
 QUOTA_TENANT = "gw-quota"
-ARMS = {"broken-endpoint", "smollm2-135m-short", "smollm2-135m-long"}
+ARMS = {"broken-endpoint", "standin-short", "standin-long"}
 
 
 METRICS_PORT = free_port()
@@ -35,7 +35,8 @@ METRICS_PORT = free_port()
 def gw_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
     s = start_stack(
         tmp_path_factory.mktemp("gateway"),
-        "models.test.yaml",
+        "models.standin-test.yaml",  # the stand-in LLM: the gateway's protocol is under test, not the words
+        llm="standin",
         service_env={
             "judge": {"MARS_FEEDBACK_MODE": "replace"},
             # One turn, then 429 for a long while: the quota test and the fuzzing tenant.
