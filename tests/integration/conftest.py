@@ -67,8 +67,10 @@ def start_stack(
     return LocalStack(settings).start()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
+    """The SmolLM2 stack of test_pipeline and test_pipeline_features (adjacent by name), started once: each
+    module talks as tenants and users of its own and reads back only its own turns' events and rows."""
     s = start_stack(tmp_path_factory.mktemp("e2e"), "models.test.yaml")
     try:
         yield s

@@ -49,11 +49,13 @@ def test_load_short_run_measures_mars_and_litellm(tmp_path: Path) -> None:
     for rate, row, cut in zip((4.0, 8.0), report["mars"], report["decomposition"], strict=True):
         assert cut["rate"] == rate
         assert cut["turns"] == round(rate * 3)  # every turn sent in the window was traced end to end
+        # Every stage and hop of the path took time: a span missing or out of place reads 0 or below.
         segments = {name: s["mean_ms"] for name, s in cut["segments"].items()}
-        assert all(v >= 0 for v in segments.values()), segments
-        assert sum(segments.values()) == pytest.approx(cut["server_overhead"]["mean_ms"], rel=1e-6)
-        # The server's overhead is part of what the client measured (the rest: the gRPC call itself).
-        assert cut["server_overhead"]["p50_ms"] <= row["overhead_p99_ms"]
+        assert all(v > 0 for v in segments.values()), segments
+        # The server's overhead (its call minus the model call it timed) lies inside what the client measured
+        # for the same turn (the call's whole time minus the upstream's fixed 50 ms), so their medians keep
+        # that order; 2 ms for the spans' and the client's clocks rounding apart.
+        assert cut["server_overhead"]["p50_ms"] <= row["overhead_p50_ms"] + 2.0
         assert cut["steps"]["memory memory embed-query"] > 0 and cut["steps"]["router router decide"] > 0
         assert cut["steps"]["dispatch dispatch model-call"] >= 50  # the stand-in's fixed latency
     floor = report["floor"]

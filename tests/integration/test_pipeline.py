@@ -232,12 +232,26 @@ def test_read_your_writes_view_includes_previous_turn(
 ) -> None:
     turns = all_turn_ids(conversation)
     seq_of = {r.turn_id: r.seq for rs in conversation.values() for r in rs}
+    # Each turn's previous turn in its session (the users' replies are in order, SCRIPTS' turns per session).
+    per_session = {user: len(SCRIPTS[user]) for user in conversation}
+    previous = {
+        r.turn_id: rs[i - 1].turn_id
+        for user, rs in conversation.items()
+        for i, r in enumerate(rs)
+        if i % per_session[user]
+    }
+    continued = 0
     for view in read_events(stack, TOPIC_VIEW, ev.ViewBuilt):
         if view.turn.turn_id in turns:
             assert not view.view.possibly_stale
-            for block in view.view.blocks:
-                if block.source_turn_id:
-                    assert seq_of[block.source_turn_id] < view.turn.seq
+            sources = {block.source_turn_id for block in view.view.blocks if block.source_turn_id}
+            assert all(seq_of[source] < view.turn.seq for source in sources)
+            # A turn that stays on its thread sees the thread's newest pair: the one its previous turn
+            # stored, committed by memory just before (read your writes), not a pair from further back.
+            if view.turn.turn_id in previous and view.state.action != ev.NEW_TOPIC:
+                assert previous[view.turn.turn_id] in sources, f"{view.turn.turn_id} misses its previous turn"
+                continued += 1
+    assert continued > 0, "no view continued its thread: the inclusion check would be vacuous"
 
 
 def test_redelivered_judged_event_updates_router_once(

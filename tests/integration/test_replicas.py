@@ -16,7 +16,7 @@ from mars.v1 import services_pb2 as svc
 from mars.v1 import services_pb2_grpc as svc_grpc
 from mars_stack import LocalStack, StackSettings
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.resilience]
 REPO = Path(__file__).resolve().parents[2]
 USERS = ("ana", "ben", "cy")
 TURNS = [

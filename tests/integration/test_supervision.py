@@ -18,7 +18,7 @@ from mars.v1 import services_pb2_grpc as svc_grpc
 from mars_stack import LocalStack, StackSettings, stack_kafka_options
 from mars_stack.stack import StackError, tcp_open
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.resilience]
 REPO = Path(__file__).resolve().parents[2]
 #: A topic of its own, under the run's "mars." names (the tools' principal may use those alone).
 KEPT = "mars.test.kept"
