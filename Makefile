@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PROTO_SRC := $(wildcard proto/mars/v1/*.proto)
 PROTO_OUT := services/mars/v1/.generated
 
-.PHONY: chart-acls install proto kafka litellm run test test-unit test-integration lint clean image test-image kube test-k8s test-k8s-kubelet node-tools test-k8s-e2e
+.PHONY: chart-acls install proto kafka litellm run test test-resilience test-unit test-integration lint clean image test-image kube test-k8s test-k8s-kubelet node-tools test-k8s-e2e
 
 install: $(STAMP)
 
@@ -59,8 +59,15 @@ $(LITELLM_VENV)/.installed:
 run: install proto kafka
 	$(VENV)/bin/mars run
 
+# Every test but the resilience runs (processes killed and restarted, replicas, the short chaos run), which
+# have their own target (.ci/run calls it right after this one): pytest -m "not resilience".
 test: install proto kafka litellm
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not resilience"
+
+# The resilience runs: supervision (a killed process comes back on its port with its data), two replicas of
+# every service, and chaos.py's short scenario (replicas SIGKILLed, the broker stopped, Postgres restarted).
+test-resilience: install proto kafka
+	$(PY) -m pytest -q -m resilience tests/integration
 
 # The chart's KafkaUser ACLs (charts/mars/files/kafka-acls.json) from mars.kafka_acls: the one table, written
 # for the chart (tests/unit/test_kafka_acl_table.py fails when the file is stale).

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import require_kafka, run_harness
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.resilience]
 
 
 def test_chaos_short_loses_nothing_and_applies_nothing_twice(tmp_path: Path) -> None:
