@@ -16,7 +16,7 @@ from typing import Any, ClassVar, Literal, Self
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-#: Base topic names, one per turn stage plus the dead-letter topic (ARCHITECTURE.md, "Events over Kafka").
+#: Base topic names, one per turn stage plus the dead-letter topic (README, "What runs"; proto/mars/v1/events.proto).
 #: Services publish and subscribe by these names; the bus puts the run's `topic_prefix` in front (`Topics`).
 TOPIC_RECEIVED = "mars.turn.received"
 TOPIC_STATE = "mars.turn.state"

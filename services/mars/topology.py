@@ -3,8 +3,10 @@ its Kafka consumer groups (topics it reads), its gRPC service and the callers th
 
 The local launcher (mars_stack), `mars migrate`, the replay presets, the chaos harness, `mars deploy status`,
 the chart tests (KEDA triggers) and the identity interceptor all read this table; each StageConsumer checks
-its subscriptions against its group here. Services are named by module path, never imported, so the core
-stays below the services (`.importlinter`). Group and topic names are before the run's topic prefix.
+its subscriptions against its group here. Services are named by module path and imported by that string only
+when their settings class or migrations are asked for (`ServiceSpec.settings_class`, `.migrations`): not at
+import time, so the core imports nothing above it, but those calls do reach up into the services at run
+time, where `.importlinter` cannot see it. Group and topic names are before the run's topic prefix.
 """
 
 from __future__ import annotations
