@@ -124,9 +124,9 @@ async def send_turns(
 ) -> None:
     """Open loop: turn i leaves at t0 + i / rate whatever happened to the turns before it."""
     import grpc
-    from mars.client import aio_ingress_channel
     from mars.v1 import services_pb2 as svc
     from mars.v1 import services_pb2_grpc as svc_grpc
+    from mars_ingress.client import aio_ingress_channel
 
     rng = random.Random(seed)
     # Client-side round robin over the ingress replicas, like a Kubernetes Service: a dead replica is

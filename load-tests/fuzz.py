@@ -590,7 +590,10 @@ def draw_cases(n: int, ctx: Context, rng_seed: int) -> list[Case]:
 async def send_records(bootstrap: str, records: Sequence[Case]) -> None:
     """Send every case (in order), filling in where it landed, or why the broker refused it."""
     producer = AIOKafkaProducer(
-        **stack_kafka_options(bootstrap), enable_idempotence=False, max_request_size=4 * 1024 * 1024, linger_ms=5
+        **stack_kafka_options(bootstrap),
+        enable_idempotence=False,
+        max_request_size=4 * 1024 * 1024,
+        linger_ms=5,
     )
     await producer.start()
     try:
@@ -1015,7 +1018,7 @@ def ingress_channel(stack: Any, plain: grpc.Channel) -> grpc.Channel:
     API keys (mars.auth); the plain channel otherwise (or with --metadata KEY=VALUE for other schemes)."""
     try:
         from mars.auth import mint_key  # type: ignore[import-not-found, unused-ignore]
-        from mars.client import ingress_channel as keyed  # type: ignore[import-not-found, unused-ignore]
+        from mars_ingress.client import ingress_channel as keyed  # type: ignore[import-not-found, unused-ignore]
     except ImportError:
         return plain
     plain.close()

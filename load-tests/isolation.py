@@ -77,9 +77,9 @@ async def send_all(
 ) -> tuple[list[tuple[str, str, str, Any]], Counter[str]]:
     """Send every turn (in order per tenant and user, users concurrently); (tenant, user, text, reply)."""
     import grpc
-    from mars.client import aio_ingress_channel
     from mars.v1 import services_pb2 as svc
     from mars.v1 import services_pb2_grpc as svc_grpc
+    from mars_ingress.client import aio_ingress_channel
 
     channels = {t: aio_ingress_channel(target, keys[t]) for t in TENANTS}
     stubs = {t: svc_grpc.IngressStub(c) for t, c in channels.items()}

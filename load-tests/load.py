@@ -148,11 +148,11 @@ async def open_loop(
 
 def mars_sender(target: str, timeout_s: float, api_key: str) -> tuple[Any, Any]:
     import grpc
-    from mars.client import aio_ingress_channel
     from mars.v1 import services_pb2 as svc
     from mars.v1 import services_pb2_grpc as svc_grpc
+    from mars_ingress.client import aio_ingress_channel
 
-    # No retries by gRPC itself (mars.client sends a shed turn again): every refusal is counted as it came.
+    # No retries by gRPC itself (mars_ingress.client sends a shed turn again): every refusal is counted as it came.
     channel = aio_ingress_channel(target, api_key, options=[("grpc.enable_retries", 0)])
     stub = svc_grpc.IngressStub(channel)
 
@@ -326,7 +326,9 @@ def print_table(system: str, rows: list[Row]) -> None:
             f"{r.timed_out:7d} {r.e2e_p50_ms:9.1f} {r.e2e_p99_ms:9.1f} {r.e2e_max_ms:9.1f} "
             f"{r.overhead_p50_ms:9.1f} {r.overhead_p99_ms:9.1f} {r.cpu_ms_per_answered:8.1f}"
         )
-    print("(achieved: answered per second; ovh: end-to-end minus the model call, answered turns; CPU/ans: the")
+    print(
+        "(achieved: answered per second; ovh: end-to-end minus the model call, answered turns; CPU/ans: the"
+    )
     print(" system's CPU ms per answered turn)")
     print("CPU ms per turn (cores busy in all)")
     for r in rows:
@@ -435,10 +437,7 @@ def compare_kafka_security(argv: list[str], args: argparse.Namespace) -> int:
             f"{pair[k + '_plaintext']:7.1f} -> {pair[k + '_sasl_ssl']:7.1f}"
             for k in ("e2e_p50_ms", "e2e_p99_ms", "overhead_p50_ms", "overhead_p99_ms", "cpu_ms_per_turn")
         ]
-        print(
-            f"{r['rate']:6g} {' '.join(f'{c:>17s}' for c in cells)} "
-            f"{p['errors']:>4d}/{r['errors']:<4d}"
-        )
+        print(f"{r['rate']:6g} {' '.join(f'{c:>17s}' for c in cells)} {p['errors']:>4d}/{r['errors']:<4d}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"runs": rows, "compared": compared}, indent=2))

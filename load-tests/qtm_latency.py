@@ -2,7 +2,7 @@
 
     .venv/bin/python load-tests/qtm_latency.py [--model M] [--labels F] [--repeat 3] [--json OUT]
 
-Every turn of the labelled set (mars.qtm.labelled) is estimated with its gold active thread, as the state
+Every turn of the labelled set (mars_state.qtm.labelled) is estimated with its gold active thread, as the state
 service would (GuardedEstimator: controller, clamping, guardrails). The MiniLM embeddings of the texts are
 computed once beforehand (the service's LRU cache holds a thread's earlier turns, and the memory service has
 the turn's own vector), so the learned row is the controller's own work: features, six heads, the guard.
@@ -17,10 +17,10 @@ import json
 import time
 from pathlib import Path
 
-from mars.qtm.guard import GuardedEstimator
-from mars.qtm.labelled import DEFAULT_LABELS, read_labelled
-from mars.qtm.learned import DEFAULT_MODEL, LearnedController, LearnedModel
 from mars.retrieval.embedder import LruEmbedder, load_embedder
+from mars_state.qtm.guard import GuardedEstimator
+from mars_state.qtm.labelled import DEFAULT_LABELS, read_labelled
+from mars_state.qtm.learned import DEFAULT_MODEL, LearnedController, LearnedModel
 from mars_tools.probe.common import percentile
 from rich.console import Console
 from rich.progress import Progress

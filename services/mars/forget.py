@@ -2,11 +2,12 @@
 
 Each service deletes the rows it owns, as it may touch no other's (mars.db_roles):
   - the ingress (Ingress.ForgetUser) deletes its own rows and the user's data key (`forget_own_async`), then
-    publishes a UserForgotten event on mars.control carrying the user's turn ids;
+    publishes a UserForgotten event on mars.control carrying the user's turn ids (mars_ingress.forget_user);
   - every other service reads the event (its control reader, mars.runtime), deletes its own rows and its
     stages' ledger rows, and acknowledges in `ingress_forget_acks` (`acknowledge`), the one thing its
     role may write there;
-  - the ingress waits for an acknowledgement from every owner (`acknowledged`) and names those missing.
+  - the ingress waits for an acknowledgement from every owner (mars_ingress.forget_user.acknowledged) and
+    names those missing.
 The operators' `mars forget` (one login that may do everything) deletes every table at once
 (`forget_user_sync`) and publishes the same event.
 
@@ -30,8 +31,6 @@ Turns in flight while a user is forgotten: see `forget_user` (a race acknowledge
 from __future__ import annotations
 
 import re
-import time
-import uuid
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -161,23 +160,6 @@ def migration_columns(statements: Iterable[str]) -> list[tuple[str, str]]:
     return found
 
 
-def control_event(
-    tenant: str, user_id: str, forget_id: str | None = None, turn_ids: Iterable[str] = ()
-) -> ev.UserForgotten:
-    return ev.UserForgotten(
-        forget_id=forget_id or uuid.uuid4().hex,
-        tenant=tenant,
-        user_id=user_id,
-        forgotten_at_ms=int(time.time() * 1000),
-        turn_ids=sorted(set(turn_ids)),
-    )
-
-
-def event_key(tenant: str, user_id: str) -> bytes:
-    """Keyed like the user's turn events (mars.bus.event_key)."""
-    return f"{tenant}/{user_id}".encode()
-
-
 EXISTING_TABLES_SQL = "SELECT table_name FROM information_schema.tables WHERE table_schema = current_schema()"
 
 
@@ -260,7 +242,8 @@ async def forget_own_async(
         counts: dict[str, int] = {}
         if LEDGER in present and stages:
             cur = await conn.execute(
-                f"DELETE FROM {LEDGER} WHERE stage = ANY(%(stages)s) AND {_TURNS}", {**values, "stages": stages}
+                f"DELETE FROM {LEDGER} WHERE stage = ANY(%(stages)s) AND {_TURNS}",
+                {**values, "stages": stages},
             )
             counts[LEDGER] = cur.rowcount
         for table in mine:
@@ -291,15 +274,6 @@ def owner_forgetter(
     return on_forgotten
 
 
-def merge_counts(*parts: dict[str, int]) -> dict[str, int]:
-    """Rows deleted by table over every owner's part, every forgotten table listed (0 where none)."""
-    total = {t.table: 0 for t in FORGET_TABLES}
-    for part in parts:
-        for table, n in part.items():
-            total[table] = total.get(table, 0) + n
-    return total
-
-
 async def acknowledge(conn: Any, forget_id: str, service: str, counts: dict[str, int]) -> None:
     """`service` has deleted its rows of the forget: every replica says so, and their counts add up."""
     await conn.execute(
@@ -310,11 +284,3 @@ async def acknowledge(conn: Any, forget_id: str, service: str, counts: dict[str,
         "FROM jsonb_object_keys(a.rows_deleted || excluded.rows_deleted) AS k)",
         (forget_id, service, Jsonb(counts)),
     )
-
-
-async def acknowledged(conn: Any, forget_id: str) -> dict[str, dict[str, int]]:
-    """The acknowledgements of a forget so far: service -> rows deleted by table."""
-    cur = await conn.execute(
-        f"SELECT service, rows_deleted FROM {FORGET_ACKS} WHERE forget_id = %s", (forget_id,)
-    )
-    return {str(service): {str(k): int(v) for k, v in rows.items()} for service, rows in await cur.fetchall()}

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from mars.domain.text import estimate_tokens
-from mars.pool import TOKENIZER_KINDS
+from mars.model_pool import TOKENIZER_KINDS
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +51,10 @@ def _load_exact(spec: str | None) -> TokenCounter:
         return estimate_tokens
     kind, _, path = spec.partition(":")
     if kind not in TOKENIZER_KINDS:
-        # A misconfigured pool is refused when it loads (mars.pool); anything else naming one is refused here.
-        raise ValueError(f"unknown tokenizer kind {kind!r} in {spec!r} (use gguf:<path> or hf:<tokenizer.json>)")
+        # A misconfigured pool is refused when it loads (mars.model_pool); anything else naming one is refused here.
+        raise ValueError(
+            f"unknown tokenizer kind {kind!r} in {spec!r} (use gguf:<path> or hf:<tokenizer.json>)"
+        )
     if not path:
         return estimate_tokens  # e.g. gguf:${MARS_LOCAL_GGUF:-} outside the local stack
     try:

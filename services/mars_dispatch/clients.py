@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import httpx
 from mars.domain.packing import PackedPrompt
 from mars.domain.text import estimate_tokens
-from mars.pool import ModelPool, ModelSpec
+from mars.model_pool import ModelPool, ModelSpec
 
 #: HTTP statuses worth another attempt on the same endpoint (besides connection trouble).
 _RETRYABLE_STATUS = frozenset({408, 429})

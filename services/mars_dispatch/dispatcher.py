@@ -12,7 +12,7 @@ from typing import Protocol
 from mars import metrics
 from mars.domain.circuit import CircuitBreaker
 from mars.domain.packing import PackedPrompt, input_budget, pack_view
-from mars.pool import ModelPool, ModelSpec
+from mars.model_pool import ModelPool, ModelSpec
 from mars.telemetry import step
 from mars.tokens import load_counter
 from mars.v1 import events_pb2 as ev

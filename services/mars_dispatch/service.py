@@ -13,7 +13,7 @@ from mars.bus import EventProducer, PoisonEvent, StageConsumer, StageOutput, Sub
 from mars.config import DISPATCH_STAGE, TOPIC_GENERATED, TOPIC_ROUTED, TOPIC_TOKENS
 from mars.domain.circuit import CircuitBreaker
 from mars.domain.turn_options import MAX_TOKENS_LIMIT, InvalidOption, parse_turn_options
-from mars.pool import ModelPool, load_pool
+from mars.model_pool import ModelPool, load_pool
 from mars.runtime import GrpcBinding, InvalidRequest, ServiceContext, ServiceParts, rpc_errors, run
 from mars.v1 import events_pb2 as ev
 from mars.v1 import services_pb2 as svc

@@ -6,7 +6,7 @@ import logging
 import sys
 
 import uvicorn
-from mars.pool import PoolFileError, load_pool
+from mars.model_pool import PoolFileError, load_pool
 from mars.runtime import configure_logging
 
 from mars_gateway.app import create_app

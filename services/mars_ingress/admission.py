@@ -8,16 +8,17 @@ import time
 from datetime import UTC, datetime
 
 import grpc
-from mars import auth, history, metrics
+from mars import auth, metrics
 from mars.auth import AuthError, KeyVerifier, PermissionDenied, Principal
 from mars.domain.text import control_character
 from mars.domain.turn_options import InvalidOption, parse_turn_options
-from mars.quota import Quotas, Refusal, SpendCache, TenantLimits, pool_spend, spend_refusal
 from mars.runtime import InvalidRequest, RpcRefusal
 from mars.tokens import load_counter
 from mars.v1 import services_pb2 as svc
 from psycopg_pool import AsyncConnectionPool
 
+from mars_ingress import history
+from mars_ingress.quota import Quotas, Refusal, SpendCache, TenantLimits, pool_spend, spend_refusal
 from mars_ingress.settings import IngressSettings
 
 log = logging.getLogger(__name__)
@@ -102,7 +103,7 @@ def auth_failure(exc: AuthError) -> TurnFailed:
 
 def quota_failure(refusal: Refusal) -> TurnFailed:
     """RESOURCE_EXHAUSTED with the wait in the message and in trailing metadata `retry-after-ms`; a pushback
-    of -1 tells gRPC's own retries (mars.client) not to send it again: the wait may be hours."""
+    of -1 tells gRPC's own retries (mars_ingress.client) not to send it again: the wait may be hours."""
     return TurnFailed(
         grpc.StatusCode.RESOURCE_EXHAUSTED,
         refusal.message,
@@ -193,5 +194,7 @@ class Admission:
     def charge_imported(self, tenant: str, pairs: list[history.ImportedPair]) -> None:
         """Imported text is the tenant's text too: it counts against a token quota."""
         if self._quotas.limits(tenant).tokens_per_min > 0:
-            tokens = sum(self._count_tokens(p.user_text) + self._count_tokens(p.assistant_text) for p in pairs)
+            tokens = sum(
+                self._count_tokens(p.user_text) + self._count_tokens(p.assistant_text) for p in pairs
+            )
             self._quotas.charge_tokens(tenant, tokens, time.monotonic())

@@ -79,7 +79,7 @@ class Capacity:
             raise TurnFailed(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"{shed.message}; try again in {shed.retry_after_ms} ms",
-                # retry-after-ms for callers; grpc-retry-pushback-ms for gRPC's own retries (mars.client).
+                # retry-after-ms for callers; grpc-retry-pushback-ms for gRPC's own retries (mars_ingress.client).
                 trailing=(
                     ("retry-after-ms", str(shed.retry_after_ms)),
                     ("grpc-retry-pushback-ms", str(shed.retry_after_ms)),

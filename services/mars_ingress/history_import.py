@@ -1,4 +1,4 @@
-"""History import at the ingress: a user's recorded turn pairs (mars.history) take seqs and are recorded as
+"""History import at the ingress: a user's recorded turn pairs (mars_ingress.history) take seqs and are recorded as
 IMPORTED, the context they leave active goes to the state service (its table, through its RPC), and they
 are published as imported generated events, which the memory writer stores through its normal commit. Used
 by ImportHistory and by a turn that brings earlier messages MARS does not hold."""
@@ -9,13 +9,13 @@ import asyncio
 import time
 from collections import Counter
 
-from mars import history
 from mars.bus import EventProducer
 from mars.config import SCHEMA_VERSION, TOPIC_GENERATED
 from mars.v1 import events_pb2 as ev
 from mars.v1 import services_pb2 as svc
 from psycopg_pool import AsyncConnectionPool
 
+from mars_ingress import history
 from mars_ingress.admission import Admission
 from mars_ingress.settings import IngressSettings
 from mars_ingress.state_context import StateContextClient

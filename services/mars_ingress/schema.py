@@ -25,9 +25,9 @@ MIGRATIONS = [
     # The turn's received event (an outbox): a turn whose replica died before publishing it is sent again.
     "ALTER TABLE ingress_turns ADD COLUMN IF NOT EXISTS received BYTEA",
     "ALTER TABLE ingress_turns ADD COLUMN IF NOT EXISTS republished_at TIMESTAMPTZ",
-    # A tenant's turns of today, for the daily spend limit (mars.quota.SPENT_TODAY_SQL).
+    # A tenant's turns of today, for the daily spend limit (mars_ingress.quota.SPENT_TODAY_SQL).
     "CREATE INDEX IF NOT EXISTS ingress_turns_tenant_day ON ingress_turns (tenant, created_at)",
-    # A user turn's content digest in its session (mars.history.text_digest): a turn's earlier messages
+    # A user turn's content digest in its session (mars_ingress.history.text_digest): a turn's earlier messages
     # (TurnRequest.history) that MARS holds already are found by it and not stored again.
     "ALTER TABLE ingress_turns ADD COLUMN IF NOT EXISTS text_digest TEXT",
     "CREATE INDEX IF NOT EXISTS ingress_turns_text_digest ON ingress_turns (tenant, user_id, text_digest)",
@@ -48,7 +48,7 @@ MIGRATIONS = [
     END $$
     """,
     # What the turn cost (generator + controller + judge), from its Judged event (the outcome group): the
-    # tenant's daily spend is summed here, in the ingress's own table, not the judge's (mars.quota).
+    # tenant's daily spend is summed here, in the ingress's own table, not the judge's (mars_ingress.quota).
     "ALTER TABLE ingress_turns ADD COLUMN IF NOT EXISTS cost_usd DOUBLE PRECISION",
     # Each owner's acknowledgement of a forget (mars.forget): every other service's role may insert its own
     # row and nothing else (mars.db_roles); ForgetUser waits for them.

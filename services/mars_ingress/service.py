@@ -12,7 +12,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 import grpc
-from mars import auth, forget, history, metrics, topology
+from mars import auth, forget, metrics, topology
 from mars.auth import AuthError, Principal
 from mars.bus import EventProducer, StageConsumer, Subscription, is_transient
 from mars.config import (
@@ -38,6 +38,7 @@ from mars.v1 import services_pb2_grpc as svc_grpc
 from opentelemetry import trace
 from psycopg_pool import AsyncConnectionPool
 
+from mars_ingress import forget_user, history
 from mars_ingress.admission import (
     Admission,
     InvalidTurn,
@@ -337,7 +338,9 @@ class IngressServicer(svc_grpc.IngressServicer):
             await abort_rpc(context, exc, "Ingress.SubmitFeedback")
         try:
             await self._publish_feedback(request, rating)
-        except Exception as exc:  # TurnFailed's status, or Postgres or the broker's: a plain one, never their text
+        except (
+            Exception
+        ) as exc:  # TurnFailed's status, or Postgres or the broker's: a plain one, never their text
             await abort_rpc(context, exc, "Ingress.SubmitFeedback")
         return svc.FeedbackReply(accepted=True)
 
@@ -384,15 +387,17 @@ class IngressServicer(svc_grpc.IngressServicer):
         try:
             async with self._pool.connection() as conn:
                 own, turns = await forget.forget_own_async(conn, "ingress", request.tenant, request.user_id)
-            event = forget.control_event(request.tenant, request.user_id, turn_ids=turns)
+            event = forget_user.control_event(request.tenant, request.user_id, turn_ids=turns)
             self._producer.forget_user(request.tenant, request.user_id)
             await self._producer.send_raw(
-                TOPIC_CONTROL, event.SerializeToString(), forget.event_key(request.tenant, request.user_id)
+                TOPIC_CONTROL,
+                event.SerializeToString(),
+                forget_user.event_key(request.tenant, request.user_id),
             )
             acks = await self._acknowledgements(event.forget_id)
         except Exception as exc:
             await abort_rpc(context, exc, "Ingress.ForgetUser")
-        counts = forget.merge_counts(own, *acks.values())
+        counts = forget_user.merge_counts(own, *acks.values())
         missing = [s for s in forget.acknowledgers() if s not in acks]
         if missing:
             log.warning(
@@ -417,7 +422,7 @@ class IngressServicer(svc_grpc.IngressServicer):
         wanted = set(forget.acknowledgers())
         while True:
             async with self._pool.connection() as conn:
-                acks = await forget.acknowledged(conn, forget_id)
+                acks = await forget_user.acknowledged(conn, forget_id)
             if wanted <= set(acks) or time.monotonic() >= deadline:
                 return acks
             await asyncio.sleep(0.1)
@@ -440,7 +445,7 @@ class IngressServicer(svc_grpc.IngressServicer):
     async def ImportHistory(
         self, request: svc.ImportHistoryRequest, context: grpc.aio.ServicerContext
     ) -> svc.ImportHistoryReply:
-        """Record a user's recorded turn pairs (mars.history) and publish each as an imported generated
+        """Record a user's recorded turn pairs (mars_ingress.history) and publish each as an imported generated
         event: the memory writer stores it through its normal, idempotent commit. Admin key only."""
         try:
             principal = await self._admission.authenticate(context.invocation_metadata())

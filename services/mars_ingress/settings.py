@@ -7,8 +7,9 @@ from typing import Literal
 from mars.config import (
     ServiceSettings,
 )
-from mars.quota import TenantLimits
 from pydantic import Field
+
+from mars_ingress.quota import TenantLimits
 
 
 class IngressSettings(ServiceSettings):
@@ -31,7 +32,7 @@ class IngressSettings(ServiceSettings):
     #: How long a verified (or refused) key is remembered per process: a revoked key keeps working for at
     #: most this long; 0 looks every call up in Postgres.
     auth_cache_ttl_s: float = Field(default=5.0, ge=0)
-    #: Per-tenant rate limits (mars.quota), 0 = unlimited: turns per second with a burst (0: max(1, rate)),
+    #: Per-tenant rate limits (mars_ingress.quota), 0 = unlimited: turns per second with a burst (0: max(1, rate)),
     #: text tokens per minute (the request text, by the packing estimator), and USD per UTC day (the judged
     #: generator + controller + judge cost of the tenant's turns).
     quota_turns_per_s: float = Field(default=0.0, ge=0)
@@ -54,7 +55,7 @@ class IngressSettings(ServiceSettings):
     state_addr: str = ""
     #: Load shedding (mars.domain.concurrency): at most an adaptive number of turns in flight per replica,
     #: shared fairly by tenant; a turn beyond it gets RESOURCE_EXHAUSTED at once with retry-after-ms (and
-    #: grpc-retry-pushback-ms: mars.client's channels send it again). Off by default for now: as tuned, it
+    #: grpc-retry-pushback-ms: mars_ingress.client's channels send it again). Off by default for now: as tuned, it
     #: holds the pipeline below what it can answer (README, "Load shedding"). Off, the limit still learns
     #: and is reported (mars.admission.limit), and nothing is shed.
     admission_limit: bool = False

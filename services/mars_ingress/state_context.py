@@ -7,11 +7,12 @@ from __future__ import annotations
 import logging
 
 import grpc
-from mars import history, tls
+from mars import tls
 from mars.identity import CallerIdentity, IdentityAioClientInterceptor
 from mars.v1 import services_pb2 as svc
 from mars.v1 import services_pb2_grpc as svc_grpc
 
+from mars_ingress import history
 from mars_ingress.admission import TurnFailed
 from mars_ingress.settings import IngressSettings
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from mars import history, quota
 from mars.bus import EventProducer, PoisonEvent, is_transient
 from mars.config import INGRESS_STAGE, TOPIC_RECEIVED, TOPIC_ROUTED, TOPIC_STATE, TOPIC_VIEW
 from mars.data_keys import Forgotten
@@ -15,6 +14,7 @@ from mars.db import EmittedLedger
 from mars.v1 import events_pb2 as ev
 from psycopg_pool import AsyncConnectionPool
 
+from mars_ingress import history, quota
 from mars_ingress.settings import IngressSettings
 
 log = logging.getLogger(__name__)
@@ -124,7 +124,7 @@ class TurnStore:
             await self.record(letter.turn_id, "FAILED", f"turn failed in {letter.consumer}: {letter.reason}")
 
     async def record_judged(self, event: ev.Judged) -> None:
-        """What the turn cost, for its tenant's daily spend (mars.quota.SPENT_TODAY_SQL)."""
+        """What the turn cost, for its tenant's daily spend (mars_ingress.quota.SPENT_TODAY_SQL)."""
         try:
             cost = quota.judged_cost(event)
         except ValueError as exc:  # a cost no judge makes: not counted, dead-lettered

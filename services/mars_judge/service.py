@@ -14,12 +14,12 @@ from mars.config import JUDGE_STAGE, TOPIC_FEEDBACK, TOPIC_GENERATED, TOPIC_JUDG
 from mars.db import pg_text
 from mars.domain.feedback import feedback_utility
 from mars.llm_json import Dialect, JsonChatClient, TokenPrices, endpoint_url
-from mars.rubric.judge import RubricJudge
 from mars.runtime import GrpcBinding, InvalidRequest, ServiceContext, ServiceParts, rpc_errors, run
 from mars.v1 import events_pb2 as ev
 from mars.v1 import services_pb2_grpc as svc_grpc
 from psycopg_pool import AsyncConnectionPool
 
+from mars_judge.rubric.judge import RubricJudge
 from mars_judge.schema import MIGRATIONS
 from mars_judge.settings import JudgeSettings
 

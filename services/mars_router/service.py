@@ -15,7 +15,7 @@ from mars import deadline, topology
 from mars.bus import EventProducer, StageConsumer, StageOutput, Subscription
 from mars.config import ROUTER_STAGE, TOPIC_JUDGED, TOPIC_ROUTED, TOPIC_VIEW
 from mars.domain.bandits import draw_key
-from mars.pool import ModelPool, load_pool
+from mars.model_pool import ModelPool, load_pool
 from mars.runtime import GrpcBinding, InvalidRequest, ServiceContext, ServiceParts, check_ids, rpc_errors, run
 from mars.telemetry import step
 from mars.v1 import events_pb2 as ev

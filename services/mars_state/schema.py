@@ -11,6 +11,6 @@ MIGRATIONS = [
         PRIMARY KEY (tenant, user_id)
     )
     """,
-    # The session of the last turn: the next turn in another session opens it (mars.qtm.guard).
+    # The session of the last turn: the next turn in another session opens it (mars_state.qtm.guard).
     "ALTER TABLE state_context ADD COLUMN IF NOT EXISTS session_id TEXT",
 ]

@@ -1,6 +1,6 @@
 """State service: the QTM step z_t = f(q, H, B). Keeps each user's active context in Postgres and
 estimates the Table 5 session state for every received turn through the guarded controller
-(`mars.qtm`): the learned CPU model (default), an LLM backend (openai / llamacpp / vllm) under a deadline,
+(`mars_state.qtm`): the learned CPU model (default), an LLM backend (openai / llamacpp / vllm) under a deadline,
 or the rules alone."""
 
 from __future__ import annotations
@@ -15,9 +15,6 @@ from mars.bus import EventProducer, StageConsumer, StageOutput, Subscription
 from mars.config import STATE_STAGE, TOPIC_RECEIVED, TOPIC_STATE
 from mars.domain.vectors import encode_vector
 from mars.llm_json import TokenPrices, endpoint_url
-from mars.qtm.controllers import make_controller
-from mars.qtm.guard import GuardedEstimator
-from mars.qtm.learned import LearnedController, ModelFileError
 from mars.runtime import GrpcBinding, ServiceContext, ServiceParts, rpc_errors, run
 from mars.v1 import events_pb2 as ev
 from mars.v1 import services_pb2 as svc
@@ -25,6 +22,9 @@ from mars.v1 import services_pb2_grpc as svc_grpc
 from psycopg_pool import AsyncConnectionPool
 
 from mars_state.context import ContextStore
+from mars_state.qtm.controllers import make_controller
+from mars_state.qtm.guard import GuardedEstimator
+from mars_state.qtm.learned import LearnedController, ModelFileError
 from mars_state.schema import MIGRATIONS
 from mars_state.settings import StateSettings
 

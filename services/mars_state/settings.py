@@ -25,7 +25,7 @@ class StateSettings(ServiceSettings):
     qtm_model: str = ""
     #: Name of the environment variable holding the endpoint's API key (never the key itself).
     qtm_api_key_env: str = "MARS_QTM_API_KEY"
-    #: Prompt template version (mars/qtm/prompts) or path to a template file.
+    #: Prompt template version (mars_state/qtm/prompts) or path to a template file.
     qtm_prompt: str = "qtm-v1"
     #: After this the rules backend answers the turn (the controller call is abandoned).
     qtm_deadline_ms: int = 1500

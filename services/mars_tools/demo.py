@@ -9,10 +9,10 @@ from typing import Any
 
 import grpc
 from aiokafka.errors import KafkaError
-from mars.client import ingress_channel
 from mars.v1 import events_pb2 as ev
 from mars.v1 import services_pb2 as svc
 from mars.v1 import services_pb2_grpc as svc_grpc
+from mars_ingress.client import ingress_channel
 from rich.console import Console
 from rich.table import Table
 

@@ -14,6 +14,7 @@ import asyncio
 
 from mars import auth, forget
 from mars.config import TOPIC_CONTROL, ServiceSettings
+from mars_ingress import forget_user
 from rich.markup import escape
 
 from mars_tools.admin_cli import SettingsError, add_postgres_dsn_arg, load_settings
@@ -26,8 +27,10 @@ async def publish_forgotten(settings: ServiceSettings, tenant: str, user_id: str
     producer = EventProducer(settings, "cli")
     await producer.start()
     try:
-        event = forget.control_event(tenant, user_id, forget_id)
-        await producer.send_raw(TOPIC_CONTROL, event.SerializeToString(), forget.event_key(tenant, user_id))
+        event = forget_user.control_event(tenant, user_id, forget_id)
+        await producer.send_raw(
+            TOPIC_CONTROL, event.SerializeToString(), forget_user.event_key(tenant, user_id)
+        )
     finally:
         await producer.stop()
 

@@ -49,8 +49,8 @@ def read_recorded(lines: Iterable[str]) -> list[svc.RecordedTurn]:
 
 def cmd_import_history(args: argparse.Namespace) -> int:
     import grpc
-    from mars.client import ingress_channel
     from mars.v1 import services_pb2_grpc as svc_grpc
+    from mars_ingress.client import ingress_channel
 
     path = Path(args.file)
     try:
@@ -77,7 +77,9 @@ def cmd_import_history(args: argparse.Namespace) -> int:
             batch = turns[start : start + BATCH]
             try:
                 reply = stub.ImportHistory(
-                    svc.ImportHistoryRequest(tenant=tenant_of(args), user_id=args.user, turns=batch, wait=True),
+                    svc.ImportHistoryRequest(
+                        tenant=tenant_of(args), user_id=args.user, turns=batch, wait=True
+                    ),
                     timeout=args.timeout,
                 )
             except grpc.RpcError as exc:

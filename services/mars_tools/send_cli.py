@@ -43,16 +43,18 @@ def cmd_demo(args: argparse.Namespace) -> int:
     started_ms = int(time.time() * 1000)
     rows = play(args.target, tenant=tenant_of(args), max_tokens=args.max_tokens, api_key=args.api_key)
     turn_ids = [r.reply.turn_id for r in rows if r.reply]
-    rewards = judged_rewards(args.bootstrap, turn_ids, started_ms, args.topic_prefix) if args.bootstrap else {}
+    rewards = (
+        judged_rewards(args.bootstrap, turn_ids, started_ms, args.topic_prefix) if args.bootstrap else {}
+    )
     render(rows, console, rewards)
     return 0 if all(r.reply for r in rows) else 1
 
 
 def cmd_send(args: argparse.Namespace) -> int:
     import grpc
-    from mars.client import ingress_channel
     from mars.v1 import services_pb2 as svc
     from mars.v1 import services_pb2_grpc as svc_grpc
+    from mars_ingress.client import ingress_channel
 
     with ingress_channel(args.target, args.api_key) as channel:
         stub = svc_grpc.IngressStub(channel)
@@ -71,7 +73,6 @@ def cmd_send(args: argparse.Namespace) -> int:
     )
     console.print(reply.text)
     return 0
-
 
 
 def add_demo_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -93,7 +94,6 @@ def add_demo_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.set_defaults(func=cmd_demo)
 
 
-
 def add_send_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("send", help="send one turn to a running ingress and print the answer")
     p.add_argument("text", help="the user turn")
@@ -102,4 +102,3 @@ def add_send_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--session", default="cli")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the answer")
     p.set_defaults(func=cmd_send)
-

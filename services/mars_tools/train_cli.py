@@ -1,4 +1,4 @@
-"""`mars train qtm`: fit the learned QTM controller (mars.qtm.learned) on the labelled turn set, report its
+"""`mars train qtm`: fit the learned QTM controller (mars_state.qtm.learned) on the labelled turn set, report its
 leave-one-persona-out accuracy beside the rules', and write the model file the state service loads."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 from mars.domain.state_rules import clamp_state, widen_session_opening
-from mars.qtm.labelled import (
+from mars_state.qtm.labelled import (
     DEFAULT_LABELS,
     LabelError,
     LabelledTurn,
@@ -23,7 +23,7 @@ from mars.qtm.labelled import (
     read_labelled,
     state_labels,
 )
-from mars.qtm.learned import (
+from mars_state.qtm.learned import (
     DEFAULT_MODEL,
     FIT_BALANCE,
     FIT_L2,
@@ -60,7 +60,7 @@ def predicted_fields(
     model: LearnedModel, x: np.ndarray, turns: Sequence[LabelledTurn]
 ) -> list[dict[str, str]]:
     """The learned state of each turn in the labelled set's terms, as the state service would give it:
-    clamped, memory span derived, a session opening widened (mars.qtm.guard)."""
+    clamped, memory span derived, a session opening widened (mars_state.qtm.guard)."""
     out = []
     for row, t in zip(x, turns, strict=True):
         state = clamp_state(state_json(model.predict(row), t.text, t.context))

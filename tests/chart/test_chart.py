@@ -24,7 +24,7 @@ from crd_schemas import CRD_SCHEMAS
 from mars import topology
 from mars.config import ServiceSettings
 from mars.identity import SERVICE_IDENTITIES
-from mars.pool import load_pool
+from mars.model_pool import load_pool
 from mars_stack import helm
 from mars_tools import cli
 from mars_tools.deploy.identity_secrets import run_in_memory
@@ -694,10 +694,10 @@ def test_notes_name_each_insecure_default_in_one_line() -> None:
 
 
 def test_model_pool_schema_is_the_pools_own() -> None:
-    """values.schema.json checks pool entries the way the services' loader does (mars.pool.ModelSpec)."""
+    """values.schema.json checks pool entries the way the services' loader does (mars.model_pool.ModelSpec)."""
     import json
 
-    from mars.pool import ModelSpec
+    from mars.model_pool import ModelSpec
 
     schema = json.loads((helm.CHART_DIR / "values.schema.json").read_text())
     item = schema["properties"]["modelPool"]["items"]

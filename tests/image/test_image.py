@@ -28,13 +28,13 @@ import pytest
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from mars import tls, topology
-from mars.client import ingress_channel
 from mars.config import TOPIC_RECEIVED
 from mars.identity import CallerIdentity, with_identity
 from mars.tls import ClientTls
 from mars.v1 import events_pb2 as ev
 from mars.v1 import services_pb2 as svc
 from mars.v1 import services_pb2_grpc as svc_grpc
+from mars_ingress.client import ingress_channel
 from mars_stack import LocalStack, StackSettings, helm
 from mars_stack.certs import LocalCerts, make_local_ca
 from mars_stack.stack import free_port
@@ -395,7 +395,9 @@ def test_six_services_and_the_gateway_serve_and_answer_turns(
         from mars.auth import mint_key
 
         admin_key = mint_key(infra.env["MARS_POSTGRES_DSN"], "image", admin=True, label="image test").key
-        recorded = svc.RecordedTurn(session_id="old", user_text="Plan the Lisbon ferry", assistant_text="Booked.")
+        recorded = svc.RecordedTurn(
+            session_id="old", user_text="Plan the Lisbon ferry", assistant_text="Booked."
+        )
         with ingress_channel(f"127.0.0.1:{ports['ingress']}", admin_key) as channel:
             imported = svc_grpc.IngressStub(channel).ImportHistory(
                 svc.ImportHistoryRequest(user_id="u-import", turns=[recorded]), timeout=60

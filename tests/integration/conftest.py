@@ -18,10 +18,10 @@ import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from google.protobuf.message import Message
 from mars.auth import mint_key
-from mars.client import ingress_channel
 from mars.data_keys import Forgotten
 from mars.v1 import events_pb2 as ev
 from mars.v1 import services_pb2_grpc as svc_grpc
+from mars_ingress.client import ingress_channel
 from mars_stack import LocalStack, StackSettings, stack_kafka_options
 from mars_stack.kafka import choose_broker
 from mars_tools.replay.presets import check as check_settings

@@ -33,12 +33,12 @@ from google.protobuf.message import Message
 from mars import data_keys, forget
 from mars.auth import mint_key
 from mars.bus import TOPIC_EVENTS
-from mars.client import ingress_channel
 from mars.config import ALL_TOPICS, TOPIC_GENERATED, TOPIC_VIEW
 from mars.identity import with_identity
 from mars.v1 import events_pb2 as ev
 from mars.v1 import services_pb2 as svc
 from mars.v1 import services_pb2_grpc as svc_grpc
+from mars_ingress.client import ingress_channel
 from mars_stack import LocalStack, StackSettings
 from mars_tools.replay.readers import read_topics
 from mars_tools.replay.traces import RawRecord, TraceBuilder, summarize
@@ -424,10 +424,8 @@ def test_keys_check_tells_the_right_master_key_from_another(stack: LocalStack, t
         timeout=60,
         env={**env, "MARS_MASTER_KEY_FILE": str(other)},
     )
-    assert (
-        wrong.returncode == 1
-        and "0 data keys open with the master key, 0 only with the previous one"
-        in (wrong.stdout.replace("\n", " "))
+    assert wrong.returncode == 1 and "0 data keys open with the master key, 0 only with the previous one" in (
+        wrong.stdout.replace("\n", " ")
     )
     assert f"{stored} with neither" in wrong.stdout
 

@@ -17,11 +17,11 @@ import grpc
 import pytest
 from conftest import REPO, api_key, ingress_stub, query, start_stack, wait_for
 from mars.auth import mint_key
-from mars.client import ingress_channel
 from mars.identity import CallerIdentity
 from mars.v1 import events_pb2 as ev
 from mars.v1 import services_pb2 as svc
 from mars.v1 import services_pb2_grpc as svc_grpc
+from mars_ingress.client import ingress_channel
 from mars_stack import LocalStack
 
 pytestmark = pytest.mark.integration
@@ -240,7 +240,9 @@ def test_token_quota_counts_imported_history_too(stack: LocalStack) -> None:
     turn is let in, as debt), so history is no way around the token quota."""
     stub = ingress_stub(stack, "historian")
     earlier = [
-        svc.RecordedTurn(session_id="s", user_text="tell me about ferries " * 10, assistant_text="ferries " * 40)
+        svc.RecordedTurn(
+            session_id="s", user_text="tell me about ferries " * 10, assistant_text="ferries " * 40
+        )
     ]
     request = turn(text="short")
     request.history.extend(earlier)
@@ -319,7 +321,9 @@ def stage_call(channel: grpc.Channel, stub: type, method: str, request: object) 
     return grpc.StatusCode.OK
 
 
-@pytest.mark.parametrize(("service", "stub", "method", "request_"), STAGE_CALLS, ids=[c[2] for c in STAGE_CALLS])
+@pytest.mark.parametrize(
+    ("service", "stub", "method", "request_"), STAGE_CALLS, ids=[c[2] for c in STAGE_CALLS]
+)
 def test_a_stage_refuses_callers_without_a_service_identity(
     stack: LocalStack, service: str, stub: type, method: str, request_: object
 ) -> None:
@@ -348,7 +352,9 @@ def test_a_stage_answers_the_operator_and_keeps_health_open(stack: LocalStack) -
     from mars.identity import with_identity
 
     with stack.channel("router") as channel:
-        policy = svc_grpc.RouterStub(channel).GetPolicy(svc.PolicyRequest(tenant="demo", user_id="u1"), timeout=30)
+        policy = svc_grpc.RouterStub(channel).GetPolicy(
+            svc.PolicyRequest(tenant="demo", user_id="u1"), timeout=30
+        )
     assert policy.arms
     with stack.channel("dispatch") as channel:
         assert svc_grpc.DispatchStub(channel).ListModels(svc.Empty(), timeout=30).models
@@ -359,7 +365,9 @@ def test_a_stage_answers_the_operator_and_keeps_health_open(stack: LocalStack) -
     with grpc.insecure_channel(stack.addr("router")) as plain:
         with pytest.raises(grpc.RpcError) as info:
             svc_grpc.RouterStub(plain).GetPolicy(
-                svc.PolicyRequest(tenant="demo", user_id="u1"), metadata=[("x-mars-identity", token)], timeout=30
+                svc.PolicyRequest(tenant="demo", user_id="u1"),
+                metadata=[("x-mars-identity", token)],
+                timeout=30,
             )
     assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
     assert "/mars.v1.Memory, not " in info.value.details() and "/mars.v1.Router" in info.value.details()
@@ -389,7 +397,9 @@ def test_reflection_is_off_on_stage_ports_and_on_at_the_ingress(stack: LocalStac
             stub = reflection_pb2_grpc.ServerReflectionStub(plain)
             try:
                 replies = list(
-                    stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+                    stub.ServerReflectionInfo(
+                        iter([reflection_pb2.ServerReflectionRequest(list_services="")])
+                    )
                 )
             except grpc.RpcError as exc:
                 return exc.code()  # type: ignore[no-any-return]

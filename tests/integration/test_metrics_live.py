@@ -17,10 +17,10 @@ import httpx
 import pytest
 from conftest import REPO, api_key, ingress_stub, start_stack, wait_for
 from mars import topology
-from mars.client import ingress_channel
 from mars.topology import STAGE_GROUPS
 from mars.v1 import services_pb2 as svc
 from mars.v1 import services_pb2_grpc as svc_grpc
+from mars_ingress.client import ingress_channel
 from mars_stack import LocalStack
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -99,7 +99,7 @@ def burst(metrics_stack: tuple[LocalStack, dict[str, int]]) -> dict[str, list[An
     """BURST turns of one tenant at once, and one turn of another tenant among them: per tenant, each
     turn's reply or its grpc.RpcError."""
     stack, _ = metrics_stack
-    # Without gRPC's own retries (mars.client would send a shed turn again after its pushback).
+    # Without gRPC's own retries (mars_ingress.client would send a shed turn again after its pushback).
     stubs = {
         tenant: svc_grpc.IngressStub(
             ingress_channel(stack.addr("ingress"), api_key(stack, tenant), [("grpc.enable_retries", 0)])

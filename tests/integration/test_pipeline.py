@@ -133,7 +133,7 @@ def test_costs_are_exact_token_arithmetic(
     stack: LocalStack, conversation: dict[str, list[svc.TurnReply]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Generator cost = usage tokens x the arm's pool prices, exactly; the judge carries it unchanged."""
-    from mars.pool import load_pool
+    from mars.model_pool import load_pool
 
     monkeypatch.setenv("MARS_LOCAL_LLM_URL", stack.env["MARS_LOCAL_LLM_URL"])  # the pool file refers to it
     pool = load_pool(Path(__file__).parent / "models.test.yaml")
@@ -672,7 +672,7 @@ def test_confidence_cascade_escalates_on_low_logprob(stack: LocalStack) -> None:
     """Dispatch against the real llama.cpp server, which returns token log-probabilities."""
     import asyncio
 
-    from mars.pool import ModelPool, ModelSpec
+    from mars.model_pool import ModelPool, ModelSpec
     from mars_dispatch.clients import ModelClients
     from mars_dispatch.dispatcher import Dispatcher
     from mars_dispatch.settings import DispatchSettings
@@ -717,7 +717,7 @@ def test_turn_deadline_bounds_model_calls(stack: LocalStack) -> None:
     import asyncio
     import time
 
-    from mars.pool import ModelPool, ModelSpec
+    from mars.model_pool import ModelPool, ModelSpec
     from mars_dispatch.clients import ModelClients
     from mars_dispatch.dispatcher import Dispatcher
     from mars_dispatch.settings import DispatchSettings

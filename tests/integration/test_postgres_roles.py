@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import psycopg
 import pytest
 from mars import db, db_roles, forget, topology
+from mars_ingress import forget_user
 from mars_stack import LocalStack, StackSettings
 from psycopg import errors
 
@@ -72,7 +73,12 @@ def test_the_stage_ledger_shows_and_takes_only_a_roles_own_stages(stack: LocalSt
             seen = {r[0] for r in conn.execute("SELECT DISTINCT stage FROM stage_emitted").fetchall()}
             assert seen == set(spec.stages)
             # Another stage's rows cannot be deleted either: they are not there for this role.
-            assert conn.execute("DELETE FROM stage_emitted WHERE stage <> ALL(%s)", (list(spec.stages),)).rowcount == 0
+            assert (
+                conn.execute(
+                    "DELETE FROM stage_emitted WHERE stage <> ALL(%s)", (list(spec.stages),)
+                ).rowcount
+                == 0
+            )
     with connect(stack, "operator") as conn:
         stages = {r[0] for r in conn.execute("SELECT DISTINCT stage FROM stage_emitted").fetchall()}
     assert stages == {s for spec in topology.SERVICES for s in spec.stages}
@@ -84,7 +90,9 @@ def test_only_the_ingress_makes_data_keys_and_every_service_reads_them(stack: Lo
         conn.execute(insert, ("k-ingress", "u-ingress"))
     for name in topology.NAMES:
         with connect(stack, name) as conn:
-            assert conn.execute("SELECT count(*) FROM user_data_keys WHERE key_id = 'k-ingress'").fetchone() == (1,)
+            assert conn.execute(
+                "SELECT count(*) FROM user_data_keys WHERE key_id = 'k-ingress'"
+            ).fetchone() == (1,)
             if name != "ingress":
                 with pytest.raises(errors.InsufficientPrivilege):
                     conn.execute(insert, (f"k-{name}", f"u-{name}"))
@@ -108,7 +116,7 @@ def test_a_service_acknowledges_a_forget_as_itself_only(stack: LocalStack) -> No
 
     async def read() -> dict[str, dict[str, int]]:
         async with await psycopg.AsyncConnection.connect(stack.postgres_dsn("ingress"), autocommit=True) as c:
-            return await forget.acknowledged(c, "f-1")
+            return await forget_user.acknowledged(c, "f-1")
 
     assert asyncio.run(read()) == {"memory": {"memory_records": 3, "stage_emitted": 3}}
 
@@ -126,19 +134,26 @@ def test_each_owner_forgets_its_own_rows_of_a_user(stack: LocalStack) -> None:
         )
 
     async def forget_as(service: str) -> dict[str, int]:
-        async with await psycopg.AsyncConnection.connect(stack.postgres_dsn(service), autocommit=True) as conn:
+        async with await psycopg.AsyncConnection.connect(
+            stack.postgres_dsn(service), autocommit=True
+        ) as conn:
             counts, _ = await forget.forget_own_async(conn, service, "ft", "gone", forget_id="f-2")
             return counts
 
     assert asyncio.run(forget_as("judge")) == {"stage_emitted": 1, "judge_feedback": 0, "judge_rewards": 1}
     with connect(stack, "admin") as conn:
-        left = conn.execute("SELECT stage, turn_id FROM stage_emitted WHERE turn_id IN ('t-8', 't-9')").fetchall()
+        left = conn.execute(
+            "SELECT stage, turn_id FROM stage_emitted WHERE turn_id IN ('t-8', 't-9')"
+        ).fetchall()
         assert sorted(left) == [("judge", "t-8"), ("router", "t-9")]  # the router's row is the router's
         acked = conn.execute(f"SELECT service FROM {forget.FORGET_ACKS} WHERE forget_id = 'f-2'").fetchall()
     assert acked == [("judge",)]
+
     # The router deletes its row once it reads the event (the turn ids travel in it).
     async def router_forgets() -> dict[str, int]:
-        async with await psycopg.AsyncConnection.connect(stack.postgres_dsn("router"), autocommit=True) as conn:
+        async with await psycopg.AsyncConnection.connect(
+            stack.postgres_dsn("router"), autocommit=True
+        ) as conn:
             counts, _ = await forget.forget_own_async(conn, "router", "ft", "gone", ["t-9"], forget_id="f-2")
             return counts
 
@@ -158,7 +173,9 @@ def test_a_service_starting_as_its_role_applies_its_schema_and_leaves_the_shared
     stack: LocalStack,
 ) -> None:
     async def start_as(service: str) -> None:
-        async with await psycopg.AsyncConnection.connect(stack.postgres_dsn(service), autocommit=True) as conn:
+        async with await psycopg.AsyncConnection.connect(
+            stack.postgres_dsn(service), autocommit=True
+        ) as conn:
             await db.migrate_on(conn, topology.service(service).migrations())
 
     for name in topology.NAMES:

@@ -16,9 +16,9 @@ import pytest
 from conftest import REPO, STACK_ENV, api_key
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from mars import tls, topology
-from mars.client import ingress_channel
 from mars.v1 import services_pb2 as svc
 from mars.v1 import services_pb2_grpc as svc_grpc
+from mars_ingress.client import ingress_channel
 from mars_stack import LocalStack, StackSettings
 from mars_stack.stack import CALLER_TLS_VARS
 

@@ -12,9 +12,9 @@ import psycopg
 import pytest
 from aiokafka import AIOKafkaProducer
 from conftest import STACK_ENV, read_topic, require_kafka, wait_for
-from mars.client import ingress_channel
 from mars.v1 import services_pb2 as svc
 from mars.v1 import services_pb2_grpc as svc_grpc
+from mars_ingress.client import ingress_channel
 from mars_stack import LocalStack, StackSettings, stack_kafka_options
 from mars_stack.stack import StackError, tcp_open
 

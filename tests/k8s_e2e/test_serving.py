@@ -25,11 +25,11 @@ from conftest import (
     mars_cli,
     service_address,
 )
-from mars.client import ingress_channel
 from mars.config import TOPIC_VIEW
 from mars.v1 import events_pb2 as ev
 from mars.v1 import services_pb2 as svc
 from mars.v1 import services_pb2_grpc as svc_grpc
+from mars_ingress.client import ingress_channel
 from mars_stack import kube, serving_cluster
 
 pytestmark = pytest.mark.k8s_e2e

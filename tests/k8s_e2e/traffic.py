@@ -98,9 +98,9 @@ class OpenLoop:
 
     async def _send(self) -> None:
         import grpc
-        from mars.client import aio_ingress_channel
         from mars.v1 import services_pb2 as svc
         from mars.v1 import services_pb2_grpc as svc_grpc
+        from mars_ingress.client import aio_ingress_channel
 
         channel = aio_ingress_channel(self.target, self.api_key, list(self.options))
         stub = svc_grpc.IngressStub(channel)

@@ -162,7 +162,7 @@ def test_simulator_cost_is_usd_at_table_10_prices() -> None:
     Table 10 prices, USD per million tokens), so its lambda is the service's MARS_LAMBDA_COST."""
     from pathlib import Path
 
-    from mars.pool import load_pool
+    from mars.model_pool import load_pool
     from mars_tools.bench.router_sim import OUTPUT_TOKENS, POOL, PROMPT_OVERHEAD, draw_turn
 
     paper = load_pool(str(Path(__file__).parents[2] / "config" / "models.paper.yaml"))

@@ -1,4 +1,4 @@
-"""mars.client's channels send a shed turn again after the server's pushback (gRFC A6 retries), and never a
+"""mars_ingress.client's channels send a shed turn again after the server's pushback (gRFC A6 retries), and never a
 quota refusal; over a real gRPC server in this process, whose Ingress refuses as the ingress does."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ from collections.abc import Callable
 
 import grpc
 import pytest
-from mars.client import SHED_RETRY_ATTEMPTS, aio_ingress_channel
 from mars.v1 import services_pb2 as svc
 from mars.v1 import services_pb2_grpc as svc_grpc
 from mars_ingress.admission import quota_failure
 from mars_ingress.capacity import Capacity
+from mars_ingress.client import SHED_RETRY_ATTEMPTS, aio_ingress_channel
 from mars_ingress.settings import IngressSettings
 
 Refuse = Callable[[], Exception]
@@ -59,7 +59,7 @@ def _shed(retry_after_ms: int) -> Refuse:
 
 
 def _quota() -> Exception:
-    from mars.quota import Refusal
+    from mars_ingress.quota import Refusal
 
     return quota_failure(Refusal("turns_per_s", 0.05, "tenant acme is over 2 turns/s"))
 

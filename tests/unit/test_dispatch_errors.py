@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 from mars.domain.circuit import CircuitBreaker
-from mars.pool import ModelPool, ModelSpec
+from mars.model_pool import ModelPool, ModelSpec
 from mars.v1 import events_pb2 as ev
 from mars_dispatch.clients import ModelClients
 from mars_dispatch.dispatcher import Dispatcher

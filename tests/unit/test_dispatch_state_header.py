@@ -8,7 +8,7 @@ import json
 
 import httpx
 import pytest
-from mars.pool import ModelPool, ModelSpec
+from mars.model_pool import ModelPool, ModelSpec
 from mars.v1 import events_pb2 as ev
 from mars_dispatch.clients import ModelClients
 from mars_dispatch.dispatcher import Dispatcher

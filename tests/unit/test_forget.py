@@ -12,6 +12,7 @@ from mars import auth, db, forget, topology
 from mars.auth import PermissionDenied, Principal, StoredKey
 from mars.migrations import service_migrations
 from mars.retrieval.embedder import LruEmbedder
+from mars_ingress import forget_user
 from mars_ingress.admission import InvalidTurn, admin_tenant
 from mars_router.store import policy_id_for
 from mars_tools.cli import build_parser
@@ -81,9 +82,9 @@ def test_control_event_is_keyed_like_the_users_turns() -> None:
     from mars.bus import event_key
     from mars.v1 import events_pb2 as ev
 
-    event = forget.control_event("acme", "u1")
+    event = forget_user.control_event("acme", "u1")
     assert len(event.forget_id) == 32 and event.forgotten_at_ms > 0
-    assert forget.event_key("acme", "u1") == event_key(ev.TurnEnvelope(tenant="acme", user_id="u1"))
+    assert forget_user.event_key("acme", "u1") == event_key(ev.TurnEnvelope(tenant="acme", user_id="u1"))
     assert ev.UserForgotten.FromString(event.SerializeToString()) == event
 
 

@@ -1,4 +1,4 @@
-"""Recorded history import, the pure part (mars.history): stable turn ids, thread starts, the state an
+"""Recorded history import, the pure part (mars_ingress.history): stable turn ids, thread starts, the state an
 imported pair is stored under, and the checks a request passes before anything is written."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ from collections import Counter
 
 import pytest
 from fresh_process import across_processes
-from mars import history
 from mars.domain.memory_policy import MemoryRecord, session_ranking
 from mars.v1 import events_pb2 as ev
 from mars.v1 import services_pb2 as svc
+from mars_ingress import history
 
 
 def turn(session: str, user: str, answer: str = "ok", key: str = "") -> svc.RecordedTurn:
@@ -23,7 +23,7 @@ def test_keys_are_stable_and_a_repeated_exchange_stays_two_pairs() -> None:
     # The same call made again, as a retry that another ingress replica serves: the same keys and turn ids,
     # also in processes whose string hashes differ (PYTHONHASHSEED).
     code = (
-        "import json; from mars import history; from mars.v1 import services_pb2 as svc; "
+        "import json; from mars_ingress import history; from mars.v1 import services_pb2 as svc; "
         "turns = [svc.RecordedTurn(session_id=s, user_text=u, assistant_text='ok', key=k) "
         "for s, u, k in (('a', 'hi', ''), ('a', 'hi', ''), ('b', 'hi', ''), ('a', 'x', 'mine'))]; "
         "keys = history.pair_keys(turns); "
@@ -101,7 +101,7 @@ def test_a_session_opening_continuation_searches_beyond_the_session() -> None:
     import asyncio
 
     from mars.domain.state_rules import widen_session_opening
-    from mars.qtm.guard import GuardedEstimator
+    from mars_state.qtm.guard import GuardedEstimator
 
     local = ev.SessionState(action=ev.MATCH, retrieval_scope=ev.LOCAL)
     local.taxonomy.need_memory = 1

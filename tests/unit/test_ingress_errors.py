@@ -24,14 +24,16 @@ def test_anything_else_is_internal_without_details() -> None:
 
 
 def test_the_ingress_refusals_keep_their_status_and_trailing_metadata() -> None:
-    from mars.quota import Refusal
+    from mars_ingress.quota import Refusal
 
     assert rpc_status(InvalidTurn("text is empty")) == (grpc.StatusCode.INVALID_ARGUMENT, "text is empty")
     refusal = quota_failure(Refusal("turns_per_s", 0.75, "tenant acme is over 2 turns/s"))
     assert rpc_status(refusal) == (grpc.StatusCode.RESOURCE_EXHAUSTED, "tenant acme is over 2 turns/s")
-    # The wait for the caller, and no retry by gRPC itself (mars.client): a quota's wait may be hours.
+    # The wait for the caller, and no retry by gRPC itself (mars_ingress.client): a quota's wait may be hours.
     assert refusal.trailing == (("retry-after-ms", "750"), ("grpc-retry-pushback-ms", "-1"))
-    failed = TurnFailed(grpc.StatusCode.UNAVAILABLE, "no model could answer", detail="arm-a: 502 from 10.0.0.7")
+    failed = TurnFailed(
+        grpc.StatusCode.UNAVAILABLE, "no model could answer", detail="arm-a: 502 from 10.0.0.7"
+    )
     assert rpc_status(failed) == (grpc.StatusCode.UNAVAILABLE, "no model could answer")
 
 

@@ -20,8 +20,7 @@ from mars.bus import EventProducer, PoisonEvent, StageConsumer, Subscription, _P
 from mars.config import TOPIC_GENERATED, TOPIC_RECEIVED, ServiceSettings
 from mars.domain.circuit import CircuitBreaker
 from mars.domain.memory_policy import MemoryRecord
-from mars.pool import ModelPool, ModelSpec
-from mars.qtm.guard import GuardedEstimator
+from mars.model_pool import ModelPool, ModelSpec
 from mars.telemetry import setup_telemetry
 from mars.v1 import events_pb2 as ev
 from mars_dispatch.clients import Completion, GenerationError
@@ -29,6 +28,7 @@ from mars_dispatch.dispatcher import Dispatcher
 from mars_dispatch.settings import DispatchSettings
 from mars_judge.service import count_costs
 from mars_memory.write_behind import WriteBehind
+from mars_state.qtm.guard import GuardedEstimator
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 

@@ -1,7 +1,7 @@
 from pathlib import Path
 
 import pytest
-from mars.pool import PoolFileError, load_pool
+from mars.model_pool import PoolFileError, load_pool
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -56,7 +56,7 @@ def test_cheapest_first_orders_by_price(monkeypatch: pytest.MonkeyPatch) -> None
 def test_paper_pool_has_table10_prices_and_exact_cost_arithmetic() -> None:
     from pathlib import Path
 
-    from mars.pool import load_pool
+    from mars.model_pool import load_pool
 
     pool = load_pool(Path(__file__).parents[2] / "config" / "models.paper.yaml")
     prices = {m.name: (m.input_price_per_m, m.output_price_per_m) for m in pool.models}

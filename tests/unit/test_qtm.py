@@ -16,11 +16,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as hs
 from mars.domain.state_rules import estimate_state
 from mars.llm_json import TokenPrices
-from mars.qtm.controllers import ControllerReply, ControllerUnavailable, make_controller
-from mars.qtm.guard import UNHEALTHY_AFTER, GuardedEstimator
-from mars.qtm.prompts import PromptTemplate, available_prompts
-from mars.qtm.schema import ControllerOutputError, parse_controller_output, qtm_json_schema
 from mars.v1 import events_pb2 as ev
+from mars_state.qtm.controllers import ControllerReply, ControllerUnavailable, make_controller
+from mars_state.qtm.guard import UNHEALTHY_AFTER, GuardedEstimator
+from mars_state.qtm.prompts import PromptTemplate, available_prompts
+from mars_state.qtm.schema import ControllerOutputError, parse_controller_output, qtm_json_schema
 
 #: The anonymised example output of the paper (appendix B.1), shared with the other QTM tests.
 PAPER_EXAMPLE = json.loads((Path(__file__).parent / "fixtures" / "qtm_paper_example.json").read_text())

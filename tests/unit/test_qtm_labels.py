@@ -7,7 +7,8 @@ import json
 from pathlib import Path
 
 import pytest
-from mars.qtm.labelled import (
+from mars.v1 import events_pb2 as ev
+from mars_state.qtm.labelled import (
     DEFAULT_LABELS,
     FIELDS,
     LabelError,
@@ -15,7 +16,6 @@ from mars.qtm.labelled import (
     load_labelled,
     state_labels,
 )
-from mars.v1 import events_pb2 as ev
 from mars_tools.cli import build_parser
 from mars_tools.probe.qtm_labels import score
 

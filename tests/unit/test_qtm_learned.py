@@ -1,4 +1,4 @@
-"""The learned QTM controller (mars.qtm.learned, `mars train qtm`): features, deterministic training, the
+"""The learned QTM controller (mars_state.qtm.learned, `mars train qtm`): features, deterministic training, the
 model file (round trip, and refusal of a missing, corrupt or foreign one), the guarded state it answers,
 and the state service falling back to the rules when the model cannot load."""
 
@@ -12,9 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 from fresh_process import across_processes
-from mars.qtm.guard import GuardedEstimator
-from mars.qtm.labelled import DEFAULT_LABELS, load_labelled
-from mars.qtm.learned import (
+from mars.v1 import events_pb2 as ev
+from mars_state.qtm.guard import GuardedEstimator
+from mars_state.qtm.labelled import DEFAULT_LABELS, load_labelled
+from mars_state.qtm.learned import (
     CONTEXT_NGRAM_BUCKETS,
     DEFAULT_MODEL,
     FEATURES_VERSION,
@@ -27,7 +28,6 @@ from mars.qtm.learned import (
     hashed_ngrams,
     standardised_columns,
 )
-from mars.v1 import events_pb2 as ev
 from mars_state.service import make_estimator
 from mars_state.settings import StateSettings
 from mars_tools.train_cli import train
@@ -155,7 +155,7 @@ def test_ngram_buckets_are_the_same_in_every_process_and_carry_the_wording() -> 
     # blake2b, not hash(): fixed buckets. Two processes with different string-hash seeds set the same ones,
     # which a hash()-based bucket would not (PYTHONHASHSEED moves every str hash).
     code = (
-        "import json; from mars.qtm.learned import hashed_ngrams; "
+        "import json; from mars_state.qtm.learned import hashed_ngrams; "
         "print(json.dumps(hashed_ngrams('is that still under budget?', 256).nonzero()[0].tolist()))"
     )
     first, second = across_processes(code)

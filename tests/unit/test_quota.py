@@ -6,7 +6,14 @@ import asyncio
 from datetime import UTC, datetime
 
 import pytest
-from mars.quota import Quotas, SpendCache, TenantLimits, TokenBucket, seconds_to_utc_midnight, spend_refusal
+from mars_ingress.quota import (
+    Quotas,
+    SpendCache,
+    TenantLimits,
+    TokenBucket,
+    seconds_to_utc_midnight,
+    spend_refusal,
+)
 
 
 def test_bucket_starts_full_refills_at_its_rate_and_caps_at_capacity() -> None:

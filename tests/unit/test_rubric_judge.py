@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 from mars.domain.reward import PROFILES
 from mars.llm_json import EndpointError, JsonReply, TokenPrices
-from mars.rubric.judge import FLAG_FIELDS, SCORE_FIELDS, RubricJudge, rubric_json_schema
 from mars.v1 import events_pb2 as ev
+from mars_judge.rubric.judge import FLAG_FIELDS, SCORE_FIELDS, RubricJudge, rubric_json_schema
 
 TOP = {name: 5 for name in SCORE_FIELDS}
 NO_FLAGS = {name: False for name in FLAG_FIELDS}

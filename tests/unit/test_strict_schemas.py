@@ -19,12 +19,12 @@ from typing import Any
 
 import pytest
 from mars.llm_json import strict_schema_violations, strict_subset
-from mars.qtm.controllers import make_controller
-from mars.qtm.schema import qtm_json_schema
-from mars.rubric.judge import FLAG_FIELDS, SCORE_FIELDS, rubric_json_schema
 from mars.v1 import events_pb2 as ev
+from mars_judge.rubric.judge import FLAG_FIELDS, SCORE_FIELDS, rubric_json_schema
 from mars_judge.service import make_judge
 from mars_judge.settings import JudgeSettings
+from mars_state.qtm.controllers import make_controller
+from mars_state.qtm.schema import qtm_json_schema
 
 SERVICES = Path(__file__).resolve().parents[2] / "services"
 PAPER_EXAMPLE = json.loads((Path(__file__).parent / "fixtures" / "qtm_paper_example.json").read_text())
@@ -162,7 +162,7 @@ def test_the_two_schema_callers_are_all_the_callers() -> None:
         for path in SERVICES.rglob("*.py")
         if "JsonChatClient(" in path.read_text() and path.name != "llm_json.py"
     }
-    assert users == {"mars/qtm/controllers.py", "mars_judge/service.py"}
+    assert users == {"mars_state/qtm/controllers.py", "mars_judge/service.py"}
 
 
 # ---- the checker itself fails on what strict mode rejects ---------------------------------------------

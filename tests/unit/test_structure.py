@@ -102,6 +102,39 @@ def test_no_function_in_services_or_infra_is_over_80_lines() -> None:
     assert long == []
 
 
+def _lint_imports(root: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(Path(sys.executable).with_name("lint-imports")), "--no-cache", "--config", str(REPO / ".importlinter")],
+        cwd=root,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(root)},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+
+
+def test_the_import_contract_refuses_a_service_importing_another(tmp_path: Path) -> None:
+    """`make lint`'s contracts on a copy of the tree where the judge reads the router's settings: the
+    deployables' independence breaks, and says which import broke it. The untouched tree keeps it."""
+    for top in ("services", "infra"):
+        for package in (REPO / top).iterdir():
+            if package.name.startswith("mars") and (package / "__init__.py").exists():
+                (tmp_path / package.name).symlink_to(package)
+    assert _lint_imports(tmp_path).returncode == 0
+    (tmp_path / "mars_judge").unlink()
+    judge = tmp_path / "mars_judge"
+    judge.mkdir()
+    for module in (REPO / "services" / "mars_judge").glob("*.py"):
+        (judge / module.name).write_text(module.read_text())
+    (judge / "rubric").symlink_to(REPO / "services" / "mars_judge" / "rubric")
+    (judge / "schema.py").write_text((judge / "schema.py").read_text() + "\nfrom mars_router import settings\n")
+    broken = _lint_imports(tmp_path)
+    assert broken.returncode != 0
+    report = " ".join(broken.stdout.split())
+    assert "no deployable imports another's modules BROKEN" in report
+    assert "mars_judge.schema -> mars_router.settings" in report
+
+
 def test_mars_migrate_help_loads_no_model_runtime() -> None:
     # The Helm hook's command: its imports are its start-up time and its image's needs.
     run = subprocess.run(

@@ -34,7 +34,6 @@ def test_broken_tokenizer_falls_back_to_estimate(caplog: pytest.LogCaptureFixtur
     assert "conservative estimate" in caplog.text
 
 
-
 def test_an_unknown_tokenizer_kind_is_a_configuration_error() -> None:
     with pytest.raises(ValueError, match="unknown tokenizer kind 'sentencepiece'"):
         load_counter("sentencepiece:/x")
@@ -83,7 +82,7 @@ def test_gguf_vocabulary_is_freed_before_interpreter_exit() -> None:
 
 
 def test_a_pool_naming_an_unknown_tokenizer_kind_is_refused_when_it_loads() -> None:
-    from mars.pool import ModelSpec
+    from mars.model_pool import ModelSpec
     from pydantic import ValidationError
 
     with pytest.raises(ValidationError, match=r"is not gguf:<path> or hf:<tokenizer\.json>"):

@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from mars.qtm.controllers import ControllerUnavailable, VllmController, make_controller
-from mars.qtm.guard import GuardedEstimator
-from mars.qtm.prompts import PromptTemplate
-from mars.qtm.serial_engine import EngineBusy, SerialEngine
 from mars.v1 import events_pb2 as ev
+from mars_state.qtm.controllers import ControllerUnavailable, VllmController, make_controller
+from mars_state.qtm.guard import GuardedEstimator
+from mars_state.qtm.prompts import PromptTemplate
+from mars_state.qtm.serial_engine import EngineBusy, SerialEngine
 
 PAPER_EXAMPLE = json.loads((Path(__file__).parent / "fixtures" / "qtm_paper_example.json").read_text())
 

@@ -19,7 +19,7 @@ import httpx
 import numpy as np
 from mars.domain.packing import input_budget, pack_view
 from mars.domain.text import estimate_tokens
-from mars.pool import ModelPool, ModelSpec
+from mars.model_pool import ModelPool, ModelSpec
 from mars.v1 import events_pb2 as ev
 from rich.console import Console
 

@@ -15,12 +15,12 @@ from dataclasses import dataclass, field
 
 import grpc
 from google.protobuf.message import DecodeError
-from mars.client import ingress_channel
 from mars.config import TOPIC_VIEW
-from mars.history import MAX_TURNS_PER_CALL
 from mars.v1 import events_pb2 as ev
 from mars.v1 import services_pb2 as svc
 from mars.v1 import services_pb2_grpc as svc_grpc
+from mars_ingress.client import ingress_channel
+from mars_ingress.history import MAX_TURNS_PER_CALL
 
 from mars_tools.replay.readers import read_topics
 

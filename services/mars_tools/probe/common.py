@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from mars.llm_json import endpoint_url
-from mars.qtm.controllers import BACKENDS, make_controller
-from mars.qtm.guard import GuardedEstimator
+from mars_state.qtm.controllers import BACKENDS, make_controller
+from mars_state.qtm.guard import GuardedEstimator
 from rich.console import Console
 
 from mars_tools.bench.realmem import persona_name_from_path

@@ -26,10 +26,10 @@ from pathlib import Path
 from typing import Any
 
 from mars.domain.memory_policy import memory_controls
-from mars.qtm.guard import GuardedEstimator
 from mars.retrieval.embedder import Embedder
 from mars.retrieval.hybrid import POLICY_CONFIGS, HybridMemory, state_conditioned
 from mars.v1 import events_pb2 as ev
+from mars_state.qtm.guard import GuardedEstimator
 from rich.console import Console
 from rich.progress import Progress
 

@@ -1,5 +1,5 @@
 """`mars probe qtm-labels`: how often each QTM backend gets each Table 5 field right on a hand-labelled set
-of user turns (services/mars/qtm/labels/turns.jsonl, labelled by its GUIDE.md).
+of user turns (services/mars_state/qtm/labels/turns.jsonl, labelled by its GUIDE.md).
 
 Each turn is estimated with the active context the state service would hold if the earlier turns had been
 labelled right: the persona's user turns since the last gold NEW_TOPIC, across sessions, newest last (at
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mars.qtm.labelled import (
+from mars_state.qtm.labelled import (
     DEFAULT_LABELS,
     FIELDS,
     LabelledTurn,

@@ -31,12 +31,12 @@ from typing import Any
 
 import grpc
 from mars import data_keys, tls
-from mars.client import TenantChannels, TenantKeys
 from mars.data_keys import SyncKeyring
 from mars.identity import CallerIdentity, with_identity
 from mars.v1 import events_pb2 as ev
 from mars.v1 import services_pb2 as svc
 from mars.v1 import services_pb2_grpc as svc_grpc
+from mars_ingress.client import TenantChannels, TenantKeys
 from rich.console import Console
 from rich.progress import Progress
 

@@ -6,11 +6,11 @@
 - `llamacpp`: the local llama.cpp server of the default stack (llama-cpp-python's schema-constrained
   `json_object` response format, compiled to a grammar).
 - `vllm`: an in-process vLLM engine on a GPU node with guided JSON decoding, driven one call at a time
-  with a cap on calls in flight (`mars.qtm.serial_engine`); vllm is imported only when this backend is
+  with a cap on calls in flight (`mars_state.qtm.serial_engine`); vllm is imported only when this backend is
   selected (an optional extra, never needed for tests).
 
 Rule-based estimation (`rules`) is not a Controller: it is synchronous, never fails, and is the
-fallback the guard (`mars.qtm.guard`) uses whatever backend is configured.
+fallback the guard (`mars_state.qtm.guard`) uses whatever backend is configured.
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ from collections.abc import Sequence
 from typing import Any, Literal, Protocol
 
 from mars.llm_json import Dialect, EndpointError, JsonChatClient, JsonReply
-from mars.qtm.prompts import SYSTEM_ROLE, PromptTemplate
-from mars.qtm.schema import qtm_json_schema
-from mars.qtm.serial_engine import SerialEngine
+
+from mars_state.qtm.prompts import SYSTEM_ROLE, PromptTemplate
+from mars_state.qtm.schema import qtm_json_schema
+from mars_state.qtm.serial_engine import SerialEngine
 
 Backend = Literal["rules", "learned", "openai", "llamacpp", "vllm"]
 BACKENDS: tuple[str, ...] = ("rules", "learned", "openai", "llamacpp", "vllm")
@@ -178,7 +179,7 @@ def make_controller(
     """The configured controller, or None for `rules` (the guard answers from rules alone).
 
     `max_in_flight` caps the in-process vllm backend's admitted calls (running and queued). `learned`
-    loads its model file (`model`, default the packaged one; mars.qtm.learned.ModelFileError when it is
+    loads its model file (`model`, default the packaged one; mars_state.qtm.learned.ModelFileError when it is
     missing or corrupt) and the MiniLM embedder (ONNX exports under `embedding_cache_dir`)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown QTM backend {backend!r}; known: {', '.join(BACKENDS)}")
@@ -187,8 +188,9 @@ def make_controller(
     if backend == "learned":
         from pathlib import Path
 
-        from mars.qtm.learned import DEFAULT_MODEL, LearnedController, LearnedModel
         from mars.retrieval.embedder import LruEmbedder, embedder_tag, load_embedder
+
+        from mars_state.qtm.learned import DEFAULT_MODEL, LearnedController, LearnedModel
 
         learned = LearnedModel.load(Path(model) if model else DEFAULT_MODEL)
         cache = LruEmbedder(load_embedder(cache_dir=embedding_cache_dir))

@@ -23,9 +23,10 @@ from collections.abc import Sequence
 from mars import metrics
 from mars.domain.state_rules import clamp_state, detect_cues, estimate_state, widen_session_opening
 from mars.llm_json import TokenPrices
-from mars.qtm.controllers import Controller, ControllerReply, ControllerUnavailable
-from mars.qtm.schema import ControllerOutputError, parse_controller_output
 from mars.v1 import events_pb2 as ev
+
+from mars_state.qtm.controllers import Controller, ControllerReply, ControllerUnavailable
+from mars_state.qtm.schema import ControllerOutputError, parse_controller_output
 
 #: Paper Table 10: the controller (Qwen2.5-7B-Instruct) at $0.04 in and $0.10 out per million tokens.
 QTM_PRICES = TokenPrices(0.04, 0.10)

@@ -14,7 +14,7 @@ Features of a turn (`featurize`):
 Heads: action, query_type, phase, need_memory, retrieval_scope, ambiguity. memory_span follows from need
 and scope as in the rules (NONE without memory, CROSS_SESSION for GLOBAL, else ACTIVE_THREAD); top-k,
 recency and lens follow the rules' budget logic. The state then goes through the same guardrails as any
-controller's (`mars.qtm.guard`). The model is a small .npz file (`mars train qtm` writes it), loaded at start.
+controller's (`mars_state.qtm.guard`). The model is a small .npz file (`mars train qtm` writes it), loaded at start.
 """
 
 from __future__ import annotations
@@ -32,13 +32,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from scipy.optimize import minimize
-from scipy.sparse import csr_matrix
-
 from mars.domain.state_rules import cue_flags, estimate_state
 from mars.domain.text import overlap, tokenize
 from mars.llm_json import JsonReply
-from mars.qtm.labelled import CONTEXT_TURNS, FIELDS, state_labels
+from scipy.optimize import minimize
+from scipy.sparse import csr_matrix
+
+from mars_state.qtm.labelled import CONTEXT_TURNS, FIELDS, state_labels
 
 #: Bumped whenever `featurize` changes: a model trained on other features is refused at load.
 FEATURES_VERSION = "qtm-learned-features-v2"
@@ -328,7 +328,7 @@ def state_json(predicted: dict[str, tuple[str, float]], text: str, context: Sequ
 
 
 class LearnedController:
-    """The Controller interface (mars.qtm.controllers) over a LearnedModel: no endpoint, no tokens."""
+    """The Controller interface (mars_state.qtm.controllers) over a LearnedModel: no endpoint, no tokens."""
 
     name = "learned"
     calls_llm = False

@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 from google.protobuf.json_format import MessageToDict
-
 from mars import metrics
 from mars.domain.reward import PROFILES, JudgeProfile, compose_utility, judge_turn
 from mars.llm_json import EndpointError, JsonChatClient, NoJsonObject, TokenPrices, parse_json_object

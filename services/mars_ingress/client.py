@@ -23,7 +23,6 @@ from typing import Any
 
 import grpc
 import grpc.aio
-
 from mars import tls
 
 Options = Sequence[tuple[str, Any]]
