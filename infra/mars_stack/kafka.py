@@ -250,7 +250,7 @@ def server_properties(
         "share.coordinator.state.topic.replication.factor": "1",
         "share.coordinator.state.topic.min.isr": "1",
         "group.initial.rebalance.delay.ms": "0",
-        # Our topics are created by the services (mars.bus.ensure_topics) with the shared partition count.
+        # Our topics are created by the services (mars.bus.topics.ensure_topics) with the shared partition count.
         "auto.create.topics.enable": "false",
     }
     if sasl_port is not None:

@@ -868,7 +868,7 @@ class LocalStack:
         """Every principal's ACLs (mars.kafka_acls) and the run's topics, before any service starts."""
         import asyncio
 
-        from mars.bus import ensure_topics
+        from mars.bus.topics import ensure_topics
         from mars.config import Topics
         from mars.kafka_acls import acl_bindings, create_acls
 

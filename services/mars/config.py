@@ -32,7 +32,7 @@ TOPIC_DEAD_LETTER = "mars.deadletter"
 #: Control events (mars.v1.UserForgotten), read by every replica of a service holding per-user state in
 #: memory (broadcast readers): not turn events, no stage consumes them in a group.
 TOPIC_CONTROL = "mars.control"
-#: Each stage's name in `stage_emitted` (mars.db.EmittedLedger): a service's role may read and write only
+#: Each stage's name in `stage_emitted` (mars.emitted.EmittedLedger): a service's role may read and write only
 #: its own stages' rows there (mars.db_roles, row-level security).
 STATE_STAGE = "state"
 MEMORY_VIEW_STAGE = "memory-view"

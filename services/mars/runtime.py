@@ -19,15 +19,10 @@ from grpc_reflection.v1alpha import reflection
 from psycopg_pool import AsyncConnectionPool
 
 from mars import data_keys, db, forget, identity, tls, topology
-from mars.bus import (
-    EventProducer,
-    PoisonEvent,
-    StageConsumer,
-    control_reader,
-    ensure_topics,
-    id_problem,
-    is_transient,
-)
+from mars.bus.codec import PoisonEvent, id_problem, is_transient
+from mars.bus.consumer import StageConsumer, control_reader
+from mars.bus.producer import EventProducer
+from mars.bus.topics import ensure_topics
 from mars.config import ServiceSettings
 from mars.kafka_options import kafka_client_options
 from mars.telemetry import setup_telemetry

@@ -9,7 +9,11 @@ import time
 
 import grpc
 from mars import deadline, topology
-from mars.bus import EventProducer, PoisonEvent, StageConsumer, StageOutput, Subscription
+from mars.bus.codec import PoisonEvent
+from mars.bus.consumer import StageConsumer
+from mars.bus.delivery import Subscription
+from mars.bus.output import StageOutput
+from mars.bus.producer import EventProducer
 from mars.config import DISPATCH_STAGE, TOPIC_GENERATED, TOPIC_ROUTED, TOPIC_TOKENS
 from mars.domain.circuit import CircuitBreaker
 from mars.domain.turn_options import MAX_TOKENS_LIMIT, InvalidOption, parse_turn_options

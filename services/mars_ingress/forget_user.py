@@ -26,7 +26,7 @@ def control_event(
 
 
 def event_key(tenant: str, user_id: str) -> bytes:
-    """Keyed like the user's turn events (mars.bus.event_key)."""
+    """Keyed like the user's turn events (mars.bus.codec.event_key)."""
     return f"{tenant}/{user_id}".encode()
 
 

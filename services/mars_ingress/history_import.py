@@ -9,7 +9,7 @@ import asyncio
 import time
 from collections import Counter
 
-from mars.bus import EventProducer
+from mars.bus.producer import EventProducer
 from mars.config import SCHEMA_VERSION, TOPIC_GENERATED
 from mars.v1 import events_pb2 as ev
 from mars.v1 import services_pb2 as svc

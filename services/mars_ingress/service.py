@@ -14,7 +14,10 @@ from collections.abc import AsyncIterator
 import grpc
 from mars import auth, forget, metrics, topology
 from mars.auth import AuthError, Principal
-from mars.bus import EventProducer, StageConsumer, Subscription, is_transient
+from mars.bus.codec import is_transient
+from mars.bus.consumer import StageConsumer
+from mars.bus.delivery import Subscription
+from mars.bus.producer import EventProducer
 from mars.config import (
     SCHEMA_VERSION,
     TOPIC_CONTROL,

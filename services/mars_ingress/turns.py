@@ -7,10 +7,11 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from mars.bus import EventProducer, PoisonEvent, is_transient
+from mars.bus.codec import PoisonEvent, is_transient
+from mars.bus.producer import EventProducer
 from mars.config import INGRESS_STAGE, TOPIC_RECEIVED, TOPIC_ROUTED, TOPIC_STATE, TOPIC_VIEW
 from mars.data_keys import Forgotten
-from mars.db import EmittedLedger
+from mars.emitted import EmittedLedger
 from mars.v1 import events_pb2 as ev
 from psycopg_pool import AsyncConnectionPool
 

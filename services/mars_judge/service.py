@@ -9,7 +9,11 @@ import os
 
 import grpc
 from mars import metrics, topology
-from mars.bus import EventProducer, PoisonEvent, StageConsumer, StageOutput, Subscription
+from mars.bus.codec import PoisonEvent
+from mars.bus.consumer import StageConsumer
+from mars.bus.delivery import Subscription
+from mars.bus.output import StageOutput
+from mars.bus.producer import EventProducer
 from mars.config import JUDGE_STAGE, TOPIC_FEEDBACK, TOPIC_GENERATED, TOPIC_JUDGED
 from mars.db import pg_text
 from mars.domain.feedback import feedback_utility

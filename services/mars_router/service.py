@@ -12,7 +12,10 @@ import logging
 
 import grpc
 from mars import deadline, topology
-from mars.bus import EventProducer, StageConsumer, StageOutput, Subscription
+from mars.bus.consumer import StageConsumer
+from mars.bus.delivery import Subscription
+from mars.bus.output import StageOutput
+from mars.bus.producer import EventProducer
 from mars.config import ROUTER_STAGE, TOPIC_JUDGED, TOPIC_ROUTED, TOPIC_VIEW
 from mars.domain.bandits import draw_key
 from mars.model_pool import ModelPool, load_pool

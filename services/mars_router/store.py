@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from mars.bus import PoisonEvent
+from mars.bus.codec import PoisonEvent
 from mars.domain.bandits import make_routing_policy, turn_rng, uses_query_features
 from mars.domain.features import (
     FEATURE_DIM,

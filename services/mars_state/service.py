@@ -11,7 +11,10 @@ import time
 
 import grpc
 from mars import deadline, topology
-from mars.bus import EventProducer, StageConsumer, StageOutput, Subscription
+from mars.bus.consumer import StageConsumer
+from mars.bus.delivery import Subscription
+from mars.bus.output import StageOutput
+from mars.bus.producer import EventProducer
 from mars.config import STATE_STAGE, TOPIC_RECEIVED, TOPIC_STATE
 from mars.domain.vectors import encode_vector
 from mars.llm_json import TokenPrices, endpoint_url

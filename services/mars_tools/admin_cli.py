@@ -108,7 +108,7 @@ def _topic_settings(args: argparse.Namespace) -> ServiceSettings:
 
 
 def cmd_topics_ensure(args: argparse.Namespace) -> int:
-    from mars.bus import ensure_topics
+    from mars.bus.topics import ensure_topics
     from mars.kafka_options import kafka_client_options
 
     try:

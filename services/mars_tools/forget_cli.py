@@ -22,7 +22,7 @@ from mars_tools.terminal import console
 
 
 async def publish_forgotten(settings: ServiceSettings, tenant: str, user_id: str, forget_id: str) -> None:
-    from mars.bus import EventProducer
+    from mars.bus.producer import EventProducer
 
     producer = EventProducer(settings, "cli")
     await producer.start()

@@ -135,7 +135,7 @@ def test_lag_of_a_stage_group_over_sasl(kafka: LocalStack) -> None:
     topic = Topics(prefix).name(TOPIC_RECEIVED)
 
     async def scenario() -> None:
-        from mars.bus import ensure_topics
+        from mars.bus.topics import ensure_topics
 
         ensured = await ensure_topics(options, 2, Topics(prefix).all)
         assert not ensured.failed

@@ -32,7 +32,7 @@ from conftest import (
 from google.protobuf.message import Message
 from mars import data_keys, forget
 from mars.auth import mint_key
-from mars.bus import TOPIC_EVENTS
+from mars.bus.codec import TOPIC_EVENTS
 from mars.config import ALL_TOPICS, TOPIC_GENERATED, TOPIC_VIEW
 from mars.identity import with_identity
 from mars.v1 import events_pb2 as ev

@@ -422,7 +422,7 @@ def test_a_plaintext_answer_planted_for_a_real_user_never_reaches_memory(
     """Whoever may write mars.turn.generated (as dispatch may) could plant an answer into a real user's
     memory, and so into that user's later turns. The stack seals: its memory writer takes user text only
     sealed with the user's data key, so a plaintext event is dead-lettered, naming the missing seal."""
-    from mars.bus import event_key
+    from mars.bus.codec import event_key
     from mars.config import SCHEMA_VERSION
 
     assert stack.keyring() is not None  # the local stack seals by default
@@ -472,7 +472,7 @@ def test_a_turn_past_its_deadline_costs_no_stage_its_work_and_still_advances_the
     FAILED Generated, so the memory writer advances the user's applied seq and the user's next view does
     not wait for it, and nothing is rewarded."""
     from mars import deadline
-    from mars.bus import event_key
+    from mars.bus.codec import event_key
     from mars.config import SCHEMA_VERSION
 
     keys = stack.keyring()

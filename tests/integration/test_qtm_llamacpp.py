@@ -12,7 +12,7 @@ import grpc
 import pytest
 from conftest import produce_raw, read_topic, start_stack, wait_for
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from mars.bus import event_key
+from mars.bus.codec import event_key
 from mars.config import SCHEMA_VERSION, TOPIC_RECEIVED, TOPIC_STATE
 from mars.v1 import events_pb2 as ev
 from mars.v1 import services_pb2 as svc

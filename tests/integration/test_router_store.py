@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from mars import db
-from mars.bus import PoisonEvent
+from mars.bus.codec import PoisonEvent
 from mars.domain.features import FEATURE_DIM
 from mars.domain.linucb import ArmModel
 from mars_router.schema import MIGRATIONS

@@ -1,4 +1,4 @@
-"""The stage ledger's write-behind (`mars.db.EmittedLedger`) against a real Postgres: rows reach the table
+"""The stage ledger's write-behind (`mars.emitted.EmittedLedger`) against a real Postgres: rows reach the table
 in one statement per flush, by timer or before offsets are committed, and a refused flush keeps its rows."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import asyncio
 
 import psycopg
 import pytest
-from mars import db
+from mars import db, emitted
 
 pytestmark = pytest.mark.integration
 
@@ -23,7 +23,7 @@ def test_rows_are_written_in_one_statement_per_flush(postgres: str) -> None:
         pool = await db.open_pool(postgres)
         await db.migrate(pool, "ledger-test", ())
         try:
-            ledger = db.EmittedLedger(pool)
+            ledger = emitted.EmittedLedger(pool)
             for n in range(5):
                 ledger.add("ledger-a", f"turn-{n}")
             ledger.add("ledger-b", "turn-0")
@@ -36,7 +36,7 @@ def test_rows_are_written_in_one_statement_per_flush(postgres: str) -> None:
             # The timer writes what is added later without anyone asking; a duplicate is no error.
             ledger.add("ledger-a", "turn-0")
             ledger.add("ledger-a", "turn-9")
-            await asyncio.sleep(db.EmittedLedger.FLUSH_EVERY_S + 1.0)
+            await asyncio.sleep(emitted.EmittedLedger.FLUSH_EVERY_S + 1.0)
             assert ledger.pending == 0
             assert "turn-9" in await _rows(pool, "ledger-a")
         finally:
@@ -50,7 +50,7 @@ def test_a_refused_flush_keeps_its_rows_for_the_next(postgres: str) -> None:
         pool = await db.open_pool(postgres)
         await db.migrate(pool, "ledger-test", ())
         try:
-            ledger = db.EmittedLedger(pool)
+            ledger = emitted.EmittedLedger(pool)
             ledger.add("ledger-c", "ok-1")
             ledger.add("ledger-c", "bad\x00id")  # Postgres refuses NUL in TEXT: the whole batch fails
             with pytest.raises(psycopg.DataError):

@@ -12,9 +12,8 @@ import grpc
 import psycopg
 import pytest
 from aiokafka.errors import KafkaConnectionError, MessageSizeTooLargeError
-from mars.bus import (
+from mars.bus.codec import (
     DEAD_LETTER_PAYLOAD_BYTES,
-    EventProducer,
     PoisonEvent,
     is_transient,
     oversized_text,
@@ -23,6 +22,7 @@ from mars.bus import (
     validate_key,
     wire_type_clash,
 )
+from mars.bus.producer import EventProducer
 from mars.config import SCHEMA_VERSION, ServiceSettings
 from mars.domain.features import _unit
 from mars.domain.text import enum_name
@@ -162,7 +162,9 @@ def _consume_one(
     """(dead letters, handled events) after one StageConsumer reads `event` from `topic`, its producer
     holding `keyring` (not None: the service seals, as one with MARS_MASTER_KEY_FILE does); `handler`
     (default: one that records the event) handles it."""
-    from mars.bus import StageConsumer, Subscription, event_key
+    from mars.bus.codec import event_key
+    from mars.bus.consumer import StageConsumer
+    from mars.bus.delivery import Subscription
 
     letters: list[tuple[str, str]] = []
     handled: list[Any] = []

@@ -79,7 +79,7 @@ def test_predicates_match_the_ids_the_services_write() -> None:
 
 
 def test_control_event_is_keyed_like_the_users_turns() -> None:
-    from mars.bus import event_key
+    from mars.bus.codec import event_key
     from mars.v1 import events_pb2 as ev
 
     event = forget_user.control_event("acme", "u1")

@@ -95,7 +95,8 @@ def test_logins_that_would_break_the_broker_config_are_refused(tmp_path: Path) -
 
 def test_a_broadcast_reader_the_topology_does_not_list_fails_at_start() -> None:
     """A reader outside any group must be in the topology too: its principal may read nothing else."""
-    from mars.bus import Subscription, check_broadcast
+    from mars.bus.consumer import check_broadcast
+    from mars.bus.delivery import Subscription
     from mars.config import TOPIC_CONTROL, TOPIC_TOKENS
     from mars.v1 import events_pb2 as ev
 

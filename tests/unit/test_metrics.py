@@ -16,7 +16,11 @@ import numpy as np
 import pytest
 from aiokafka import ConsumerRecord, TopicPartition
 from mars import metrics
-from mars.bus import EventProducer, PoisonEvent, StageConsumer, Subscription, _PartitionTrack, event_key
+from mars.bus.codec import PoisonEvent, event_key
+from mars.bus.consumer import StageConsumer
+from mars.bus.delivery import Subscription
+from mars.bus.offsets import PartitionTrack
+from mars.bus.producer import EventProducer
 from mars.config import TOPIC_GENERATED, TOPIC_RECEIVED, ServiceSettings
 from mars.domain.circuit import CircuitBreaker
 from mars.domain.memory_policy import MemoryRecord
@@ -163,7 +167,7 @@ def test_stage_handler_calls_are_timed_by_outcome_and_dead_letters_counted_by_ki
         await consumer._handle(_record("poison"))
         await consumer._handle(_record("broken"))  # fails twice: retried once, then dead-lettered
         await consumer._handle(_record(value=b"\xff\xfe not a protobuf"))  # never reaches the handler
-        track = _PartitionTrack()
+        track = PartitionTrack()
         track.fetched(5)
         await consumer._handle_after(
             None, _record("fine", offset=5), TopicPartition(TOPIC_RECEIVED, 0), track
@@ -209,7 +213,7 @@ def test_consumer_lag_from_its_own_view_of_high_watermarks_and_open_records(
         _subscription=SimpleNamespace(subscription=SimpleNamespace(assignment=assignment)),
         assignment=lambda: set(states),
     )
-    track = consumer._tracks.setdefault(t(TOPIC_RECEIVED, 0), _PartitionTrack())
+    track = consumer._tracks.setdefault(t(TOPIC_RECEIVED, 0), PartitionTrack())
     for offset in (7, 8, 9):
         track.fetched(offset)
     consumer._lag = consumer._lag_now()

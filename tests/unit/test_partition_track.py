@@ -3,15 +3,15 @@ user), and the committed offset never passes a record that has not finished."""
 
 from __future__ import annotations
 
-from mars.bus import _PartitionTrack
+from mars.bus.offsets import PartitionTrack
 
 
 def test_nothing_fetched_commits_nothing() -> None:
-    assert _PartitionTrack().committable() is None
+    assert PartitionTrack().committable() is None
 
 
 def test_commit_stops_at_the_first_unfinished_record() -> None:
-    track = _PartitionTrack()
+    track = PartitionTrack()
     for offset in (10, 11, 12, 13):
         track.fetched(offset)
     assert track.committable() == 10
@@ -26,7 +26,7 @@ def test_commit_stops_at_the_first_unfinished_record() -> None:
 
 def test_offsets_with_gaps_commit_past_the_last_fetched() -> None:
     # Compacted or transactional topics skip offsets: the commit goes by what was fetched.
-    track = _PartitionTrack()
+    track = PartitionTrack()
     track.fetched(5)
     track.fetched(9)
     track.finished(9)

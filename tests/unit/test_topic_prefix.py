@@ -6,7 +6,9 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from mars.bus import EventProducer, StageConsumer, Subscription, check_group
+from mars.bus.consumer import StageConsumer, check_group
+from mars.bus.delivery import Subscription
+from mars.bus.producer import EventProducer
 from mars.config import (
     ALL_TOPICS,
     MAX_TOPIC_LENGTH,

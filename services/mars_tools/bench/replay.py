@@ -15,7 +15,8 @@ from typing import Any
 
 from aiokafka import AIOKafkaProducer
 from google.protobuf.message import Message
-from mars.bus import ensure_topics, event_key
+from mars.bus.codec import event_key
+from mars.bus.topics import ensure_topics
 from mars.config import SCHEMA_VERSION
 from mars.v1 import events_pb2 as ev
 from rich.console import Console
