@@ -1,20 +1,31 @@
 """Typed settings shared by every service; each service extends `ServiceSettings` with its own model.
 
 Settings come from `MARS_*` environment variables, then from the env file named by `MARS_ENV_FILE`
-(the local stack launcher writes one), then from the defaults below.
+(the local stack launcher writes one), then from the defaults below. A service's own settings are read under
+its section (`MARS_ROUTER_ALPHA`), the shared ones as `MARS_<FIELD>` (`env_name`); the flat names of the
+releases before sections are still read, with a warning. A service refuses to start on a `MARS_*` name that
+looks meant for it and that it does not read (`CallerSettings.check_environment`, "did you mean").
 """
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, Self
 
 from pydantic import Field, SecretStr, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import (
+    BaseSettings,
+    DotEnvSettingsSource,
+    EnvSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
 
 #: Base topic names, one per turn stage plus the dead-letter topic (README, "What runs"; proto/mars/v1/events.proto).
 #: Services publish and subscribe by these names; the bus puts the run's `topic_prefix` in front (`Topics`).
@@ -151,6 +162,79 @@ def kafka_security_problems(
     return problems
 
 
+#: The settings sections of the deployables: a service's own settings are read as MARS_<SECTION>_<FIELD>
+#: (MARS_ROUTER_ALPHA), the ones every service shares (ServiceSettings') as MARS_<FIELD> (mars.config.env_name).
+SECTIONS = ("STATE", "MEMORY", "ROUTER", "DISPATCH", "JUDGE", "INGRESS", "GATEWAY")
+#: MARS_* names a deployable's environment may carry that no deployable's model reads: the env-file switch of
+#: the models themselves, and the tools' address of the ingress (mars_tools.settings), which the local stack
+#: hands every process and which sits in the ingress's section. (tests/unit/test_settings_sections.py checks
+#: that no name of the tools or the launcher stops a deployable.)
+OTHER_NAMES = frozenset({"MARS_ENV_FILE", "MARS_INGRESS_ADDR"})
+#: How close (difflib's ratio) an unknown name must come to a known one, and a word to a section's name
+#: (ROUTRE to ROUTER: 0.83; BROKER to ROUTER: 0.67), to count as its misspelling.
+_MISSPELT = 0.85
+_MISSPELT_SECTION = 0.75
+
+
+def env_name(settings: type[CallerSettings], field_name: str) -> str:
+    """The environment variable a settings model reads `field_name` from: MARS_<FIELD> for a shared field
+    (or a model without a section), MARS_<SECTION>_<FIELD> for the model's own (MARS_MEMORY_ROLES, not
+    MARS_MEMORY_MEMORY_ROLES, when the field already begins with the section's name)."""
+    upper = field_name.upper()
+    section = settings.env_section
+    if not section or field_name in settings.shared_fields() or upper.startswith(section + "_"):
+        return f"MARS_{upper}"
+    return f"MARS_{section}_{upper}"
+
+
+def old_env_names(settings: type[CallerSettings], field_name: str) -> tuple[str, ...]:
+    """The names `field_name` was read from before (still read, with a warning, where env_name is unset):
+    the flat MARS_<FIELD> of the releases before sections, and a rename's (`renamed_from`)."""
+    names = [f"MARS_{field_name.upper()}"]
+    if field_name in settings.renamed_from:
+        names.append(settings.renamed_from[field_name])
+    current = env_name(settings, field_name)
+    return tuple(dict.fromkeys(n for n in names if n != current))
+
+
+def _read_by_section(settings: type[CallerSettings], found: Mapping[str, str | None]) -> dict[str, str | None]:
+    """`found` (lower-cased names -> values, as pydantic-settings reads them) re-keyed by field, under the
+    flat names pydantic-settings looks fields up by: the current name first, an old one with a warning."""
+    out: dict[str, str | None] = {}
+    for field_name in settings.model_fields:
+        current = env_name(settings, field_name)
+        for name in (current, *old_env_names(settings, field_name)):
+            value = found.get(name.lower())
+            if value is None:
+                continue
+            if name != current:
+                warnings.warn(
+                    f"{name} is deprecated for {settings.__name__}: set {current} (read from {name} for this "
+                    "release only)",
+                    FutureWarning,
+                    stacklevel=2,
+                )
+            out[f"mars_{field_name}"] = value
+            break
+    return out
+
+
+#: A mapping read instead of the process's environment (CallerSettings.from_env), while one is set.
+_GIVEN_ENV: ContextVar[Mapping[str, str] | None] = ContextVar("mars_given_env", default=None)
+
+
+class _SectionedEnv(EnvSettingsSource):
+    def _load_env_vars(self) -> Mapping[str, str | None]:
+        given = _GIVEN_ENV.get()
+        found = super()._load_env_vars() if given is None else {k.lower(): v for k, v in given.items()}
+        return _read_by_section(self.settings_cls, found)  # type: ignore[arg-type]
+
+
+class _SectionedDotEnv(DotEnvSettingsSource):
+    def _load_env_vars(self) -> Mapping[str, str | None]:
+        return _read_by_section(self.settings_cls, super()._load_env_vars())  # type: ignore[arg-type]
+
+
 class CallerSettings(BaseSettings):
     """What any MARS caller of a MARS gRPC service needs (a tool, the gateway, or a service calling another):
     the TLS it speaks (mars.tls.ClientTls) and the service identity it presents (mars.identity)."""
@@ -160,6 +244,12 @@ class CallerSettings(BaseSettings):
         env_file=os.environ.get("MARS_ENV_FILE"),
         extra="ignore",
     )
+    #: The section (one of SECTIONS) of a deployable's own fields; "": every field is MARS_<FIELD>.
+    env_section: ClassVar[str] = ""
+    #: Field -> the environment variable it was read from before a rename: still read for one release,
+    #: with a warning, where the new name is not set.
+    renamed_from: ClassVar[Mapping[str, str]] = {}
+
     #: The CA (PEM) that signed the services' certificates; with a client certificate and key for mutual
     #: TLS. All empty: calls in plaintext.
     tls_ca_file: str = ""
@@ -170,40 +260,105 @@ class CallerSettings(BaseSettings):
     identity_cert_file: str = ""
     identity_key_file: str = ""
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.env_section and cls.env_section not in SECTIONS:
+            raise TypeError(f"{cls.__name__}.env_section {cls.env_section!r} is not one of {', '.join(SECTIONS)}")
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # The environment and the env file as pydantic-settings reads them, under each field's section name.
+        assert isinstance(env_settings, EnvSettingsSource) and isinstance(dotenv_settings, DotEnvSettingsSource)
+        return (
+            init_settings,
+            _SectionedEnv(
+                settings_cls,
+                case_sensitive=env_settings.case_sensitive,
+                env_prefix=env_settings.env_prefix,
+            ),
+            _SectionedDotEnv(
+                settings_cls,
+                env_file=dotenv_settings.env_file,
+                env_file_encoding=dotenv_settings.env_file_encoding,
+                case_sensitive=dotenv_settings.case_sensitive,
+                env_prefix=dotenv_settings.env_prefix,
+            ),
+            file_secret_settings,
+        )
+
+    @classmethod
+    def shared_fields(cls) -> frozenset[str]:
+        """The fields every model of its kind has (read as MARS_<FIELD>): a service's ServiceSettings, a
+        caller's CallerSettings."""
+        base = ServiceSettings if issubclass(cls, ServiceSettings) else CallerSettings
+        return frozenset(base.model_fields)
+
+    @classmethod
+    def env_names(cls) -> frozenset[str]:
+        """Every name this model reads, old names included."""
+        return frozenset(n for f in cls.model_fields for n in (env_name(cls, f), *old_env_names(cls, f)))
+
+    @classmethod
+    def misread_names(cls, names: Iterable[str], elsewhere: Iterable[str] = ()) -> list[str]:
+        """The names among `names` that look meant for this model and that it does not read, each with the
+        closest it does ("did you mean"). `elsewhere`: the names the other deployables read (old ones too),
+        which pass. Names of other sections are theirs to check; a name that is neither near one of this
+        model's nor in its section (a tool's, the launcher's) passes."""
+        known = cls.env_names() | OTHER_NAMES | set(elsewhere) | ServiceSettings.env_names()
+        current = sorted({env_name(cls, f) for f in cls.model_fields})
+        problems = []
+        for name in sorted(n.upper() for n in names):
+            if not name.startswith("MARS_") or name in known:
+                continue
+            word = name[len("MARS_") :].split("_", 1)[0]
+            if word in SECTIONS and word != cls.env_section:
+                continue  # another deployable's
+            near_section = bool(cls.env_section) and (
+                word == cls.env_section
+                or difflib.get_close_matches(word, SECTIONS, n=1, cutoff=_MISSPELT_SECTION) == [cls.env_section]
+            )
+            close = difflib.get_close_matches(name, current, n=1, cutoff=0.0 if near_section else _MISSPELT)
+            if close:
+                problems.append(f"{name} is not a setting of {cls.__name__}; did you mean {close[0]}?")
+        return problems
+
+    @classmethod
+    def check_environment(cls, environ: Mapping[str, str] | None = None, elsewhere: Iterable[str] = ()) -> None:
+        """Refuse to start on a misspelt setting (ValueError naming the closest valid names), checking the
+        process's environment and its env file (or `environ` alone); old names only warn (when read).
+        `elsewhere`: the names the other deployables read (mars.topology.deployable_env_names)."""
+        names = set(os.environ if environ is None else environ)
+        env_file = (os.environ if environ is None else environ).get("MARS_ENV_FILE")
+        if env_file:
+            from dotenv import dotenv_values
+
+            names |= set(dotenv_values(env_file))
+        if problems := cls.misread_names(names, elsewhere):
+            raise ValueError("; ".join(problems))
+
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Self:
         """The caller settings of `env` alone (MARS_* names), or of this process (None: its environment and
         MARS_ENV_FILE, like any settings model)."""
         if env is None:
             return cls()
-        # `env` alone: no env file, and a prefix no variable of this process carries.
-        init: dict[str, Any] = {"_env_file": None, "_env_prefix": "MARS_GIVEN_MAPPING_ONLY__"}
-        init |= {name: env[f"MARS_{name.upper()}"] for name in cls.model_fields if f"MARS_{name.upper()}" in env}
-        return cls(**init)
+        token = _GIVEN_ENV.set(env)  # `env` alone (parsed as the environment is), and no env file
+        try:
+            return cls(_env_file=None)  # type: ignore[call-arg]
+        finally:
+            _GIVEN_ENV.reset(token)
 
 
 class ServiceSettings(CallerSettings):
     """Connection and runtime settings every MARS service needs (and, as a caller of another, its TLS and
     identity)."""
-    #: Field -> the environment variable it was read from before a rename: still read for one release,
-    #: with a warning, where the new name is not set.
-    renamed_from: ClassVar[Mapping[str, str]] = {}
-
-    @model_validator(mode="before")
-    @classmethod
-    def _read_old_names(cls, data: Any) -> Any:
-        if not isinstance(data, dict):
-            return data
-        for field_name, old in cls.renamed_from.items():
-            if field_name not in data and old in os.environ:
-                warnings.warn(
-                    f"{old} is deprecated for {cls.__name__}: set MARS_{field_name.upper()} (read from {old} "
-                    "for this release only)",
-                    FutureWarning,
-                    stacklevel=2,
-                )
-                data = {**data, field_name: os.environ[old]}
-        return data
 
     kafka_bootstrap: str = "127.0.0.1:9092"
     #: How clients reach the brokers (Kafka's own names): TLS with SSL/SASL_SSL, SASL logins with SASL_*.

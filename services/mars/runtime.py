@@ -383,6 +383,10 @@ async def _poll_health(
 
 
 def run(name: str, settings: ServiceSettings, build: Builder, migrations: Sequence[str] = ()) -> None:
+    try:  # a misspelt MARS_* name stops the service here, naming the one it meant, not as a silent default
+        type(settings).check_environment(elsewhere=topology.deployable_env_names())
+    except ValueError as exc:
+        raise SystemExit(f"{name}: {exc}") from None
     if settings.uvloop:
         import uvloop
 

@@ -34,6 +34,7 @@ from mars.config import (
     TOPIC_STATE,
     TOPIC_TOKENS,
     TOPIC_VIEW,
+    CallerSettings,
     ServiceSettings,
 )
 
@@ -113,8 +114,8 @@ class ServiceSpec:
         return tuple(dict.fromkeys((*self.produces, TOPIC_DEAD_LETTER)))
 
     def settings_class(self) -> type[ServiceSettings]:
-        module, _, name = self.settings.partition(":")
-        cls: type[ServiceSettings] = getattr(importlib.import_module(module), name)
+        cls = _load(self.settings)
+        assert issubclass(cls, ServiceSettings)
         return cls
 
     def migrations(self) -> Sequence[str]:
@@ -201,8 +202,27 @@ SERVICES: tuple[ServiceSpec, ...] = (
     ),
 )
 NAMES: tuple[str, ...] = tuple(s.name for s in SERVICES)
+#: The HTTP gateway's settings model: a deployable too, a caller of the ingress with no stage of its own.
+GATEWAY_SETTINGS = "mars_gateway.settings:GatewaySettings"
 _BY_NAME = {s.name: s for s in SERVICES}
 _GROUPS = {g.name: g for s in SERVICES for g in s.groups}
+
+
+def _load(path: str) -> type[CallerSettings]:
+    module, _, name = path.partition(":")
+    cls: type[CallerSettings] = getattr(importlib.import_module(module), name)
+    return cls
+
+
+def deployable_settings() -> dict[str, type[CallerSettings]]:
+    """Every deployable's settings model by name: the services' and the gateway's."""
+    return {**{s.name: s.settings_class() for s in SERVICES}, "gateway": _load(GATEWAY_SETTINGS)}
+
+
+def deployable_env_names() -> frozenset[str]:
+    """Every MARS_* name some deployable reads, old names included: what a deployable's environment may
+    carry for another (mars.config.CallerSettings.check_environment)."""
+    return frozenset(n for cls in deployable_settings().values() for n in cls.env_names())
 
 
 def service(name: str) -> ServiceSpec:

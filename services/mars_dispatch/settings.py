@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from mars.config import ServiceSettings
 
 
 class DispatchSettings(ServiceSettings):
+    #: Its own settings are read as MARS_DISPATCH_<FIELD> (mars.config.env_name).
+    env_section: ClassVar[str] = "DISPATCH"
     model_pool: str = "config/models.local.yaml"
     default_max_tokens: int = 96
     #: Extra attempts on the same arm for a retryable error (connection trouble, 429, 5xx).

@@ -6,6 +6,7 @@ import logging
 import sys
 
 import uvicorn
+from mars import topology
 from mars.model_pool import PoolFileError, load_pool
 from mars.runtime import configure_logging
 
@@ -16,6 +17,10 @@ log = logging.getLogger("mars_gateway")
 
 
 def main() -> None:
+    try:  # a misspelt MARS_* name stops the gateway here, naming the one it meant
+        GatewaySettings.check_environment(elsewhere=topology.deployable_env_names())
+    except ValueError as exc:
+        raise SystemExit(f"gateway: {exc}") from None
     settings = GatewaySettings()
     configure_logging(settings.log_level, "gateway")
     try:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from mars.config import CallerSettings
 from mars.tls import ClientTls
 from pydantic import Field
@@ -10,6 +12,9 @@ from pydantic import Field
 class GatewaySettings(CallerSettings):
     """The gateway calls the ingress as any client does: its TLS settings are the caller's (MARS_TLS_CA_FILE,
     MARS_TLS_CLIENT_CERT_FILE / _KEY_FILE, in CallerSettings)."""
+
+    #: Its own settings are read as MARS_GATEWAY_<FIELD> (mars.config.env_name).
+    env_section: ClassVar[str] = "GATEWAY"
 
     #: Where the gateway serves HTTP.
     http_host: str = "127.0.0.1"

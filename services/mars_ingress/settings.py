@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from mars.config import (
     ServiceSettings,
@@ -13,6 +13,8 @@ from mars_ingress.quota import TenantLimits
 
 
 class IngressSettings(ServiceSettings):
+    #: Its own settings are read as MARS_INGRESS_<FIELD> (mars.config.env_name).
+    env_section: ClassVar[str] = "INGRESS"
     max_text_chars: int = 8000
     #: How long a call waits for its answer before DEADLINE_EXCEEDED (the turn stays recorded).
     turn_timeout_s: float = 180.0

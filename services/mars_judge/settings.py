@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from mars.config import ServiceSettings
 from mars.domain.feedback import FeedbackMode
@@ -10,6 +10,8 @@ from pydantic import Field
 
 
 class JudgeSettings(ServiceSettings):
+    #: Its own settings are read as MARS_JUDGE_<FIELD> (mars.config.env_name).
+    env_section: ClassVar[str] = "JUDGE"
     #: Cost weight lambda of Eq. 17 (paper Table 8: 0.002 main RealMem run, 0.5 ablations).
     lambda_cost: float = 0.002
     #: Per-tenant lambda, e.g. MARS_LAMBDA_TENANTS='{"budget-co": 0.5}' (a tenant's cost sensitivity).

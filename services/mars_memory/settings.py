@@ -12,6 +12,8 @@ MEMORY_ROLES = ("views", "writer")
 
 
 class MemorySettings(ServiceSettings):
+    #: Its own settings are read as MARS_MEMORY_<FIELD> (mars.config.env_name).
+    env_section: ClassVar[str] = "MEMORY"
     #: MARS_CONTEXT_TURNS meant this here and the controller's context in state (MARS_STATE_CONTEXT_TURNS).
     renamed_from: ClassVar[Mapping[str, str]] = {"memory_context_turns": "MARS_CONTEXT_TURNS"}
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from mars.config import ServiceSettings
 
 
 class RouterSettings(ServiceSettings):
+    #: Its own settings are read as MARS_ROUTER_<FIELD> (mars.config.env_name).
+    env_section: ClassVar[str] = "ROUTER"
     model_pool: str = "config/models.local.yaml"
     alpha: float = 0.8
     ridge: float = 1.0

@@ -10,6 +10,8 @@ from pydantic import Field
 
 
 class StateSettings(ServiceSettings):
+    #: Its own settings are read as MARS_STATE_<FIELD> (mars.config.env_name).
+    env_section: ClassVar[str] = "STATE"
     #: MARS_CONTEXT_TURNS meant this here and the secondary queries in memory (MARS_MEMORY_CONTEXT_TURNS).
     renamed_from: ClassVar[Mapping[str, str]] = {"state_context_turns": "MARS_CONTEXT_TURNS"}
 

@@ -21,10 +21,10 @@ def test_every_preset_sets_real_settings_to_accepted_values() -> None:
 
 
 def test_paper_ablations_are_there() -> None:
-    assert presets.preset("recent-only").overrides == {"MARS_VIEW_POLICY": "recent"}
-    assert presets.preset("no-qtm-semantic").overrides["MARS_ROUTING_POLICY"] == "query-linucb"
-    assert presets.preset("lambda-0.5").overrides == {"MARS_LAMBDA_COST": "0.5"}
-    assert presets.preset("fixed:local-small").overrides == {"MARS_ROUTING_POLICY": "fixed:local-small"}
+    assert presets.preset("recent-only").overrides == {"MARS_MEMORY_VIEW_POLICY": "recent"}
+    assert presets.preset("no-qtm-semantic").overrides["MARS_ROUTER_ROUTING_POLICY"] == "query-linucb"
+    assert presets.preset("lambda-0.5").overrides == {"MARS_JUDGE_LAMBDA_COST": "0.5"}
+    assert presets.preset("fixed:local-small").overrides == {"MARS_ROUTER_ROUTING_POLICY": "fixed:local-small"}
 
 
 def test_every_table_17_row_has_a_preset() -> None:
@@ -32,10 +32,10 @@ def test_every_table_17_row_has_a_preset() -> None:
     assert all(name in presets.PRESETS for name in [*rows, "no-online-update"])
     # No QTM state/header starts from embedding-only and only takes the state header out of the prompt.
     no_header = presets.preset("no-state-header").overrides
-    assert dict(no_header) == {**presets.preset("embedding-only").overrides, "MARS_STATE_HEADER": "false"}
-    assert presets.preset("no-online-update").overrides == {"MARS_POLICY_UPDATES": "false"}
+    assert dict(no_header) == {**presets.preset("embedding-only").overrides, "MARS_DISPATCH_STATE_HEADER": "false"}
+    assert presets.preset("no-online-update").overrides == {"MARS_ROUTER_POLICY_UPDATES": "false"}
     fields = presets.settings_fields()
-    assert (fields["MARS_STATE_HEADER"], fields["MARS_POLICY_UPDATES"]) == (["dispatch"], ["router"])
+    assert (fields["MARS_DISPATCH_STATE_HEADER"], fields["MARS_ROUTER_POLICY_UPDATES"]) == (["dispatch"], ["router"])
 
 
 def test_header_and_updates_are_on_unless_a_preset_turns_them_off() -> None:
@@ -43,8 +43,8 @@ def test_header_and_updates_are_on_unless_a_preset_turns_them_off() -> None:
     from mars_router.settings import RouterSettings
 
     assert DispatchSettings().state_header is True and RouterSettings().policy_updates is True
-    with pytest.raises(ValueError, match="router settings refuse the overrides: MARS_POLICY_UPDATES"):
-        presets.resolve(["no-online-update"], ["MARS_POLICY_UPDATES=sometimes"])
+    with pytest.raises(ValueError, match="router settings refuse the overrides: MARS_ROUTER_POLICY_UPDATES"):
+        presets.resolve(["no-online-update"], ["MARS_ROUTER_POLICY_UPDATES=sometimes"])
 
 
 def test_unknown_preset_lists_the_known_ones() -> None:
@@ -54,32 +54,32 @@ def test_unknown_preset_lists_the_known_ones() -> None:
 
 def test_files_and_sets_apply_in_order(tmp_path: Path) -> None:
     yaml_file = tmp_path / "other.yaml"
-    yaml_file.write_text("lambda_cost: 0.25\nMARS_VIEW_QUERY_EMBEDDING: true\nfusion: {dense_weight: 2.0}\n")
+    yaml_file.write_text("lambda_cost: 0.25\nMARS_MEMORY_VIEW_QUERY_EMBEDDING: true\nfusion: {dense_weight: 2.0}\n")
     env_file = tmp_path / "other.env"
-    env_file.write_text("# comment\nMARS_ALPHA=0.5\n")
+    env_file.write_text("# comment\nMARS_ROUTER_ALPHA=0.5\n")
     json_file = tmp_path / "other.json"
-    json_file.write_text(json.dumps({"MARS_RIDGE": 2}))
+    json_file.write_text(json.dumps({"MARS_ROUTER_RIDGE": 2}))
     overrides, labels = presets.resolve(
-        ["recent-only", str(yaml_file), str(env_file), str(json_file)], ["MARS_VIEW_POLICY=bm25"]
+        ["recent-only", str(yaml_file), str(env_file), str(json_file)], ["MARS_MEMORY_VIEW_POLICY=bm25"]
     )
     assert overrides == {
-        "MARS_VIEW_POLICY": "bm25",
-        "MARS_LAMBDA_COST": "0.25",
-        "MARS_VIEW_QUERY_EMBEDDING": "true",
-        "MARS_FUSION": '{"dense_weight": 2.0}',
-        "MARS_ALPHA": "0.5",
-        "MARS_RIDGE": "2",
+        "MARS_MEMORY_VIEW_POLICY": "bm25",
+        "MARS_JUDGE_LAMBDA_COST": "0.25",
+        "MARS_MEMORY_VIEW_QUERY_EMBEDDING": "true",
+        "MARS_MEMORY_FUSION": '{"dense_weight": 2.0}',
+        "MARS_ROUTER_ALPHA": "0.5",
+        "MARS_ROUTER_RIDGE": "2",
     }
-    assert labels == ["recent-only", "other.yaml", "other.env", "other.json", "MARS_VIEW_POLICY=bm25"]
+    assert labels == ["recent-only", "other.yaml", "other.env", "other.json", "MARS_MEMORY_VIEW_POLICY=bm25"]
 
 
 @pytest.mark.parametrize(
     ("sets", "message"),
     [
-        (["MARS_LAMBDA_COSTS=1"], "not a setting of any service \\(did you mean MARS_LAMBDA_COST"),
+        (["MARS_LAMBDA_COSTS=1"], "not a setting of any service \\(did you mean MARS_JUDGE_LAMBDA_COST"),
         (["MARS_KAFKA_BOOTSTRAP=x:1"], "set by the replay stack itself"),
-        (["MARS_LAMBDA_COST=cheap"], "judge settings refuse the overrides: MARS_LAMBDA_COST"),
-        (["MARS_VIEW_POLICY=psychic"], "memory settings refuse the overrides: MARS_VIEW_POLICY"),
+        (["MARS_JUDGE_LAMBDA_COST=cheap"], "judge settings refuse the overrides: MARS_JUDGE_LAMBDA_COST"),
+        (["MARS_MEMORY_VIEW_POLICY=psychic"], "memory settings refuse the overrides: MARS_MEMORY_VIEW_POLICY"),
         (["no-equals-sign"], "expected KEY=VALUE"),
     ],
 )

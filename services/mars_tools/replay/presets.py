@@ -4,8 +4,8 @@ names a real service setting with a value that setting accepts.
 
 Every Table 17 row has a preset. "No QTM state/header" (mars_semctx_noactive) starts from the
 embedding-only row and leaves the MEMORY GUIDANCE state header out of the generator prompt
-(dispatch's MARS_STATE_HEADER=false; the semantic view has no active-thread state block either).
-"No online update" (mars_full_no_update) keeps full MARS with a frozen router (MARS_POLICY_UPDATES=false):
+(dispatch's MARS_DISPATCH_STATE_HEADER=false; the semantic view has no active-thread state block either).
+"No online update" (mars_full_no_update) keeps full MARS with a frozen router (MARS_ROUTER_POLICY_UPDATES=false):
 it routes with its cold-start matrices and records judged rewards without applying them, so the policy
 version never moves; the paper reads it as a cold-start adaptation diagnostic, not a static-router baseline.
 """
@@ -14,15 +14,13 @@ from __future__ import annotations
 
 import difflib
 import json
-import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 from mars import topology
-from mars.config import ServiceSettings
+from mars.config import ServiceSettings, env_name, old_env_names
 from pydantic import ValidationError
 
 #: Settings the replay stack sets itself (addresses, ports, the run's topic prefix): never overridden.
@@ -33,7 +31,8 @@ STACK_MANAGED = frozenset(
         "MARS_GRPC_HOST",
         "MARS_GRPC_PORT",
         "MARS_TOPIC_PREFIX",
-        "MARS_LOCAL_LLM_URL",
+        "MARS_STATE_LOCAL_LLM_URL",
+        "MARS_JUDGE_LOCAL_LLM_URL",
     }
 )
 
@@ -46,7 +45,7 @@ class Preset:
     overrides: Mapping[str, str] = field(default_factory=dict)
 
 
-_NO_QTM_ROUTER = {"MARS_ROUTING_POLICY": "query-linucb", "MARS_VIEW_QUERY_EMBEDDING": "true"}
+_NO_QTM_ROUTER = {"MARS_ROUTER_ROUTING_POLICY": "query-linucb", "MARS_MEMORY_VIEW_QUERY_EMBEDDING": "true"}
 
 PRESETS: dict[str, Preset] = {
     p.name: p
@@ -56,46 +55,46 @@ PRESETS: dict[str, Preset] = {
             "embedding-only",
             "Embedding-only semantic memory (mars_embedctx_bm): raw-query semantic top-k instead of the "
             "state-guided view",
-            {"MARS_VIEW_POLICY": "semantic"},
+            {"MARS_MEMORY_VIEW_POLICY": "semantic"},
         ),
         Preset(
             "no-state-header",
             "No QTM state/header (mars_semctx_noactive): embedding-only semantic memory and a generator "
             "prompt without the MEMORY GUIDANCE state header",
-            {"MARS_VIEW_POLICY": "semantic", "MARS_STATE_HEADER": "false"},
+            {"MARS_MEMORY_VIEW_POLICY": "semantic", "MARS_DISPATCH_STATE_HEADER": "false"},
         ),
         Preset(
             "recent-only",
             "Recent-only memory (mars_recentctx_bm): the last k turns, no retrieval",
-            {"MARS_VIEW_POLICY": "recent"},
+            {"MARS_MEMORY_VIEW_POLICY": "recent"},
         ),
         Preset(
             "no-qtm-semantic",
             "No-QTM semantic (mars_noqtm_semctx): semantic memory, router on query-embedding features",
-            {"MARS_VIEW_POLICY": "semantic", **_NO_QTM_ROUTER},
+            {"MARS_MEMORY_VIEW_POLICY": "semantic", **_NO_QTM_ROUTER},
         ),
         Preset(
             "no-qtm-recent",
             "No-QTM recent (mars_noqtm_recentctx): recent-only memory, router on query-embedding features",
-            {"MARS_VIEW_POLICY": "recent", **_NO_QTM_ROUTER},
+            {"MARS_MEMORY_VIEW_POLICY": "recent", **_NO_QTM_ROUTER},
         ),
         Preset(
             "no-online-update",
             "No online update (mars_full_no_update): full MARS with the router frozen at its cold start "
             "(rewards recorded, never applied)",
-            {"MARS_POLICY_UPDATES": "false"},
+            {"MARS_ROUTER_POLICY_UPDATES": "false"},
         ),
-        Preset("random-routing", "Uniformly random arm per turn", {"MARS_ROUTING_POLICY": "random"}),
-        Preset("thompson", "Linear Thompson sampling instead of LinUCB", {"MARS_ROUTING_POLICY": "thompson"}),
-        Preset("eps-greedy", "Epsilon-greedy instead of LinUCB", {"MARS_ROUTING_POLICY": "eps-greedy"}),
-        Preset("lambda-0", "Cost weight lambda = 0 (Table 19)", {"MARS_LAMBDA_COST": "0"}),
-        Preset("lambda-0.25", "Cost weight lambda = 0.25 (Table 19)", {"MARS_LAMBDA_COST": "0.25"}),
+        Preset("random-routing", "Uniformly random arm per turn", {"MARS_ROUTER_ROUTING_POLICY": "random"}),
+        Preset("thompson", "Linear Thompson sampling instead of LinUCB", {"MARS_ROUTER_ROUTING_POLICY": "thompson"}),
+        Preset("eps-greedy", "Epsilon-greedy instead of LinUCB", {"MARS_ROUTER_ROUTING_POLICY": "eps-greedy"}),
+        Preset("lambda-0", "Cost weight lambda = 0 (Table 19)", {"MARS_JUDGE_LAMBDA_COST": "0"}),
+        Preset("lambda-0.25", "Cost weight lambda = 0.25 (Table 19)", {"MARS_JUDGE_LAMBDA_COST": "0.25"}),
         Preset(
             "lambda-0.5",
             "Cost weight lambda = 0.5 (the Table 18 ablation setting)",
-            {"MARS_LAMBDA_COST": "0.5"},
+            {"MARS_JUDGE_LAMBDA_COST": "0.5"},
         ),
-        Preset("lambda-1", "Cost weight lambda = 1.0 (Table 19)", {"MARS_LAMBDA_COST": "1.0"}),
+        Preset("lambda-1", "Cost weight lambda = 1.0 (Table 19)", {"MARS_JUDGE_LAMBDA_COST": "1.0"}),
     )
 }
 #: `fixed:<arm>`: every turn to one arm of the pool (the arm is the pool's, so it is not in the table).
@@ -108,7 +107,7 @@ def preset(name: str) -> Preset:
         return PRESETS[name]
     if name.startswith(FIXED_PREFIX) and len(name) > len(FIXED_PREFIX):
         arm = name[len(FIXED_PREFIX) :]
-        return Preset(name, f"Every turn to arm {arm}", {"MARS_ROUTING_POLICY": name})
+        return Preset(name, f"Every turn to arm {arm}", {"MARS_ROUTER_ROUTING_POLICY": name})
     raise ValueError(
         f"unknown preset {name!r}; known presets: {', '.join(PRESETS)}, {FIXED_PREFIX}<arm> "
         "(or give a YAML/JSON/env file of MARS_* settings)"
@@ -120,17 +119,23 @@ def settings_classes() -> dict[str, type[ServiceSettings]]:
     return {spec.name: spec.settings_class() for spec in topology.SERVICES}
 
 
-def env_name(field_name: str) -> str:
-    return f"MARS_{field_name.upper()}"
-
-
 def settings_fields() -> dict[str, list[str]]:
-    """Every MARS_* variable some service reads, with the services that read it."""
+    """Every MARS_* variable some service reads (by its current name), with the services that read it."""
     out: dict[str, list[str]] = {}
     for service, cls in settings_classes().items():
         for name in cls.model_fields:
-            out.setdefault(env_name(name), []).append(service)
+            out.setdefault(env_name(cls, name), []).append(service)
     return out
+
+
+def renamed_settings() -> dict[str, list[str]]:
+    """Each old MARS_* name (the flat names before sections) with the current names it stands for."""
+    out: dict[str, list[str]] = {}
+    for cls in settings_classes().values():
+        for name in cls.model_fields:
+            for old in old_env_names(cls, name):
+                out.setdefault(old, []).append(env_name(cls, name))
+    return {old: sorted(set(names)) for old, names in out.items()}
 
 
 def _env_value(key: str, value: Any) -> str:
@@ -144,13 +149,20 @@ def _env_value(key: str, value: Any) -> str:
 
 
 def normalize(overrides: Mapping[str, Any]) -> dict[str, str]:
-    """Keys as MARS_* variable names (`lambda_cost` and `MARS_LAMBDA_COST` alike), values as env strings."""
+    """Keys as MARS_* variable names (`lambda_cost` and `MARS_JUDGE_LAMBDA_COST` alike: a field's name stands
+    for its name in every service that has the field), values as env strings."""
+    classes = settings_classes()
     out = {}
     for key, value in overrides.items():
-        name = str(key).strip().upper()
-        if not name.startswith("MARS_"):
-            name = "MARS_" + name
-        out[name] = _env_value(name, value)
+        name = str(key).strip()
+        if name.upper().startswith("MARS_"):
+            names = [name.upper()]
+        else:
+            field_name = name.lower()
+            names = [env_name(cls, field_name) for cls in classes.values() if field_name in cls.model_fields]
+            names = sorted(set(names)) or [f"MARS_{name.upper()}"]  # unknown: check() says so
+        for env in names:
+            out[env] = _env_value(env, value)
     return out
 
 
@@ -211,10 +223,13 @@ def check(overrides: Mapping[str, str]) -> None:
     """ValueError unless every key is a setting some service reads (and not one the stack sets) and every
     value parses as that setting."""
     fields = settings_fields()
+    renamed = renamed_settings()
     problems = []
     for key in overrides:
         if key in STACK_MANAGED:
             problems.append(f"{key} is set by the replay stack itself")
+        elif key in renamed and key not in fields:
+            problems.append(f"{key} is an old name: set {' and '.join(renamed[key])}")
         elif key not in fields:
             close = difflib.get_close_matches(key, list(fields), n=3)
             hint = f" (did you mean {', '.join(close)}?)" if close else ""
@@ -223,13 +238,12 @@ def check(overrides: Mapping[str, str]) -> None:
         raise ValueError("; ".join(problems))
     touched = {service for key in overrides for service in fields[key]}
     classes = settings_classes()
-    with mock.patch.dict(os.environ, dict(overrides)):
-        for service in sorted(touched):
-            try:
-                classes[service]()
-            except ValidationError as exc:
-                errors = "; ".join(
-                    f"{env_name(str(e['loc'][0]))}: {e['msg']}" if e["loc"] else e["msg"]
-                    for e in exc.errors()
-                )
-                raise ValueError(f"{service} settings refuse the overrides: {errors}") from exc
+    for service in sorted(touched):
+        cls = classes[service]
+        try:
+            cls.from_env(overrides)  # the overrides alone, over the defaults
+        except ValidationError as exc:
+            errors = "; ".join(
+                f"{env_name(cls, str(e['loc'][0]))}: {e['msg']}" if e["loc"] else e["msg"] for e in exc.errors()
+            )
+            raise ValueError(f"{service} settings refuse the overrides: {errors}") from exc
