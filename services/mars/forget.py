@@ -116,7 +116,7 @@ def acknowledgers() -> tuple[str, ...]:
 
 
 def user_policy_id(tenant: str, user_id: str) -> str:
-    """The router's per-user policy id (mars_router.store.policy_id_for with scope "user")."""
+    """The router's per-user policy id (mars_router.policy_tables.policy_id_for with scope "user")."""
     return f"user:{tenant}/{user_id}"
 
 

@@ -127,6 +127,17 @@ def admin_tenant(principal: Principal | None, tenant: str, action: str = "forget
     return tenant
 
 
+def admin_target(principal: Principal | None, tenant: str, user_id: str, action: str) -> str:
+    """`admin_tenant` for a call on one user, whose ids are checked too; a key that may not make the call
+    is TurnFailed (PERMISSION_DENIED), bad ids InvalidTurn."""
+    try:
+        tenant = admin_tenant(principal, tenant, action)
+    except AuthError as exc:
+        raise auth_failure(exc) from None
+    check_user_ids(tenant, user_id)
+    return tenant
+
+
 class Admission:
     """The ingress's gate: key verification (cached), per-tenant rate, token and spend quotas."""
 

@@ -6,9 +6,12 @@ by ImportHistory and by a turn that brings earlier messages MARS does not hold."
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 
+import grpc
 from mars.bus.producer import EventProducer
 from mars.config import SCHEMA_VERSION, TOPIC_GENERATED
 from mars.v1 import events_pb2 as ev
@@ -16,9 +19,11 @@ from mars.v1 import services_pb2 as svc
 from psycopg_pool import AsyncConnectionPool
 
 from mars_ingress import history
-from mars_ingress.admission import Admission
+from mars_ingress.admission import Admission, InvalidTurn, TurnFailed
 from mars_ingress.settings import IngressSettings
 from mars_ingress.state_context import StateContextClient
+
+log = logging.getLogger(__name__)
 
 
 class HistoryImport:
@@ -35,6 +40,50 @@ class HistoryImport:
         self._pool = pool
         self._admission = admission
         self._state = state
+
+    def checked_pairs(self, request: svc.ImportHistoryRequest) -> list[history.ImportedPair]:
+        """The request's pairs (mars_ingress.history.check_history), or InvalidTurn naming the first bad one."""
+        try:
+            return history.check_history(
+                request.tenant, request.user_id, request.turns, self._settings.max_text_chars
+            )
+        except history.InvalidHistory as exc:
+            raise InvalidTurn(str(exc)) from None
+
+    async def import_requested(
+        self,
+        request: svc.ImportHistoryRequest,
+        pairs: list[history.ImportedPair],
+        caller_remaining_s: Callable[[], float | None],
+    ) -> svc.ImportHistoryReply:
+        """ImportHistory once its pairs are checked: import them and, when the request asks to wait, wait
+        for memory to store them (until the caller's deadline, less half a second to answer in);
+        TurnFailed (DEADLINE_EXCEEDED) when it has not stored them all by then. `caller_remaining_s` is
+        asked after the import, so the wait is what is left of the call then."""
+        seqs, fresh = await self.import_pairs(request.tenant, request.user_id, pairs)
+        if request.wait:
+            remaining = caller_remaining_s()
+            wait_s = self._settings.import_wait_s if remaining is None else max(0.0, remaining - 0.5)
+            stored = await self.wait_stored([p.turn_id for p in pairs], wait_s)
+            if stored < len(pairs):
+                raise TurnFailed(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"{len(pairs)} pairs recorded and published; memory has stored {stored} of them so far "
+                    "and goes on (make the same call again to wait more: nothing is imported twice)",
+                )
+        log.info(
+            "import: %d pairs for user %s of tenant %s (%d new)",
+            len(pairs),
+            request.user_id,
+            request.tenant,
+            fresh,
+        )
+        return svc.ImportHistoryReply(
+            imported=fresh,
+            already_imported=len(pairs) - fresh,
+            turn_ids=[p.turn_id for p in pairs],
+            last_seq=max(seqs),
+        )
 
     async def import_pairs(
         self, tenant: str, user_id: str, pairs: list[history.ImportedPair]

@@ -1,6 +1,7 @@
 """Router service: features x_t = phi(z, c~, q), LinUCB arm choice (Eq. 15), and the online update
-(Eq. 11/16) applied exactly once per judged turn_id. Policy matrices live in Postgres (mars_router.store);
-this module is the transport: the Kafka stages and the gRPC servicer.
+(Eq. 11/16) applied exactly once per judged turn_id. Policy matrices live in Postgres (mars_router.store,
+with mars_router.policy_tables and mars_router.rewards); this module is the transport: the Kafka stages and
+the gRPC servicer.
 
 With `MARS_POLICY_UPDATES=false` the policy is frozen (the paper's "No online update" ablation,
 mars_full_no_update): the router still routes with its current matrices and still consumes and checks
@@ -26,9 +27,10 @@ from mars.v1 import services_pb2 as svc
 from mars.v1 import services_pb2_grpc as svc_grpc
 from psycopg_pool import AsyncConnectionPool
 
+from mars_router.policy_tables import PolicyCorrupt, policy_id_for
 from mars_router.schema import MIGRATIONS
 from mars_router.settings import RouterSettings
-from mars_router.store import PolicyCorrupt, PolicyStore, policy_id_for
+from mars_router.store import PolicyStore
 
 log = logging.getLogger(__name__)
 

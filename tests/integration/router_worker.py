@@ -17,7 +17,7 @@ async def main(dsn: str, jobs: list[list[object]], arms: list[str]) -> None:
     for turn_id, arm, reward in jobs:
         await store.apply_reward(str(turn_id), str(arm), float(reward), [])  # type: ignore[arg-type]
     # Optimistic conflicts this process retried (the test reads it from stdout).
-    print(json.dumps({"update_conflicts": store.update_conflicts}))
+    print(json.dumps({"update_conflicts": store.rewards.update_conflicts}))
     await pool.close()
 
 

@@ -14,7 +14,7 @@ from mars.migrations import service_migrations
 from mars.retrieval.embedder import LruEmbedder
 from mars_ingress import forget_user
 from mars_ingress.admission import InvalidTurn, admin_tenant
-from mars_router.store import policy_id_for
+from mars_router.policy_tables import policy_id_for
 from mars_tools.cli import build_parser
 
 

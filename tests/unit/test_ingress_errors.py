@@ -42,21 +42,20 @@ def test_a_dead_letter_tells_the_caller_the_stage_and_a_reference_only() -> None
 
     from mars.v1 import events_pb2 as ev
     from mars_ingress.admission import TurnFailed
-    from mars_ingress.service import IngressServicer
+    from mars_ingress.replies import PendingReplies
     from mars_ingress.settings import IngressSettings
 
     async def run() -> TurnFailed:
-        servicer = IngressServicer(IngressSettings(), None, None)  # type: ignore[arg-type]
-        fut: asyncio.Future[ev.Generated] = asyncio.get_running_loop().create_future()
-        servicer._waiting["t1"] = fut
-        await servicer.on_dead_letter(
-            ev.DeadLetter(
-                turn_id="t1",
-                source_topic="mars.turn.received",
-                consumer="mars-state",
-                reason="handler failed after 3 attempts: UntranslatableCharacter('\\u0000 cannot be converted')",
+        replies = PendingReplies(IngressSettings())
+        with replies.expect("t1") as fut:
+            await replies.on_dead_letter(
+                ev.DeadLetter(
+                    turn_id="t1",
+                    source_topic="mars.turn.received",
+                    consumer="mars-state",
+                    reason="handler failed after 3 attempts: UntranslatableCharacter('\\u0000 cannot be converted')",
+                )
             )
-        )
         exc = fut.exception()
         assert isinstance(exc, TurnFailed)
         return exc

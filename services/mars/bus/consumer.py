@@ -281,7 +281,7 @@ class StageConsumer:
     async def _commit_finished(self) -> None:
         ledger = self._producer.ledger
         if ledger is not None and ledger.pending:
-            try:  # the rows of what is committed now must be written first (mars.db.EmittedLedger)
+            try:  # the rows of what is committed now must be written first (mars.emitted.EmittedLedger)
                 await ledger.flush()
             except Exception as exc:
                 log.warning("stage ledger not written; offsets of %s not committed: %r", self._group_id, exc)
