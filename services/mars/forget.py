@@ -92,8 +92,8 @@ FORGET_ACKS = "ingress_forget_acks"
 #: Tables with a per-user column that hold nothing of a user (none today; name the reason when adding one).
 EXEMPT: dict[str, str] = {}
 
-#: The advisory lock the memory writer takes per user (mars_memory.store.MemoryStore.commit): a commit in
-#: progress finishes before the user's rows are read, and none starts until they are deleted.
+#: The advisory lock the memory writer takes per user (mars_memory.postgres_store.PostgresStore.commit): a
+#: commit in progress finishes before the user's rows are read, and none starts until they are deleted.
 USER_LOCK_SQL = "SELECT pg_advisory_xact_lock(hashtext(%s))"
 
 

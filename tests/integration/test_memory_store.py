@@ -100,9 +100,9 @@ def test_forgetting_a_user_drops_their_query_vectors_on_every_replica(
         await store.commit(generated("dora", 1, "My knee hurts after running", "Rest it for a few days."))
         probe = session_state(action=ev.NEW_TOPIC, top_k_hint=4)
         await store.view("t", "dora", "a private question about my rash", probe)  # asked, never stored
-        cache = store._query_embedder
+        cache = store.embedding.query_embedder
         assert cache is not None and "a private question about my rash" in cache._cache
-        store._indexes.pop(("t", "dora"), None)  # as on a replica that never loaded dora's index
+        store.indexes.pop("t", "dora")  # as on a replica that never loaded dora's index
         await store.forget("t", "dora")
         assert "a private question about my rash" not in cache._cache
         await pool.close()  # type: ignore[attr-defined]
@@ -250,7 +250,7 @@ def test_store_without_embedder_serves_lexical_views(
 def test_fusion_settings_come_from_config(postgres: str, embedder: SentenceTransformerEmbedder) -> None:
     async def scenario() -> None:
         store, pool = await make_store(postgres, embedder, fusion={"fusion": "weighted", "dense_weight": 2.0})
-        assert store._config.fusion == "weighted" and store._config.dense_weight == 2.0
+        assert store.views.config.fusion == "weighted" and store.views.config.dense_weight == 2.0
         with pytest.raises(TypeError):
             await make_store(postgres, embedder, fusion={"no_such_knob": 1.0})
         await pool.close()  # type: ignore[attr-defined]
@@ -326,7 +326,7 @@ class GatedEmbedder:
 async def _settled(store: MemoryStore) -> None:
     """Until the store's write-behind has stored every pair it took."""
     for _ in range(100):
-        if store.write_behind is None or store.write_behind.backlog == 0:
+        if store.embedding.write_behind is None or store.embedding.write_behind.backlog == 0:
             return
         await asyncio.sleep(0.05)
     raise AssertionError("the write-behind never caught up")
@@ -359,7 +359,7 @@ def test_a_pair_is_applied_before_its_embedding_and_the_next_view_still_holds_it
         committed = await asyncio.wait_for(store.commit(first), timeout=5)
         assert committed.stored and await store.wait_applied("t", "fay", 2)
         assert await _stored_vectors(pool, "fay-2") == (None, None)
-        assert store.write_behind is not None and store.write_behind.backlog == 1
+        assert store.embedding.write_behind is not None and store.embedding.write_behind.backlog == 1
 
         probe = session_state(action=ev.NEW_TOPIC, top_k_hint=4)
         view = asyncio.create_task(store.view("t", "fay", "when do crocuses flower?", probe))
@@ -370,11 +370,11 @@ def test_a_pair_is_applied_before_its_embedding_and_the_next_view_still_holds_it
         assert "fay-2" in {b.source_turn_id for b in held.blocks}
         await _settled(store)  # stored just after the view had them
         blob, model = await _stored_vectors(pool, "fay-2")
-        assert blob is not None and model == store._model_name
+        assert blob is not None and model == store.embedding.model_name
 
         # The same records embedded in their commits: the same view, the same scores.
         inline, pool2 = await make_store(postgres, embedder, embed_behind=0)
-        assert inline.write_behind is None
+        assert inline.embedding.write_behind is None
         await inline.commit(generated("gus", 1, "How deep do I plant tulip bulbs?", "About 15 cm deep."))
         await inline.commit(
             generated("gus", 2, "I grow saffron crocuses on my balcony", "Harvest the red stigmas.")
@@ -403,7 +403,7 @@ def test_the_write_behind_lag_is_bounded(postgres: str, embedder: SentenceTransf
             await asyncio.wait_for(
                 store.commit(generated("hal", 1, "Is quince jelly hard to make?", "Not at all.")), 5
             )
-            assert store.write_behind is not None and store.write_behind.full
+            assert store.embedding.write_behind is not None and store.embedding.write_behind.full
             await store.commit(generated("hal", 2, "What goes with roast lamb?", "Mint sauce."))
             assert (await _stored_vectors(pool, "hal-2"))[0] is not None  # embedded in its commit
             assert (await _stored_vectors(pool, "hal-1"))[0] is None  # still behind

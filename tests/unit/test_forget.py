@@ -173,15 +173,15 @@ def test_memory_store_drops_the_users_index_and_every_cached_query_vector() -> N
 
     store = MemoryStore(None, MemorySettings(), None)  # type: ignore[arg-type]
     inner = _CountingEmbedder()
-    store._query_embedder = LruEmbedder(inner)  # type: ignore[arg-type]
-    store._query_embedder.encode(["my secret", "their text"])
+    queries = store.embedding.query_embedder = LruEmbedder(inner)  # type: ignore[arg-type]
+    queries.encode(["my secret", "their text"])
 
     def index(text: str) -> object:
         record = MemoryRecord("r-" + text, "s", "t-" + text, 1, text, "answer")
         return SimpleNamespace(records={record.record_id: record}, lock=asyncio.Lock())
 
-    store._indexes[("acme", "u1")] = index("my secret")  # type: ignore[assignment]
-    store._indexes[("acme", "u2")] = index("their text")  # type: ignore[assignment]
+    store.indexes.by_user[("acme", "u1")] = index("my secret")  # type: ignore[assignment]
+    store.indexes.by_user[("acme", "u2")] = index("their text")  # type: ignore[assignment]
 
     async def run() -> None:
         assert await store.forget("acme", "u1") == 1
@@ -189,8 +189,8 @@ def test_memory_store_drops_the_users_index_and_every_cached_query_vector() -> N
         assert await store.forget("other", "u2") == 0
 
     asyncio.run(run())
-    assert set(store._indexes) == {("acme", "u2")}
-    store._query_embedder.encode(["their text"])
+    assert set(store.indexes.by_user) == {("acme", "u2")}
+    queries.encode(["their text"])
     assert inner.calls == 2  # embedded again
-    store._query_embedder.encode(["my secret"])
+    queries.encode(["my secret"])
     assert inner.calls == 3

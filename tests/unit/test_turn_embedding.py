@@ -59,7 +59,7 @@ def test_memory_takes_its_own_models_vector_and_embeds_anything_else_itself() ->
     assert not store.accept_query_embedding("q", own, encode_vector(np.ones(4, dtype=np.float32)))
     assert not store.accept_query_embedding("q", own, "%%%")
     assert store.accept_query_embedding("q", own, encode_vector(given))
-    queries = store._query_embedder
+    queries = store.embedding.query_embedder
     assert queries is not None and np.array_equal(queries.encode(["q"])[0], given)
     assert embedder_tag(None, "int8") != own  # an int8 memory never takes the fp32 controller's vectors
 

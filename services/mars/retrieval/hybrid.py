@@ -4,6 +4,7 @@ Memory is stored as *groups* (a session, or a thread) of *chunks* (turn pairs, s
 ranks groups: the dense side scores a group by its best chunks, the lexical side by BM25 over the group's
 whole text; the rankings are fused (reciprocal rank or weighted scores) and a recency prior is added,
 since memory a user needs again is more often recent. Chunks of the top groups are what a view exposes.
+The groups and their indexes are mars.retrieval.group_index; this module is the query side, the fusion.
 """
 
 from __future__ import annotations
@@ -11,16 +12,15 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from itertools import repeat
 from typing import Literal
 
 import numpy as np
 
-from mars.domain.bm25 import BM25Index
-from mars.retrieval.dense import DenseIndex
 from mars.retrieval.embedder import Embedder
 from mars.retrieval.fusion import reciprocal_rank_fusion, weighted_score_fusion
+from mars.retrieval.group_index import GroupIndex
 from mars.retrieval.ranker import (
     CANDIDATES,
     GroupSignals,
@@ -76,15 +76,10 @@ class HybridConfig:
     max_chunk_words: int = 160
 
 
-@dataclass
-class _Group:
-    key: str
-    position: int
-    chunk_ids: list[int] = field(default_factory=list)
-
-
 class HybridMemory:
-    """With `embedder=None` the memory is lexical only (the degraded mode when no embedder can load)."""
+    """Groups ranked for a query by fusing their dense, lexical, recency, topical (centroid) and feedback
+    rankings; the groups themselves are `index` (mars.retrieval.group_index). With `embedder=None` the
+    memory is lexical only (the degraded mode when no embedder can load)."""
 
     def __init__(
         self,
@@ -94,59 +89,37 @@ class HybridMemory:
         query_embedder: Embedder | None = None,
     ) -> None:
         self.config = config or HybridConfig()
-        self._embedder = embedder
         # Queries may use a different (uncached) embedder than stored chunks, e.g. in benchmarks.
         self._query_embedder = query_embedder or embedder
-        self._dense = DenseIndex(embedder.dim, use_gpu) if embedder is not None else None
-        self._lexical = BM25Index(k1=self.config.bm25_k1, b=self.config.bm25_b)
-        self._groups: list[_Group] = []
-        self._group_index: dict[str, int] = {}
-        self._chunk_group: list[int] = []
-        self.chunk_texts: list[str] = []
-        self._centroid_rows: list[np.ndarray] = []
-        #: Per group, the sum of its piece vectors (its centroid's direction, kept for extend_group).
-        self._vector_sums: list[np.ndarray] = []
-        self._centroids: np.ndarray | None = None  # stacked lazily; appends stay O(1)
+        self.index = GroupIndex(embedder, use_gpu, bm25_k1=self.config.bm25_k1, bm25_b=self.config.bm25_b)
         #: What the ranker added to the last ranked search (signals, features, model): its cost per view.
         self.ranker_seconds = 0.0
 
     @property
     def dense(self) -> bool:
-        return self._dense is not None
+        return self.index.dense
 
     def __len__(self) -> int:
-        return len(self._groups)
+        return len(self.index)
 
     def __contains__(self, key: str) -> bool:
-        return key in self._group_index
+        return key in self.index
 
     @property
     def dense_vectors(self) -> int:
-        return len(self._dense) if self._dense is not None else 0
+        return self.index.dense_vectors
 
     @property
     def lexical_docs(self) -> int:
-        return len(self._lexical)
+        return self.index.lexical_docs
 
     def add_group(
         self, key: str, position: int, chunks: Sequence[str], vectors: np.ndarray | None = None
     ) -> None:
         """Add one group with its chunk texts (split when long); `vectors` (from embed_chunks) skips embedding."""
-        if key in self._group_index:
+        if key in self.index:
             raise ValueError(f"group {key!r} already added")
-        pieces = chunk_pieces(chunks, self.config.max_chunk_words)
-        if vectors is not None and len(vectors) != len(pieces):
-            raise ValueError(f"group {key!r}: {len(vectors)} vectors for {len(pieces)} pieces")
-        gi = len(self._groups)
-        group = _Group(key, position)
-        self._groups.append(group)
-        self._group_index[key] = gi
-        self._lexical.add("\n".join(chunks))
-        if self._embedder is None or self._dense is None:
-            return
-        self._centroid_rows.append(np.zeros(self._embedder.dim, np.float32))
-        self._vector_sums.append(np.zeros(self._embedder.dim, np.float64))
-        self._add_pieces(gi, pieces, vectors)
+        self.index.add(key, position, "\n".join(chunks), self._pieces(key, chunks, vectors), vectors)
 
     def extend_group(
         self, key: str, position: int, chunks: Sequence[str], vectors: np.ndarray | None = None
@@ -154,40 +127,18 @@ class HybridMemory:
         """Append chunks to group `key` (added when new): a session growing turn by turn ranks exactly
         as the whole session added at once (same lexical document, same pieces, same centroid); its
         position becomes `position` when later."""
-        gi = self._group_index.get(key)
-        if gi is None:
+        if key not in self.index:
             self.add_group(key, position, chunks, vectors)
             return
-        group = self._groups[gi]
-        group.position = max(group.position, position)
-        self._lexical.extend(gi, "\n" + "\n".join(chunks))
-        if self._embedder is None or self._dense is None:
-            return
+        # Pieces matter to the dense side only: a lexical-only memory neither splits nor checks them.
+        pieces = self._pieces(key, chunks, vectors) if self.index.dense else []
+        self.index.extend(key, position, "\n" + "\n".join(chunks), pieces, vectors)
+
+    def _pieces(self, key: str, chunks: Sequence[str], vectors: np.ndarray | None) -> list[str]:
         pieces = chunk_pieces(chunks, self.config.max_chunk_words)
         if vectors is not None and len(vectors) != len(pieces):
             raise ValueError(f"group {key!r}: {len(vectors)} vectors for {len(pieces)} pieces")
-        self._add_pieces(gi, pieces, vectors)
-
-    def _add_pieces(self, gi: int, pieces: Sequence[str], vectors: np.ndarray | None) -> None:
-        assert self._embedder is not None and self._dense is not None
-        if not pieces:
-            return
-        self._centroids = None
-        vecs = vectors if vectors is not None else self._embedder.encode(pieces)
-        # The centroid is the normalised mean of every piece of the group so far (computed from these
-        # pieces alone when they are the first, exactly as before groups could grow).
-        first = not self._groups[gi].chunk_ids
-        self._vector_sums[gi] = self._vector_sums[gi] + vecs.astype(np.float64).sum(axis=0)
-        centroid = vecs.mean(axis=0) if first else self._vector_sums[gi]
-        centroid = centroid / max(float(np.linalg.norm(centroid)), 1e-9)
-        self._centroid_rows[gi] = centroid.astype(np.float32)
-        ids = np.arange(len(self.chunk_texts), len(self.chunk_texts) + len(pieces), dtype=np.int64)
-        self._dense.add(ids, vecs)
-        group = self._groups[gi]
-        for cid, text in zip(ids.tolist(), pieces, strict=True):
-            group.chunk_ids.append(cid)
-            self._chunk_group.append(gi)
-            self.chunk_texts.append(text)
+        return pieces
 
     def embed_queries(self, texts: Sequence[str]) -> None:
         """Embed query texts ahead of use (a caching query embedder keeps them for later turns)."""
@@ -197,46 +148,9 @@ class HybridMemory:
     def _dense_bests(self, queries: Sequence[str], means: bool) -> tuple[np.ndarray, np.ndarray | None] | None:
         """Per query text, each group's best chunk similarity (-inf for a group without chunks), and with
         `means` each group's mean chunk similarity to the first text; None without dense search."""
-        if self._dense is None or self._query_embedder is None or len(self._dense) == 0:
+        if self._query_embedder is None or self.index.dense_vectors == 0:
             return None
-        n = len(self._dense)
-        qvecs = self._query_embedder.encode(queries)
-        sims, ids = self._dense.search_many(qvecs, n)
-        chunk_group = np.asarray(self._chunk_group, dtype=np.int64)
-        best = np.full((len(queries), len(self._groups)), -np.inf)
-        for qi in range(len(queries)):
-            valid = ids[qi] >= 0
-            np.maximum.at(best[qi], chunk_group[ids[qi][valid]], sims[qi][valid].astype(np.float64))
-        if not means:
-            return best, None
-        valid = ids[0] >= 0
-        groups = chunk_group[ids[0][valid]]
-        total = np.bincount(groups, sims[0][valid].astype(np.float64), len(self._groups))
-        counts = np.bincount(groups, minlength=len(self._groups))
-        return best, total / np.maximum(counts, 1)
-
-    @staticmethod
-    def _dense_group_scores(best: np.ndarray | None, qweights: Sequence[float]) -> dict[int, float]:
-        if best is None:
-            return {}
-        total = np.zeros(best.shape[1], dtype=np.float64)
-        seen = np.zeros(best.shape[1], dtype=bool)
-        for qi, w in enumerate(qweights):
-            # A group is as relevant as its best chunk; query texts are combined by weight.
-            hit = np.isfinite(best[qi])
-            total[hit] += w * best[qi][hit]
-            seen |= hit
-        return {int(g): float(total[g]) for g in np.flatnonzero(seen)}
-
-    @staticmethod
-    def _lexical_group_scores(
-        per_text: Sequence[dict[int, float]], qweights: Sequence[float]
-    ) -> dict[int, float]:
-        scores: dict[int, float] = {}
-        for text_scores, w in zip(per_text, qweights, strict=True):
-            for g, s in text_scores.items():
-                scores[g] = scores.get(g, 0.0) + w * s
-        return scores
+        return self.index.chunk_bests(self._query_embedder.encode(queries), means)
 
     def rank_groups(
         self,
@@ -253,10 +167,10 @@ class HybridMemory:
         re-orders the fused top CANDIDATES, which take the head's fused scores in falling order (scores
         still fall along the ranking, as packing and the view's load features expect, with the same
         bounds)."""
-        if not self._groups:
+        if not self.index.groups:
             return []
         fusion = self._fuse(query, context, config or self.config, exclude, signals=ranker is not None)
-        ordered = sorted(fusion.fused.items(), key=lambda kv: (-kv[1], -self._groups[kv[0]].position))
+        ordered = sorted(fusion.fused.items(), key=lambda kv: (-kv[1], -self.index.groups[kv[0]].position))
         if ranker is not None and len(ordered) > 1:
             started = time.perf_counter()
             head = ordered[:CANDIDATES]
@@ -264,7 +178,7 @@ class HybridMemory:
             tail = ordered[CANDIDATES:]
             ordered = [(head[i][0], score) for i, (_, score) in zip(order, head, strict=True)] + tail
             self.ranker_seconds = time.perf_counter() - started
-        return [(self._groups[g].key, s) for g, s in ordered[:k]]
+        return [(self.index.groups[g].key, s) for g, s in ordered[:k]]
 
     def candidates(
         self,
@@ -275,10 +189,10 @@ class HybridMemory:
         exclude: Collection[str] = (),
     ) -> GroupSignals | None:
         """The fused top-n groups with the signals behind their fusion (what a ranker learns from)."""
-        if not self._groups:
+        if not self.index.groups:
             return None
         fusion = self._fuse(query, context, config or self.config, exclude, signals=True)
-        ordered = sorted(fusion.fused.items(), key=lambda kv: (-kv[1], -self._groups[kv[0]].position))
+        ordered = sorted(fusion.fused.items(), key=lambda kv: (-kv[1], -self.index.groups[kv[0]].position))
         return self._signals(fusion, [g for g, _ in ordered[:n]])
 
     def _fuse(
@@ -290,21 +204,22 @@ class HybridMemory:
         weights = [1.0] + [cfg.context_weight] * (len(texts) - 1)
         if cfg.context_weight == 0.0:
             texts, weights = texts[:1], weights[:1]
-        gone = {self._group_index[key] for key in exclude if key in self._group_index}
+        gone = {g for g in map(self.index.index_of, exclude) if g is not None}
         bests = self._dense_bests(texts, means=signals)
         # The query's tokens serve its BM25 scores and then the ranker's lexical signals.
-        tokens = self._lexical.tokenize(texts[0])
+        lexical_index = self.index.lexical
+        tokens = lexical_index.tokenize(texts[0])
         # An excluded group is absent from BM25's statistics too (idf, average length), so its scores are
         # those of a memory that never held it, as in the benches' replay.
         per_text = [
-            self._lexical.token_scores(tokens, gone),
-            *(self._lexical.scores(t, gone) for t in texts[1:]),
+            lexical_index.token_scores(tokens, gone),
+            *(lexical_index.scores(t, gone) for t in texts[1:]),
         ]
-        dense_scores = self._dense_group_scores(None if bests is None else bests[0], weights)
+        dense_scores = _dense_group_scores(None if bests is None else bests[0], weights)
         dense = {g: v for g, v in dense_scores.items() if g not in gone}
-        lexical = self._lexical_group_scores(per_text, weights)  # excluded groups are unscored already
-        kept = [g for g in range(len(self._groups)) if g not in gone]
-        by_recency = sorted(kept, key=lambda g: -self._groups[g].position)
+        lexical = _lexical_group_scores(per_text, weights)  # excluded groups are unscored already
+        kept = [g for g in range(len(self.index)) if g not in gone]
+        by_recency = sorted(kept, key=lambda g: -self.index.groups[g].position)
         orders = None
         if cfg.fusion == "rrf":
             orders = _ranking(dense), _ranking(lexical)
@@ -321,19 +236,18 @@ class HybridMemory:
                 maps.append({g: 1.0 / math.log2(2 + r) for r, g in enumerate(by_recency)})
                 ws.append(cfg.recency_weight)
             fused = weighted_score_fusion(maps, ws)
-        if (signals or cfg.prf_weight or cfg.centroid_weight) and self._centroid_rows and self._centroids is None:
-            self._centroids = np.stack(self._centroid_rows)
+        centroids = self.index.centroids() if signals or cfg.prf_weight or cfg.centroid_weight else None
         topical = None
-        if (signals or cfg.centroid_weight) and self._centroids is not None and self._query_embedder is not None:
-            topical = self._centroids @ self._query_embedder.encode(texts[:1])[0]
+        if (signals or cfg.centroid_weight) and centroids is not None and self._query_embedder is not None:
+            topical = centroids @ self._query_embedder.encode(texts[:1])[0]
         if cfg.centroid_weight and topical is not None:
             by_topic = _ranking({g: float(v) for g, v in enumerate(topical) if g not in gone})
             for g, v in reciprocal_rank_fusion([by_topic], [cfg.centroid_weight], cfg.rrf_k).items():
                 fused[g] = fused.get(g, 0.0) + v
         prf = None
-        if (signals or cfg.prf_weight) and fused and self._centroids is not None:
+        if (signals or cfg.prf_weight) and fused and centroids is not None:
             top = sorted(fused, key=lambda g: -fused[g])[: cfg.prf_top]
-            prf = (self._centroids @ self._centroids[top].T).max(axis=1)
+            prf = (centroids @ centroids[top].T).max(axis=1)
             if cfg.prf_weight:
                 # The top groups lead, in their fused order: each one's similarity is its own, exactly 1, and
                 # the product's rounding (which differs between BLAS kernels and CPUs) must not order that
@@ -355,7 +269,7 @@ class HybridMemory:
         # Ranks by score, best first, as the fusion ranked them (a stable sort: a tie's order is not a
         # feature); rank n_groups for a group absent from a ranking.
         orders = fusion.orders or (_ranking(fusion.dense), _ranking(fusion.lexical))
-        ranks = np.full((3, len(self._groups)), float(n_groups))
+        ranks = np.full((3, len(self.index)), float(n_groups))
         for row, order in enumerate((*orders, fusion.by_recency)):
             ranks[row, order] = np.arange(len(order), dtype=np.float64)
         ranks = ranks[:, idx]
@@ -372,8 +286,9 @@ class HybridMemory:
             dense[3] = fusion.prf[idx]
         dense = np.where(np.isfinite(dense), dense, 0.0)
         tokens = fusion.query_tokens
-        terms = query_terms(fusion.texts[0], tokens, self._lexical.idfs(set(tokens), fusion.gone))
-        lexical_query, fused, group_list = fusion.lexical_texts[0], fusion.fused, self._groups
+        lexical_index, centroids = self.index.lexical, self.index.centroids()
+        terms = query_terms(fusion.texts[0], tokens, lexical_index.idfs(set(tokens), fusion.gone))
+        lexical_query, fused, group_list = fusion.lexical_texts[0], fusion.fused, self.index.groups
         return GroupSignals(
             keys=[group_list[g].key for g in groups],
             n_groups=n_groups,
@@ -388,9 +303,9 @@ class HybridMemory:
             centroid=dense[2],
             prf=dense[3],
             chunks=np.fromiter((len(group_list[g].chunk_ids) for g in groups), np.float64, n),
-            doc_length=self._lexical.doc_lengths(groups),
-            coverage=coverage(terms, lambda words: self._lexical.presence(words, idx), n),
-            centroids=self._centroids[idx] if self._centroids is not None else np.zeros((n, 0)),
+            doc_length=lexical_index.doc_lengths(groups),
+            coverage=coverage(terms, lambda words: lexical_index.presence(words, idx), n),
+            centroids=centroids[idx] if centroids is not None else np.zeros((n, 0)),
         )
 
 
@@ -420,6 +335,31 @@ class _Fusion:
 def state_conditioned(config: HybridConfig, prefer_recent: bool) -> HybridConfig:
     """The fusion a state asks for: prefer_recent strengthens the recency prior (paper Table 6)."""
     return replace(config, recency_weight=config.recency_weight * 1.5) if prefer_recent else config
+
+
+def _dense_group_scores(best: np.ndarray | None, qweights: Sequence[float]) -> dict[int, float]:
+    """Each group's dense score: its best chunk's similarity per query text, summed by the texts' weights."""
+    if best is None:
+        return {}
+    total = np.zeros(best.shape[1], dtype=np.float64)
+    seen = np.zeros(best.shape[1], dtype=bool)
+    for qi, w in enumerate(qweights):
+        # A group is as relevant as its best chunk; query texts are combined by weight.
+        hit = np.isfinite(best[qi])
+        total[hit] += w * best[qi][hit]
+        seen |= hit
+    return {int(g): float(total[g]) for g in np.flatnonzero(seen)}
+
+
+def _lexical_group_scores(
+    per_text: Sequence[dict[int, float]], qweights: Sequence[float]
+) -> dict[int, float]:
+    """Each group's BM25 score per query text, summed by the texts' weights."""
+    scores: dict[int, float] = {}
+    for text_scores, w in zip(per_text, qweights, strict=True):
+        for g, s in text_scores.items():
+            scores[g] = scores.get(g, 0.0) + w * s
+    return scores
 
 
 def _ranking(scores: dict[int, float]) -> list[int]:
