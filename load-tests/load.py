@@ -209,7 +209,7 @@ def litellm_sender(base_url: str, upstream_s: float, timeout_s: float) -> tuple[
 
 
 def start_litellm(upstream_url: str, workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
-    from mars_stack.stack import free_port, tcp_open, wait_until
+    from mars_stack.readiness import free_port, tcp_open, wait_until
 
     exe = LITELLM_VENV / "bin" / "litellm"
     if not exe.exists():

@@ -27,8 +27,9 @@ from typing import Any
 import yaml
 
 from mars_stack import node_net
-from mars_stack.kube import BIN_DIR, ClusterError, LocalCluster, stop_processes, wait_for
-from mars_stack.stack import free_port
+from mars_stack.kube import LocalCluster
+from mars_stack.kube_control_plane import BIN_DIR, ClusterError, stop_processes, wait_for
+from mars_stack.readiness import free_port
 
 PAUSE_IMAGE = "localhost/mars-pause:local"
 CNI_SUBNET = node_net.POD_CIDR

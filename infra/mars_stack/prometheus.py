@@ -18,8 +18,9 @@ from typing import Any
 import yaml
 
 from mars_stack.helm import CHART_DIR
-from mars_stack.kube import BIN_DIR, ClusterError, LocalCluster, stop_processes, wait_for
-from mars_stack.stack import free_port
+from mars_stack.kube import LocalCluster
+from mars_stack.kube_control_plane import BIN_DIR, ClusterError, stop_processes, wait_for
+from mars_stack.readiness import free_port
 
 DASHBOARD = CHART_DIR / "dashboards" / "mars.json"
 COMPONENTS = ("ingress", "state", "memory", "router", "dispatch", "judge", "gateway")

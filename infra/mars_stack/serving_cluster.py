@@ -24,7 +24,8 @@ from typing import Any
 
 from mars_stack import kube, kubelet, node_net
 from mars_stack.settings import launcher_settings
-from mars_stack.stack import LocalStack, StackSettings
+from mars_stack.stack import LocalStack
+from mars_stack.stack_settings import StackSettings
 
 INFRA_NAMESPACE = "mars-infra"
 KAFKA_SERVICE = f"kafka.{INFRA_NAMESPACE}.svc.{node_net.CLUSTER_DOMAIN}"

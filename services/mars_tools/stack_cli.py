@@ -15,7 +15,7 @@ from mars_tools.terminal import console
 
 def _start_stack(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from mars_stack import LocalStack, StackSettings
-    from mars_stack.stack import CALLER_TLS_VARS
+    from mars_stack.credentials import CALLER_TLS_VARS
 
     settings = StackSettings(
         workdir=Path(args.workdir) if args.workdir else None,

@@ -37,7 +37,7 @@ from mars.v1 import services_pb2_grpc as svc_grpc
 from mars_ingress.client import ingress_channel
 from mars_stack import LocalStack, StackSettings, helm
 from mars_stack.certs import LocalCerts, make_local_ca
-from mars_stack.stack import free_port
+from mars_stack.readiness import free_port
 from mars_tools.deploy.identity_secrets import run_in_memory
 from mars_tools.replay.readers import read_topics
 from mars_tools.replay.traces import RawRecord

@@ -16,7 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from mars.v1 import services_pb2 as svc
 from mars.v1 import services_pb2_grpc as svc_grpc
 from mars_stack import LocalStack
-from mars_stack.stack import free_port
+from mars_stack.readiness import free_port
 
 pytestmark = pytest.mark.integration
 

@@ -19,7 +19,7 @@ from conftest import api_key, query, read_events, start_stack, wait_for
 from mars.config import TOPIC_VIEW
 from mars.v1 import events_pb2 as ev
 from mars_stack import LocalStack
-from mars_stack.stack import free_port
+from mars_stack.readiness import free_port
 
 pytestmark = pytest.mark.integration
 

@@ -18,7 +18,7 @@ from mars.v1 import events_pb2 as ev
 from mars.v1 import services_pb2 as svc
 from mars.v1 import services_pb2_grpc as svc_grpc
 from mars_stack import LocalStack
-from mars_stack.stack import free_port
+from mars_stack.readiness import free_port
 
 pytestmark = pytest.mark.integration
 

@@ -20,7 +20,7 @@ from mars.v1 import services_pb2 as svc
 from mars.v1 import services_pb2_grpc as svc_grpc
 from mars_ingress.client import ingress_channel
 from mars_stack import LocalStack, StackSettings
-from mars_stack.stack import CALLER_TLS_VARS
+from mars_stack.credentials import CALLER_TLS_VARS
 
 pytestmark = pytest.mark.integration
 

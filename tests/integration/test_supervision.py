@@ -16,7 +16,7 @@ from mars.v1 import services_pb2 as svc
 from mars.v1 import services_pb2_grpc as svc_grpc
 from mars_ingress.client import ingress_channel
 from mars_stack import LocalStack, StackSettings, stack_kafka_options
-from mars_stack.stack import StackError, tcp_open
+from mars_stack.readiness import StackError, tcp_open
 
 pytestmark = [pytest.mark.integration, pytest.mark.resilience]
 REPO = Path(__file__).resolve().parents[2]

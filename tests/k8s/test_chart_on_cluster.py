@@ -179,15 +179,7 @@ def _namespace_exists(cluster: kube.LocalCluster, name: str) -> bool:
 
 def _without_gpu_node(cluster: kube.LocalCluster) -> None:
     """Take the GPU node away (a test that added it gives it back), so vLLM has nowhere to go."""
-    from kubernetes.client import ApiException
-
-    core, _, _ = _apis(cluster)
-    try:
-        core.delete_node(kube.GPU_NODE.name)
-    except ApiException as exc:
-        if exc.status != 404:
-            raise
-    cluster.nodes = tuple(n for n in cluster.nodes if n.name != kube.GPU_NODE.name)
+    cluster.remove_node(kube.GPU_NODE.name)
 
 
 @pytest.fixture

