@@ -47,7 +47,8 @@ BUILD = REPO / "infra" / "image" / "build.sh"
 IMAGE = os.environ.get("MARS_IMAGE", "localhost/mars:latest")
 #: The stand-in LLM's arms, given to the chart as its modelPool value.
 POOL = REPO / "config" / "models.standin.yaml"
-#: Where the chart mounts its model-pool ConfigMap (MARS_MODEL_POOL points at models.yaml in it).
+#: Where the chart mounts its model-pool ConfigMap (MARS_ROUTER_MODEL_POOL, MARS_DISPATCH_MODEL_POOL and
+#: MARS_GATEWAY_MODEL_POOL point at models.yaml in it).
 POOL_DIR_IN_CONTAINER = "/etc/mars/pool"
 #: Where the chart mounts the tls Secret.
 TLS_DIR_IN_CONTAINER = "/etc/mars/tls"
@@ -305,8 +306,9 @@ def test_six_services_and_the_gateway_serve_and_answer_turns(
             env["PGPASSWORD"] = infra.postgres_logins[service]
             own: list[str] = []
             if service == "ingress":
-                assert env["MARS_STATE_ADDR"] == "mars-state:50052"  # the chart's; host networking here
-                env["MARS_STATE_ADDR"] = f"127.0.0.1:{ports['state']}"
+                # The chart's address of state; host networking here.
+                assert env["MARS_INGRESS_STATE_ADDR"] == "mars-state:50052"
+                env["MARS_INGRESS_STATE_ADDR"] = f"127.0.0.1:{ports['state']}"
                 own = [f"--volume={ingress_identity_dir}:/etc/mars/identity:ro",
                        f"--volume={client_dir}:/etc/mars/tls-client:ro"]  # fmt: skip
             env_args = [f"--env={k}={v}" for k, v in sorted(env.items())]
@@ -425,10 +427,10 @@ def test_six_services_and_the_gateway_serve_and_answer_turns(
         gateway_port, gateway_metrics = free_port(), free_port()
         gateway_env = helm.service_env(objects, "gateway")
         gateway_env.update(
-            MARS_HTTP_HOST="127.0.0.1",
-            MARS_HTTP_PORT=str(gateway_port),
-            MARS_METRICS_PORT=str(gateway_metrics),
-            MARS_INGRESS_ADDR=f"127.0.0.1:{ports['ingress']}",
+            MARS_GATEWAY_HTTP_HOST="127.0.0.1",
+            MARS_GATEWAY_HTTP_PORT=str(gateway_port),
+            MARS_GATEWAY_METRICS_PORT=str(gateway_metrics),
+            MARS_GATEWAY_INGRESS_ADDR=f"127.0.0.1:{ports['ingress']}",
         )
         gateway_name = f"mars-test-gateway-{run_id}"
         podman(

@@ -243,8 +243,10 @@ sslmode={{ $mode }}
 {{- printf "http://%s-vllm:%d/v1" (include "mars.fullname" .) (int .Values.vllm.port) -}}
 {{- end -}}
 
-{{/* Settings every service reads (the <fullname>-env ConfigMap; hook Jobs inline the same map). */}}
-{{- define "mars.commonEnv" -}}
+{{/* The settings every service reads under their shared names (ServiceSettings': MARS_<FIELD>, see
+     mars.config.env_name), from the chart's values: part of each service's ConfigMap (mars.serviceEnv) and of
+     the tools' (mars.commonEnv). */}}
+{{- define "mars.sharedEnv" -}}
 MARS_KAFKA_BOOTSTRAP: {{ required "kafka.bootstrapServers is required: the external Kafka's host:port list" .Values.kafka.bootstrapServers | quote }}
 MARS_KAFKA_PARTITIONS: {{ .Values.kafka.partitions | quote }}
 MARS_KAFKA_REPLICATION_FACTOR: {{ .Values.kafka.replicationFactor | quote }}
@@ -294,9 +296,189 @@ MARS_IDENTITY_SCOPE: {{ . | quote }}
 {{- else }}
 MARS_IDENTITY_REQUIRED: "false"
 {{- end }}
+{{- end -}}
+
+{{/* The tools' settings: the shared ones and the global `env` (the <fullname>-env ConfigMap, which
+     `mars deploy replay-job` pods take; the hook Jobs inline the same map). No deployable takes it: each has
+     its own (mars.envConfigMap). */}}
+{{- define "mars.commonEnv" -}}
+{{- include "mars.sharedEnv" . }}
 {{- range $k, $v := .Values.env }}
 {{ $k }}: {{ $v | quote }}
 {{- end }}
+{{- end -}}
+
+{{/* The settings sections of the deployables (mars.config.SECTIONS): a deployable's own settings are
+     MARS_<SECTION>_<FIELD>, its section being its name. */}}
+{{- define "mars.sections" -}}
+{{- list "STATE" "MEMORY" "ROUTER" "DISPATCH" "JUDGE" "INGRESS" "GATEWAY" | toJson -}}
+{{- end -}}
+
+{{/* (list root deployable): the names of the global `env` a deployable is handed, as a YAML map. A service:
+     every name but those in another deployable's section (MARS_ROUTER_ALPHA reaches the router alone). The
+     gateway (a caller, GatewaySettings): names in its section; the caller's TLS and identity files
+     (CallerSettings', the same names everywhere); and the service settings it has as its own, under its
+     section (MARS_LOG_LEVEL is its MARS_GATEWAY_LOG_LEVEL; its metrics port is metrics.port); nothing else (Kafka, Postgres, ... are the
+     services'). tests/chart/test_chart_settings.py checks these lists against the models. */}}
+{{- define "mars.globalEnv" -}}
+{{- $root := index . 0 -}}
+{{- $name := index . 1 -}}
+{{- $own := printf "MARS_%s_" (upper $name) -}}
+{{- $others := list -}}
+{{- range $section := include "mars.sections" $root | fromJsonArray }}
+{{- if ne $section (upper $name) }}{{ $others = append $others (printf "MARS_%s_" $section) }}{{ end }}
+{{- end }}
+{{- $callerNames := list "MARS_TLS_CA_FILE" "MARS_TLS_CLIENT_CERT_FILE" "MARS_TLS_CLIENT_KEY_FILE" "MARS_IDENTITY_CERT_FILE" "MARS_IDENTITY_KEY_FILE" -}}
+{{- /* Its metrics port is metrics.port, as the services' (MARS_GATEWAY_METRICS_PORT). */}}
+{{- $gatewayShared := list "LOG_LEVEL" "UVLOOP" -}}
+{{- range $k, $v := $root.Values.env }}
+{{- $theirs := false }}
+{{- range $prefix := $others }}{{ if hasPrefix $prefix $k }}{{ $theirs = true }}{{ end }}{{ end }}
+{{- if eq $name "gateway" }}
+{{- if or (hasPrefix $own $k) (has $k $callerNames) }}
+{{ $k }}: {{ $v | quote }}
+{{- else if has (trimPrefix "MARS_" $k) $gatewayShared }}
+{{ printf "%s%s" $own (trimPrefix "MARS_" $k) }}: {{ $v | quote }}
+{{- end }}
+{{- else if not $theirs }}
+{{ $k }}: {{ $v | quote }}
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{/* The model pool's file, mounted at /etc/mars/pool (MARS_ROUTER_MODEL_POOL, MARS_DISPATCH_MODEL_POOL and
+     MARS_GATEWAY_MODEL_POOL point at it). */}}
+{{- define "mars.modelPoolFile" -}}
+/etc/mars/pool/models.yaml
+{{- end -}}
+
+{{/* (list root service): a service's settings, as a YAML map (its ConfigMap's data): the shared ones, the
+     global `env` (mars.globalEnv), its own from the chart's values (under its section:
+     MARS_STATE_QTM_BACKEND), then services.<name>.env. What needs a Secret or the pod's name is set on the
+     container (MARS_REPLICA, the Kafka and Postgres logins). */}}
+{{- define "mars.serviceEnv" -}}
+{{- $root := index . 0 -}}
+{{- $name := index . 1 -}}
+{{- $svc := index $root.Values.services $name -}}
+{{- $env := include "mars.sharedEnv" $root | fromYaml -}}
+{{- range $k, $v := include "mars.globalEnv" (list $root $name) | fromYaml }}
+{{- $_ := set $env $k (toString $v) }}
+{{- end }}
+{{- $_ := set $env "MARS_GRPC_PORT" (toString $svc.port) -}}
+{{- if eq $name "state" }}
+{{- $_ := set $env "MARS_STATE_QTM_BACKEND" $root.Values.state.qtmBackend }}
+{{- if not (has $root.Values.state.qtmBackend (list "rules" "learned")) }}
+{{- $_ := set $env "MARS_STATE_QTM_URL" ($root.Values.state.qtmUrl | default (ternary (include "mars.vllmUrl" $root) "" $root.Values.vllm.enabled) | required "state.qtmUrl is required when vllm.enabled is false and state.qtmBackend is openai") }}
+{{- $_ := set $env "MARS_STATE_QTM_MODEL" ($root.Values.state.qtmModel | default $root.Values.vllm.servedModelName) }}
+{{- end }}
+{{- end }}
+{{- if has $name (list "router" "dispatch") }}
+{{- $_ := set $env (printf "MARS_%s_MODEL_POOL" (upper $name)) (include "mars.modelPoolFile" $root) }}
+{{- end }}
+{{- if and (eq $name "memory") $svc.gpu.enabled }}
+{{- $_ := set $env "MARS_MEMORY_USE_GPU" "true" }}
+{{- end }}
+{{- if eq $name "ingress" }}
+{{- /* A history import hands the context it leaves to the state service (StateEstimator.ImportContext), as
+       the ingress identity, over the services' TLS. */}}
+{{- $_ := set $env "MARS_INGRESS_STATE_ADDR" (printf "%s-state:%d" (include "mars.fullname" $root) (int $root.Values.services.state.port)) }}
+{{- if $root.Values.identity.enabled }}
+{{- $_ := set $env "MARS_IDENTITY_CERT_FILE" "/etc/mars/identity/tls.crt" }}
+{{- $_ := set $env "MARS_IDENTITY_KEY_FILE" "/etc/mars/identity/tls.key" }}
+{{- end }}
+{{- if $root.Values.tls.enabled }}
+{{- $_ := set $env "MARS_TLS_CA_FILE" "/etc/mars/tls/ca.crt" }}
+{{- if $root.Values.tls.mutual }}
+{{- /* tls.clientSecretName's certificate (client auth usage), as the gateway presents it. */}}
+{{- $_ := set $env "MARS_TLS_CLIENT_CERT_FILE" "/etc/mars/tls-client/tls.crt" }}
+{{- $_ := set $env "MARS_TLS_CLIENT_KEY_FILE" "/etc/mars/tls-client/tls.key" }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- range $k, $v := $svc.env }}
+{{- $_ := set $env $k (toString $v) }}
+{{- end }}
+{{- range $k, $v := $env }}
+{{ $k }}: {{ $v | quote }}
+{{- end }}
+{{- end -}}
+
+{{/* The gateway's settings, as a YAML map (its ConfigMap's data): a caller of the ingress (GatewaySettings),
+     its own settings under its section, the caller's TLS under the shared names; no service setting (Kafka,
+     Postgres, identity CA, master key: it holds no secret). */}}
+{{- define "mars.gatewayEnv" -}}
+{{- $gw := .Values.gateway -}}
+{{- $env := include "mars.globalEnv" (list . "gateway") | fromYaml | default (dict) -}}
+{{- $_ := set $env "MARS_GATEWAY_HTTP_HOST" "0.0.0.0" -}}
+{{- $_ := set $env "MARS_GATEWAY_HTTP_PORT" (toString $gw.port) -}}
+{{- $_ := set $env "MARS_GATEWAY_INGRESS_ADDR" (printf "%s-ingress:%d" (include "mars.fullname" .) (int .Values.services.ingress.port)) -}}
+{{- $_ := set $env "MARS_GATEWAY_MODEL_POOL" (include "mars.modelPoolFile" .) -}}
+{{- $_ := set $env "MARS_GATEWAY_MAX_BODY_BYTES" (toString (int64 $gw.maxBodyBytes)) -}}
+{{- $_ := set $env "MARS_GATEWAY_TURN_TIMEOUT_S" (toString $gw.turnTimeoutSeconds) -}}
+{{- $_ := set $env "MARS_GATEWAY_METRICS_PORT" (toString .Values.metrics.port) -}}
+{{- if .Values.tls.enabled }}
+{{- /* The ingress serves TLS: trust its CA, and for mutual TLS present tls.clientSecretName's certificate. */}}
+{{- $_ := set $env "MARS_TLS_CA_FILE" "/etc/mars/tls/ca.crt" }}
+{{- if .Values.tls.mutual }}
+{{- $_ := set $env "MARS_TLS_CLIENT_CERT_FILE" "/etc/mars/tls-client/tls.crt" }}
+{{- $_ := set $env "MARS_TLS_CLIENT_KEY_FILE" "/etc/mars/tls-client/tls.key" }}
+{{- end }}
+{{- end }}
+{{- range $k, $v := $gw.env }}
+{{- $_ := set $env $k (toString $v) }}
+{{- end }}
+{{- range $k, $v := $env }}
+{{ $k }}: {{ $v | quote }}
+{{- end }}
+{{- end -}}
+
+{{/* (list root deployable): the deployable's ConfigMap, <fullname>-<deployable>-env: the settings it reads
+     and no other's. */}}
+{{- define "mars.envConfigMapName" -}}
+{{- printf "%s-%s-env" (include "mars.fullname" (index . 0)) (index . 1) -}}
+{{- end -}}
+
+{{- define "mars.envConfigMap" -}}
+{{- $root := index . 0 -}}
+{{- $name := index . 1 -}}
+apiVersion: v1
+kind: ConfigMap
+metadata:
+  name: {{ include "mars.envConfigMapName" . }}
+  labels:
+    {{- include "mars.labels" $root | nindent 4 }}
+    app.kubernetes.io/component: {{ $name }}
+data:
+  {{- if eq $name "gateway" }}
+  {{- include "mars.gatewayEnv" $root | nindent 2 }}
+  {{- else }}
+  {{- include "mars.serviceEnv" . | nindent 2 }}
+  {{- end }}
+{{- end -}}
+
+{{/* The model pool's ConfigMap (router, dispatch and gateway mount it). */}}
+{{- define "mars.modelPoolConfigMap" -}}
+apiVersion: v1
+kind: ConfigMap
+metadata:
+  name: {{ include "mars.fullname" . }}-model-pool
+  labels:
+    {{- include "mars.labels" . | nindent 4 }}
+data:
+  models.yaml: |
+    # The router's arms (one OpenAI-compatible endpoint each), from the chart's modelPool value.
+    models:
+    {{- if .Values.modelPool }}
+    {{- toYaml .Values.modelPool | nindent 4 }}
+    {{- else }}
+    {{- include "mars.defaultPool" . | nindent 4 }}
+    {{- end }}
+{{- end -}}
+
+{{/* (list root deployable): a checksum of what its pods read from ConfigMaps (its settings, the model pool),
+     so a changed setting rolls its pods and no other deployable's. */}}
+{{- define "mars.configChecksum" -}}
+{{- print (include "mars.envConfigMap" .) (include "mars.modelPoolConfigMap" (index . 0)) | sha256sum -}}
 {{- end -}}
 
 {{/* Secret-backed environment (passwords) of every MARS container. */}}
@@ -318,14 +500,16 @@ MARS_IDENTITY_REQUIRED: "false"
 {{- end }}
 {{- end -}}
 
+{{/* (list root service): a service's envFrom: its own ConfigMap, and the provider API keys. */}}
 {{- define "mars.envFrom" -}}
+{{- $root := index . 0 -}}
 - configMapRef:
-    name: {{ include "mars.fullname" . }}-env
-{{- if .Values.apiKeys }}
+    name: {{ include "mars.envConfigMapName" . }}
+{{- if $root.Values.apiKeys }}
 - secretRef:
-    name: {{ include "mars.secretName" . }}-api-keys
+    name: {{ include "mars.secretName" $root }}-api-keys
 {{- end }}
-{{- with .Values.apiKeysExistingSecret }}
+{{- with $root.Values.apiKeysExistingSecret }}
 - secretRef:
     name: {{ . }}
 {{- end }}
