@@ -4,10 +4,10 @@ cached (a SHA-256 and a dict lookup), on a Postgres of its own from the local la
 
     .venv/bin/python load-tests/auth_bench.py [--keys 200] [--calls 5000]
 
-The turn-level A/B (the whole answer path with MARS_AUTH_REQUIRED=true against false) is the load harness:
+The turn-level A/B (the whole answer path with MARS_INGRESS_AUTH_REQUIRED=true against false) is the load harness:
 
     .venv/bin/python load-tests/load.py --no-litellm --no-floor --rates 10 --seconds 30 \\
-        --service-env MARS_AUTH_REQUIRED=false
+        --service-env MARS_INGRESS_AUTH_REQUIRED=false
     .venv/bin/python load-tests/load.py --no-litellm --no-floor --rates 10 --seconds 30
 """
 

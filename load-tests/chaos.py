@@ -439,7 +439,11 @@ def main(argv: list[str] | None = None) -> int:
         llm="standin",
         broker=args.broker,
         replicas=sc.replicas,
-        extra_env={"MARS_TURN_TIMEOUT_S": str(sc.deadline_s), "MARS_READ_YOUR_WRITES_WAIT_S": "5"},
+        extra_env={
+            "MARS_INGRESS_TURN_TIMEOUT_S": str(sc.deadline_s),
+            "MARS_GATEWAY_TURN_TIMEOUT_S": str(sc.deadline_s),
+            "MARS_MEMORY_READ_YOUR_WRITES_WAIT_S": "5",
+        },
     )
     stack = LocalStack(settings)
     stack.start(progress=log)

@@ -1059,7 +1059,11 @@ def start_stack(workdir: Path | None, log: Callable[[str], None]) -> Any:
         workdir=workdir,
         model_pool=REPO / "config" / "models.standin.yaml",
         llm="standin",
-        extra_env={"MARS_TURN_TIMEOUT_S": "60", "MARS_READ_YOUR_WRITES_WAIT_S": "5"},
+        extra_env={
+            "MARS_INGRESS_TURN_TIMEOUT_S": "60",
+            "MARS_GATEWAY_TURN_TIMEOUT_S": "60",
+            "MARS_MEMORY_READ_YOUR_WRITES_WAIT_S": "5",
+        },
     )
     return LocalStack(settings).start(progress=log)
 

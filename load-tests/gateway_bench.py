@@ -164,7 +164,10 @@ def main(argv: list[str] | None = None) -> int:
             model_pool=REPO / "config" / "models.standin.yaml",
             llm="standin",
             standin_latency_ms=args.latency_ms,
-            extra_env={"MARS_TURN_TIMEOUT_S": str(args.timeout_s)},
+            extra_env={
+                "MARS_INGRESS_TURN_TIMEOUT_S": str(args.timeout_s),
+                "MARS_GATEWAY_TURN_TIMEOUT_S": str(args.timeout_s),
+            },
             gateway=True,
         )
     ).start(progress=lambda m: print(f"[gateway-bench] {m}", flush=True))

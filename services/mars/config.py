@@ -166,10 +166,14 @@ def kafka_security_problems(
 #: (MARS_ROUTER_ALPHA), the ones every service shares (ServiceSettings') as MARS_<FIELD> (mars.config.env_name).
 SECTIONS = ("STATE", "MEMORY", "ROUTER", "DISPATCH", "JUDGE", "INGRESS", "GATEWAY")
 #: MARS_* names a deployable's environment may carry that no deployable's model reads: the env-file switch of
-#: the models themselves, and the tools' address of the ingress (mars_tools.settings), which the local stack
-#: hands every process and which sits in the ingress's section. (tests/unit/test_settings_sections.py checks
-#: that no name of the tools or the launcher stops a deployable.)
-OTHER_NAMES = frozenset({"MARS_ENV_FILE", "MARS_INGRESS_ADDR"})
+#: the models themselves; the variables the model pool files interpolate (the local LLM server's URL and
+#: GGUF file, mars.model_pool); and what the local stack writes for people and tools (stack.env): each
+#: deployable's address (MARS_INGRESS_ADDR is also the tools' own, mars_tools.settings) and the gateway's URL.
+#: tests/unit/test_settings_sections.py checks that no name of the tools or the launcher stops a deployable.
+OTHER_NAMES = frozenset(
+    {"MARS_ENV_FILE", "MARS_LOCAL_LLM_URL", "MARS_LOCAL_GGUF", "MARS_GATEWAY_URL"}
+    | {f"MARS_{section}_ADDR" for section in SECTIONS}
+)
 #: How close (difflib's ratio) an unknown name must come to a known one, and a word to a section's name
 #: (ROUTRE to ROUTER: 0.83; BROKER to ROUTER: 0.67), to count as its misspelling.
 _MISSPELT = 0.85

@@ -312,7 +312,7 @@ class Instruments:
             "mars.memory.embed_behind",
             callbacks=[_observe(_write_behind_sources, "backlog")],
             unit="{record}",
-            description="stored pairs applied and waiting for their embedding (bounded: MARS_EMBED_BEHIND)",
+            description="stored pairs applied and waiting for their embedding (bounded: MARS_MEMORY_EMBED_BEHIND)",
         )
 
 

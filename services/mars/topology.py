@@ -36,6 +36,7 @@ from mars.config import (
     TOPIC_VIEW,
     CallerSettings,
     ServiceSettings,
+    env_name,
 )
 
 
@@ -223,6 +224,16 @@ def deployable_env_names() -> frozenset[str]:
     """Every MARS_* name some deployable reads, old names included: what a deployable's environment may
     carry for another (mars.config.CallerSettings.check_environment)."""
     return frozenset(n for cls in deployable_settings().values() for n in cls.env_names())
+
+
+def field_env(field_name: str, value: str) -> dict[str, str]:
+    """The environment that sets `field_name` to `value` in every deployable whose model has the field, each
+    under its own name (mars.config.env_name): e.g. model_pool for the router, dispatch and the gateway."""
+    return {
+        env_name(cls, field_name): value
+        for cls in deployable_settings().values()
+        if field_name in cls.model_fields
+    }
 
 
 def service(name: str) -> ServiceSpec:

@@ -21,6 +21,6 @@ class DispatchSettings(ServiceSettings):
     circuit_reset_s: float = 30.0
     #: The MEMORY GUIDANCE state header (continuation or topic shift, query type, phase, scope, recency,
     #: lens) in the generator prompt (Fig. 5). False leaves it out, memory blocks and clipping unchanged:
-    #: the paper's "No QTM state/header" ablation (mars_semctx_noactive, with MARS_VIEW_POLICY=semantic,
+    #: the paper's "No QTM state/header" ablation (mars_semctx_noactive, with MARS_MEMORY_VIEW_POLICY=semantic,
     #: whose view has no active-thread state block either).
     state_header: bool = True

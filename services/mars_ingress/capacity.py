@@ -33,7 +33,7 @@ class Slot:
 
 
 def _limit(settings: IngressSettings) -> ConcurrencyLimit:
-    """The limit MARS_ADMISSION_ALGORITHM names, from its MARS_ADMISSION_* settings."""
+    """The limit MARS_INGRESS_ADMISSION_ALGORITHM names, from its MARS_ADMISSION_* settings."""
     if settings.admission_algorithm == "throughput":
         return ThroughputLimit(
             ThroughputSettings(

@@ -5,7 +5,7 @@ tools that send as several tenants.
         IngressStub(channel).SendTurn(TurnRequest(user_id="u1", text="hi"))   # tenant: the key's
 
 The key travels as gRPC metadata `authorization: Bearer <key>` (see mars.auth). An empty key sends none
-(an ingress with MARS_AUTH_REQUIRED=false).
+(an ingress with MARS_INGRESS_AUTH_REQUIRED=false).
 
 A turn the ingress sheds at its concurrency limit (RESOURCE_EXHAUSTED with the trailer
 `grpc-retry-pushback-ms`, mars_ingress.capacity) is sent again by gRPC itself after the server's pushback, up

@@ -62,7 +62,7 @@ async def acknowledged(conn: Any, forget_id: str) -> dict[str, dict[str, int]]:
 
 class UserForgetting:
     """ForgetUser's work once the call is allowed: the ingress's own rows deleted, every replica and owner
-    told on mars.control, and their acknowledgements awaited for up to MARS_FORGET_WAIT_S."""
+    told on mars.control, and their acknowledgements awaited for up to MARS_INGRESS_FORGET_WAIT_S."""
 
     def __init__(self, settings: IngressSettings, producer: EventProducer, pool: AsyncConnectionPool) -> None:
         self._settings = settings
@@ -98,7 +98,7 @@ class UserForgetting:
         return svc.ForgetUserReply(forget_id=event.forget_id, rows_deleted=counts, not_acknowledged=missing)
 
     async def _acknowledgements(self, forget_id: str) -> dict[str, dict[str, int]]:
-        """Every other owner's acknowledgement of the forget, or those that came within MARS_FORGET_WAIT_S."""
+        """Every other owner's acknowledgement of the forget, or those that came within MARS_INGRESS_FORGET_WAIT_S."""
         deadline = time.monotonic() + self._settings.forget_wait_s
         wanted = set(forget.acknowledgers())
         while True:

@@ -2,7 +2,7 @@
 daily spend limit in USD.
 
 Buckets live in each ingress process (no shared state on the answer path): with N replicas a tenant can
-get up to N times its limits, unless `MARS_QUOTA_REPLICAS` is set to N, which gives each process 1/N of
+get up to N times its limits, unless `MARS_INGRESS_QUOTA_REPLICAS` is set to N, which gives each process 1/N of
 them (exact when a load balancer spreads the tenant's calls evenly). Spend is the judged cost of the
 tenant's turns since 00:00 UTC, read from Postgres and cached for a few seconds, so it is shared by all
 replicas but may overshoot by what is spent within the cache time.

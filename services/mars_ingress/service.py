@@ -81,7 +81,7 @@ class IngressServicer(svc_grpc.IngressServicer):
             await abort_rpc(context, exc, "Ingress.Converse")
         async for request in request_iterator:
             try:
-                # Each turn checks the key again (cached for MARS_AUTH_CACHE_TTL_S): a key revoked while
+                # Each turn checks the key again (cached for MARS_INGRESS_AUTH_CACHE_TTL_S): a key revoked while
                 # the stream is open stops opening turns within that time, as on unary calls.
                 principal = await self._admission.authenticated(metadata)
                 if request.options.get("stream") == "true":
@@ -124,7 +124,7 @@ class IngressServicer(svc_grpc.IngressServicer):
             await abort_rpc(context, exc, "Ingress.ForgetUser")
 
     async def WhoAmI(self, request: svc.WhoAmIRequest, context: grpc.aio.ServicerContext) -> svc.WhoAmIReply:
-        """The call's key, verified: whom it acts for (empty with MARS_AUTH_REQUIRED=false)."""
+        """The call's key, verified: whom it acts for (empty with MARS_INGRESS_AUTH_REQUIRED=false)."""
         try:
             principal = await self._admission.authenticate(context.invocation_metadata())
         except Exception as exc:

@@ -61,8 +61,8 @@ class IngressSettings(ServiceSettings):
     #: holds the pipeline below what it can answer (README, "Load shedding"). Off, the limit still learns
     #: and is reported (mars.admission.limit), and nothing is shed.
     admission_limit: bool = False
-    #: latency: AIMD on the time in MARS against its no-load value (MARS_ADMISSION_TOLERANCE); throughput:
-    #: gain x the best answer rate x the shortest turn time (MARS_ADMISSION_GAIN; mars.domain.concurrency).
+    #: latency: AIMD on the time in MARS against its no-load value (MARS_INGRESS_ADMISSION_TOLERANCE); throughput:
+    #: gain x the best answer rate x the shortest turn time (MARS_INGRESS_ADMISSION_GAIN; mars.domain.concurrency).
     admission_algorithm: Literal["latency", "throughput"] = "latency"
     admission_gain: float = Field(default=1.5, ge=1.0)
     admission_initial_limit: int = Field(default=16, ge=1)

@@ -23,7 +23,7 @@ IMPORT_CONTEXT_TIMEOUT_S = 10.0
 
 
 class StateContextClient:
-    """Hands an imported history's active context to the state service; without MARS_STATE_ADDR (a stack
+    """Hands an imported history's active context to the state service; without MARS_INGRESS_STATE_ADDR (a stack
     with no state service) it hands nothing, and says so once at start."""
 
     def __init__(self, settings: IngressSettings) -> None:
@@ -31,7 +31,7 @@ class StateContextClient:
         self._stub: svc_grpc.StateEstimatorStub | None = None
         if not settings.state_addr:
             log.warning(
-                "MARS_STATE_ADDR is not set: imported histories leave the controller's context as it is"
+                "MARS_INGRESS_STATE_ADDR is not set: imported histories leave the controller's context as it is"
             )
             return
         identity = CallerIdentity.from_settings(settings)

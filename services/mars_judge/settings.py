@@ -14,7 +14,7 @@ class JudgeSettings(ServiceSettings):
     env_section: ClassVar[str] = "JUDGE"
     #: Cost weight lambda of Eq. 17 (paper Table 8: 0.002 main RealMem run, 0.5 ablations).
     lambda_cost: float = 0.002
-    #: Per-tenant lambda, e.g. MARS_LAMBDA_TENANTS='{"budget-co": 0.5}' (a tenant's cost sensitivity).
+    #: Per-tenant lambda, e.g. MARS_JUDGE_LAMBDA_TENANTS='{"budget-co": 0.5}' (a tenant's cost sensitivity).
     lambda_tenants: dict[str, float] = Field(default_factory=dict)
     #: deterministic (default: lexical signals only), openai (any OpenAI-compatible judge endpoint), or
     #: llamacpp (the local stack's server); the LLM judges fall back to deterministic when they fail.
@@ -36,7 +36,7 @@ class JudgeSettings(ServiceSettings):
     local_llm_url: str = ""
     #: What user feedback does to the reward (appendix G.1): log (default), replace, or blend.
     feedback_mode: FeedbackMode = "log"
-    #: Per-tenant override, e.g. MARS_FEEDBACK_TENANT_MODES='{"acme": "replace"}'.
+    #: Per-tenant override, e.g. MARS_JUDGE_FEEDBACK_TENANT_MODES='{"acme": "replace"}'.
     feedback_tenant_modes: dict[str, FeedbackMode] = Field(default_factory=dict)
     #: Weight of the user's rating in blend mode: u = (1 - w) * u_judge + w * rating.
     feedback_blend_weight: float = 0.5

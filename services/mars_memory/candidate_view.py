@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 
 
 def fusion_config(settings: MemorySettings) -> HybridConfig:
-    """The view policy's fusion with MARS_FUSION's overrides (TypeError for a field HybridConfig lacks)."""
+    """The view policy's fusion with MARS_MEMORY_FUSION's overrides (TypeError for a field HybridConfig lacks)."""
     base = POLICY_CONFIGS.get(settings.view_policy, POLICY_CONFIGS["mars"])
     return dataclasses.replace(base, **settings.fusion)  # type: ignore[arg-type]
 

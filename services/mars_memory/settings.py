@@ -54,7 +54,7 @@ class MemorySettings(ServiceSettings):
     #: The conversation's recent user turns used as secondary queries by the mars policy.
     memory_context_turns: int = 3
     #: Overrides of the policy's fusion settings (HybridConfig field names), e.g.
-    #: MARS_FUSION='{"fusion": "weighted", "dense_weight": 2.0, "recency_weight": 0.5}'.
+    #: MARS_MEMORY_FUSION='{"fusion": "weighted", "dense_weight": 2.0, "recency_weight": 0.5}'.
     fusion: dict[str, float | str] = Field(default_factory=dict)
     #: The learned memory ranker (mars.retrieval.ranker) re-ordering the fused top 50 of the mars policy's
     #: rankings (the records a view retrieves, and the logged session ranking): "packaged" (default, the

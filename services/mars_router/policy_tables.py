@@ -69,7 +69,7 @@ class PolicyTables:
 
     async def ensure(self, conn: AsyncConnection, policy_id: str) -> None:
         """Create the policy and every arm's row where missing; a new user policy starts from its tenant's
-        matrices when MARS_WARM_START_FROM_TENANT is on."""
+        matrices when MARS_ROUTER_WARM_START_FROM_TENANT is on."""
         cur = await conn.execute(
             "INSERT INTO router_policies (policy_id, scope, dim, alpha, ridge) VALUES (%s, %s, %s, %s, %s) "
             "ON CONFLICT DO NOTHING RETURNING policy_id",

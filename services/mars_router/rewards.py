@@ -1,6 +1,6 @@
 """Judged rewards into a router's arm matrices (mars_router.policy_tables holds the rows): Eq. 11 applied
 once per judged turn, late-feedback corrections once per correction id (router_ledger), under optimistic
-concurrency between router replicas. With online updates off (MARS_POLICY_UPDATES=false) each is checked
+concurrency between router replicas. With online updates off (MARS_ROUTER_POLICY_UPDATES=false) each is checked
 and recorded in the ledger, never applied."""
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ class RewardUpdates:
         self._dim = dim
         #: Its `update` is Eq. 11 (every routing policy keeps ridge-regression arms).
         self._routing = routing
-        #: False: a frozen policy (MARS_POLICY_UPDATES=false); rewards are recorded, never applied.
+        #: False: a frozen policy (MARS_ROUTER_POLICY_UPDATES=false); rewards are recorded, never applied.
         self.updates = settings.policy_updates
         #: Optimistic update conflicts retried (a replica wrote an arm between our read and write).
         self.update_conflicts = 0

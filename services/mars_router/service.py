@@ -3,7 +3,7 @@
 with mars_router.policy_tables and mars_router.rewards); this module is the transport: the Kafka stages and
 the gRPC servicer.
 
-With `MARS_POLICY_UPDATES=false` the policy is frozen (the paper's "No online update" ablation,
+With `MARS_ROUTER_POLICY_UPDATES=false` the policy is frozen (the paper's "No online update" ablation,
 mars_full_no_update): the router still routes with its current matrices and still consumes and checks
 judged events, but never changes A or b, so the policy version does not move either."""
 

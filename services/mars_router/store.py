@@ -55,7 +55,7 @@ class PolicyStore:
             settings.thompson_v,
             seed=settings.routing_seed,
         )
-        #: MARS_ROUTING_SEED: per-turn seeded draws (None: OS entropy).
+        #: MARS_ROUTER_ROUTING_SEED: per-turn seeded draws (None: OS entropy).
         self.seed = settings.routing_seed
         self.default_arm = settings.default_arm or arms[0]
         if self.default_arm not in arms:
@@ -65,7 +65,7 @@ class PolicyStore:
 
     @property
     def updates(self) -> bool:
-        """False: a frozen policy (MARS_POLICY_UPDATES=false); rewards are recorded, never applied."""
+        """False: a frozen policy (MARS_ROUTER_POLICY_UPDATES=false); rewards are recorded, never applied."""
         return self.rewards.updates
 
     def features(
@@ -81,14 +81,14 @@ class PolicyStore:
             if not query_embedding and not self._warned_no_embedding:
                 self._warned_no_embedding = True
                 log.warning(
-                    "query-linucb got a view without a query embedding (set MARS_VIEW_QUERY_EMBEDDING=true "
+                    "query-linucb got a view without a query embedding (set MARS_MEMORY_VIEW_QUERY_EMBEDDING=true "
                     "on the memory service); routing on the bias term alone"
                 )
             return query_features(list(query_embedding))
         return featurize(state, load, depth, recent_phases)
 
     def policy_id(self, tenant: str, user_id: str) -> str:
-        """The id of the policy that routes the user's turns (by MARS_POLICY_SCOPE and feature space)."""
+        """The id of the policy that routes the user's turns (by MARS_ROUTER_POLICY_SCOPE and feature space)."""
         return policy_id_for(self._settings.policy_scope, tenant, user_id, self.feature_space)
 
     async def read_for_turn(

@@ -100,7 +100,7 @@ def cmd_revoke(args: argparse.Namespace) -> int:
             console.print(f"[red]no live key {escape(args.key_id)}[/] (see `mars tenant list --all`)")
             return 1
         console.print(
-            f"revoked {args.key_id}; ingress replicas stop accepting it within MARS_AUTH_CACHE_TTL_S"
+            f"revoked {args.key_id}; ingress replicas stop accepting it within MARS_INGRESS_AUTH_CACHE_TTL_S"
         )
         return 0
 
@@ -114,7 +114,7 @@ def add_tenant_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
         description="Callers of the ingress send `authorization: Bearer <key>` gRPC metadata; the key names "
         "the tenant (and optionally the one user) it acts for. Keys are stored as SHA-256 hashes in the "
         "Postgres at --postgres-dsn / MARS_POSTGRES_DSN; a key is printed once, when created or rotated. "
-        "A revoked key stops working within MARS_AUTH_CACHE_TTL_S (5 s) on every ingress replica. "
+        "A revoked key stops working within MARS_INGRESS_AUTH_CACHE_TTL_S (5 s) on every ingress replica. "
         "Exit 0 on success, 1 when Postgres failed or the key does not exist, 2 for bad input.",
     )
     tenant_sub = tenant.add_subparsers(dest="tenant_cmd", required=True)

@@ -300,7 +300,7 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
         "leave-one-persona-out on p01-p12; 1 weighs the classes equally, 0 by their counts)",
     )
     p.add_argument(
-        "--embedding-cache-dir", help="folder of the embedder's ONNX exports (MARS_EMBEDDING_CACHE_DIR)"
+        "--embedding-cache-dir", help="folder of the embedder's ONNX exports (the services' MARS_MEMORY_EMBEDDING_CACHE_DIR)"
     )
     p.add_argument("--report", help="write the accuracies and confusions as JSON here")
     p.set_defaults(func=cmd_train_qtm)

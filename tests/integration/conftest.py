@@ -33,7 +33,11 @@ REPO = HERE.parents[1]
 #: matters when something hangs. Checked against the services' settings models, so a misspelt name fails
 #: here instead of being ignored.
 #: Metric snapshots every 2 s, so a test sees its counters soon after the turns.
-STACK_ENV = {"MARS_TURN_TIMEOUT_S": "120", "MARS_METRICS_INTERVAL_S": "2"}
+STACK_ENV = {
+    "MARS_INGRESS_TURN_TIMEOUT_S": "120",
+    "MARS_GATEWAY_TURN_TIMEOUT_S": "120",
+    "MARS_METRICS_INTERVAL_S": "2",
+}
 
 
 def start_stack(

@@ -23,7 +23,7 @@ def broken_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStac
         tmp_path_factory.mktemp("broken"),
         "models.broken.yaml",
         start_llm=False,
-        service_env={"memory": {"MARS_EMBEDDING_MODEL": "/nonexistent/embedding-model"}},
+        service_env={"memory": {"MARS_MEMORY_EMBEDDING_MODEL": "/nonexistent/embedding-model"}},
     )
     try:
         yield s

@@ -28,9 +28,9 @@ RESET_S = 3.0
 def dispatch_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
     env = {
         "MARS_FLAKY_PORT": str(FLAKY_PORT),
-        "MARS_CIRCUIT_FAILURE_THRESHOLD": "2",
-        "MARS_CIRCUIT_RESET_S": str(RESET_S),
-        "MARS_RETRIES_PER_ARM": "0",
+        "MARS_DISPATCH_CIRCUIT_FAILURE_THRESHOLD": "2",
+        "MARS_DISPATCH_CIRCUIT_RESET_S": str(RESET_S),
+        "MARS_DISPATCH_RETRIES_PER_ARM": "0",
     }
     s = start_stack(
         tmp_path_factory.mktemp("circuit"),

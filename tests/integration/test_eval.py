@@ -24,7 +24,7 @@ def eval_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]
         tmp_path_factory.mktemp("eval"),
         "models.standin-test.yaml",  # the stand-in LLM: no test here reads the answers' words
         llm="standin",
-        service_env={"dispatch": {"MARS_DEFAULT_MAX_TOKENS": "8"}},
+        service_env={"dispatch": {"MARS_DISPATCH_DEFAULT_MAX_TOKENS": "8"}},
     )
     try:
         yield s

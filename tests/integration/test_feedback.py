@@ -22,9 +22,9 @@ MODES = {"fb-replace": "replace", "fb-blend": "blend"}
 @pytest.fixture(scope="module")
 def fb_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
     env = {
-        "MARS_FEEDBACK_TENANT_MODES": json.dumps(MODES),
-        "MARS_FEEDBACK_BLEND_WEIGHT": "0.25",
-        "MARS_LAMBDA_TENANTS": json.dumps({"fb-blend": 0.5}),
+        "MARS_JUDGE_FEEDBACK_TENANT_MODES": json.dumps(MODES),
+        "MARS_JUDGE_FEEDBACK_BLEND_WEIGHT": "0.25",
+        "MARS_JUDGE_LAMBDA_TENANTS": json.dumps({"fb-blend": 0.5}),
     }
     # The stand-in LLM: the rewards, not the answers' words, are under test.
     s = start_stack(

@@ -63,7 +63,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
         llm="standin",
         replicas_of={"memory": 2},
         # ForgetUser waits this long for every owner's acknowledgement (a stopped judge, below).
-        extra_env={**STACK_ENV, "MARS_FORGET_WAIT_S": "5"},
+        extra_env={**STACK_ENV, "MARS_INGRESS_FORGET_WAIT_S": "5"},
     )
     s = LocalStack(settings).start()
     try:

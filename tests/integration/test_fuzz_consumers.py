@@ -45,7 +45,7 @@ def fuzz_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]
         tmp_path_factory.mktemp("fuzz-consumers"),
         str(REPO / "config" / "models.standin.yaml"),
         llm="standin",
-        service_env={"memory": {"MARS_READ_YOUR_WRITES_WAIT_S": "5"}},
+        service_env={"memory": {"MARS_MEMORY_READ_YOUR_WRITES_WAIT_S": "5"}},
     )
     try:
         yield s

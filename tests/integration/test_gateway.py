@@ -38,12 +38,12 @@ def gw_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
         "models.standin-test.yaml",  # the stand-in LLM: the gateway's protocol is under test, not the words
         llm="standin",
         service_env={
-            "judge": {"MARS_FEEDBACK_MODE": "replace"},
+            "judge": {"MARS_JUDGE_FEEDBACK_MODE": "replace"},
             # One turn, then 429 for a long while: the quota test and the fuzzing tenant.
             "ingress": {
-                "MARS_QUOTA_TENANTS": json.dumps({QUOTA_TENANT: {"turns_per_s": 0.001, "turn_burst": 1}})
+                "MARS_INGRESS_QUOTA_TENANTS": json.dumps({QUOTA_TENANT: {"turns_per_s": 0.001, "turn_burst": 1}})
             },
-            "gateway": {"MARS_METRICS_PORT": str(METRICS_PORT)},
+            "gateway": {"MARS_GATEWAY_METRICS_PORT": str(METRICS_PORT)},
         },
         gateway=True,
     )

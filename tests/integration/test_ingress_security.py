@@ -43,9 +43,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
         llm="standin",
         service_env={
             "ingress": {
-                "MARS_AUTH_CACHE_TTL_S": str(TTL_S),
-                "MARS_QUOTA_TENANTS": json.dumps(QUOTAS),
-                "MARS_QUOTA_SPEND_CACHE_S": "0",
+                "MARS_INGRESS_AUTH_CACHE_TTL_S": str(TTL_S),
+                "MARS_INGRESS_QUOTA_TENANTS": json.dumps(QUOTAS),
+                "MARS_INGRESS_QUOTA_SPEND_CACHE_S": "0",
             }
         },
     )

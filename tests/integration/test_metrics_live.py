@@ -39,11 +39,11 @@ GROUPS["ingress"].add("ingress-replies")
 Sample = tuple[str, dict[str, str], float]
 #: The ingress's concurrency limit held at 2 (mars_ingress.capacity), so that a burst is shed for sure.
 SHEDDING = {
-    "MARS_ADMISSION_LIMIT": "true",
-    "MARS_ADMISSION_INITIAL_LIMIT": "2",
-    "MARS_ADMISSION_MIN_LIMIT": "2",  # held at 2: a burst drains within the retries even under load
-    "MARS_ADMISSION_MAX_LIMIT": "2",
-    "MARS_ADMISSION_RETRY_AFTER_MS": "700",
+    "MARS_INGRESS_ADMISSION_LIMIT": "true",
+    "MARS_INGRESS_ADMISSION_INITIAL_LIMIT": "2",
+    "MARS_INGRESS_ADMISSION_MIN_LIMIT": "2",  # held at 2: a burst drains within the retries even under load
+    "MARS_INGRESS_ADMISSION_MAX_LIMIT": "2",
+    "MARS_INGRESS_ADMISSION_RETRY_AFTER_MS": "700",
 }
 BURST = 12
 DASHBOARD = REPO / "charts" / "mars" / "dashboards" / "mars.json"

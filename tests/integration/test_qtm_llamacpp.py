@@ -45,7 +45,7 @@ def _health(stack: LocalStack, component: str) -> int:
 @pytest.fixture(scope="module")
 def llm_state(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
     # A generous deadline: SmolLM2 on 2 cores takes seconds per controller answer.
-    env = {"MARS_QTM_BACKEND": "llamacpp", "MARS_QTM_DEADLINE_MS": "60000"}
+    env = {"MARS_STATE_QTM_BACKEND": "llamacpp", "MARS_STATE_QTM_DEADLINE_MS": "60000"}
     s = start_stack(
         tmp_path_factory.mktemp("qtm"), "models.test.yaml", services=("state",), service_env={"state": env}
     )
@@ -107,7 +107,7 @@ def test_state_event_from_the_log_carries_the_controller_usage(llm_state: LocalS
 @pytest.fixture(scope="module")
 def down_state(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
     # The controller endpoint is a port nobody listens on.
-    env = {"MARS_QTM_BACKEND": "openai", "MARS_QTM_URL": f"http://127.0.0.1:{free_port()}/v1"}
+    env = {"MARS_STATE_QTM_BACKEND": "openai", "MARS_STATE_QTM_URL": f"http://127.0.0.1:{free_port()}/v1"}
     s = start_stack(
         tmp_path_factory.mktemp("qtm-down"),
         "models.test.yaml",

@@ -1,4 +1,4 @@
-"""`mars replay run --strict` with a stochastic routing policy (Thompson sampling) and MARS_ROUTING_SEED:
+"""`mars replay run --strict` with a stochastic routing policy (Thompson sampling) and MARS_ROUTER_ROUTING_SEED:
 the same log, configuration and seed give identical decisions, the claim of the replay docs (item 7)."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from mars_stack import LocalStack
 pytestmark = pytest.mark.integration
 
 TENANT, USER, TURNS = "sd", "seeded", 5
-ROUTER_ENV = {"MARS_ROUTING_POLICY": "thompson", "MARS_ROUTING_SEED": "11"}
+ROUTER_ENV = {"MARS_ROUTER_ROUTING_POLICY": "thompson", "MARS_ROUTER_ROUTING_SEED": "11"}
 
 
 def _version(router: svc_grpc.RouterStub, tenant: str) -> int:
@@ -32,7 +32,7 @@ def seeded_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStac
         tmp_path_factory.mktemp("seeded"),
         "models.standin-test.yaml",  # the stand-in LLM: no test here reads the answers' words
         llm="standin",
-        service_env={"router": ROUTER_ENV, "dispatch": {"MARS_DEFAULT_MAX_TOKENS": "8"}},
+        service_env={"router": ROUTER_ENV, "dispatch": {"MARS_DISPATCH_DEFAULT_MAX_TOKENS": "8"}},
     )
     try:
         ingress = ingress_stub(s, TENANT)

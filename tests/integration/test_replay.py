@@ -28,7 +28,7 @@ def replay_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStac
         tmp_path_factory.mktemp("replay"),
         "models.standin-test.yaml",  # the stand-in LLM: no test here reads the answers' words
         llm="standin",
-        service_env={"dispatch": {"MARS_DEFAULT_MAX_TOKENS": "8"}},
+        service_env={"dispatch": {"MARS_DISPATCH_DEFAULT_MAX_TOKENS": "8"}},
     )
     try:
         users = [f"r{u}" for u in range(USERS)]

@@ -29,7 +29,7 @@ def prefixed_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSt
         tmp_path_factory.mktemp("prefixed"),
         "models.standin-test.yaml",  # the stand-in LLM: no test here reads the answers' words
         llm="standin",
-        service_env={"dispatch": {"MARS_DEFAULT_MAX_TOKENS": "8"}},
+        service_env={"dispatch": {"MARS_DISPATCH_DEFAULT_MAX_TOKENS": "8"}},
         topic_prefix=PREFIX,
     )
     try:
@@ -92,7 +92,7 @@ def test_replay_run_with_a_preset_on_a_stack_of_its_own(prefixed_stack: LocalSta
     assert {json.loads(line)["topic"] for line in log.read_text().splitlines()} <= set(ALL_TOPICS)
     run = mars(
         "replay", "run", "--file", str(log), "--model-pool", str(HERE / "models.standin-test.yaml"),
-        "--config", "lambda-0.5", "--config", "fixed:standin-short", "--set", "MARS_DEFAULT_MAX_TOKENS=8",
+        "--config", "lambda-0.5", "--config", "fixed:standin-short", "--set", "MARS_DISPATCH_DEFAULT_MAX_TOKENS=8",
         "--topic-prefix", "rerun.", "--strict", "--summary", str(tmp_path / "compare.json"),
         "--traces", str(tmp_path / "traces"),
         stack=prefixed_stack,
@@ -101,7 +101,7 @@ def test_replay_run_with_a_preset_on_a_stack_of_its_own(prefixed_stack: LocalSta
     assert "recorded run vs re-drive" in run.stdout and "mean reward" in run.stdout
     s = json.loads((tmp_path / "compare.json").read_text())
     assert s["topic_prefix"] == "rerun." and s["answered"] == TURNS
-    assert s["overrides"]["MARS_LAMBDA_COST"] == "0.5"
+    assert s["overrides"]["MARS_JUDGE_LAMBDA_COST"] == "0.5"
     assert s["recorded"]["complete"] == s["redriven"]["complete"] == TURNS
     # The recorded run fell back from the broken first arm; the fixed arm answers every re-driven turn.
     assert s["recorded"]["fallbacks"] >= 1 and s["redriven"]["fallbacks"] == 0

@@ -269,7 +269,7 @@ def test_feedback_correction_shifts_b_once(dsn: str) -> None:
 
 
 def test_frozen_policy_records_rewards_but_never_changes(dsn: str) -> None:
-    """MARS_POLICY_UPDATES=false (the no-online-update ablation): judged rewards and corrections are checked
+    """MARS_ROUTER_POLICY_UPDATES=false (the no-online-update ablation): judged rewards and corrections are checked
     and recorded in the ledger (applied = false), A, b, pulls and the version stay as they were; the same
     reward moves a learning policy. Turning updates on later does not apply the frozen period's rewards."""
     from mars.v1 import services_pb2 as svc
@@ -332,7 +332,7 @@ def test_frozen_policy_records_rewards_but_never_changes(dsn: str) -> None:
 
 
 def test_seeded_stochastic_policy_routes_the_same_turns_the_same_way(dsn: str) -> None:
-    """Item 7: with MARS_ROUTING_SEED, two fresh Thompson policies (two tenants, as two re-drives of one log
+    """Item 7: with MARS_ROUTER_ROUTING_SEED, two fresh Thompson policies (two tenants, as two re-drives of one log
     get) that see the same turns (user, seq, features) and the same rewards make the same decisions, through
     the real store: load from Postgres, decide, record, apply the reward, next turn."""
     from mars.domain.bandits import draw_key

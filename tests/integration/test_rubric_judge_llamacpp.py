@@ -25,7 +25,7 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def judge_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
-    env = {"MARS_JUDGE_BACKEND": "llamacpp", "MARS_JUDGE_DEADLINE_MS": "90000", "MARS_LAMBDA_COST": "0.5"}
+    env = {"MARS_JUDGE_BACKEND": "llamacpp", "MARS_JUDGE_DEADLINE_MS": "90000", "MARS_JUDGE_LAMBDA_COST": "0.5"}
     s = start_stack(
         tmp_path_factory.mktemp("judge"), "models.test.yaml", services=("judge",), service_env={"judge": env}
     )

@@ -105,7 +105,7 @@ def _stochastic(
 
 @pytest.mark.parametrize("name", ["thompson", "eps-greedy", "random"])
 def test_seeded_turn_draws_repeat_per_turn_and_differ_across_turns(name: str) -> None:
-    """Item 7 (MARS_ROUTING_SEED): the same (seed, turn, state) gives the same decision, whatever the
+    """Item 7 (MARS_ROUTER_ROUTING_SEED): the same (seed, turn, state) gives the same decision, whatever the
     policy object's own generator (two processes seed theirs from OS entropy), and the turns differ."""
     from mars.domain.bandits import draw_key, turn_rng
 
@@ -159,7 +159,7 @@ def test_turn_rng_is_a_stable_hash_of_seed_and_key() -> None:
 
 def test_simulator_cost_is_usd_at_table_10_prices() -> None:
     """Item 8: the simulator's C_gen is the live dispatch's cost (ModelSpec.cost_usd with the paper pool's
-    Table 10 prices, USD per million tokens), so its lambda is the service's MARS_LAMBDA_COST."""
+    Table 10 prices, USD per million tokens), so its lambda is the service's MARS_JUDGE_LAMBDA_COST."""
     from pathlib import Path
 
     from mars.model_pool import load_pool

@@ -1,4 +1,4 @@
-"""Dispatch with MARS_STATE_HEADER on and off: the chat request a model receives carries the MEMORY GUIDANCE
+"""Dispatch with MARS_DISPATCH_STATE_HEADER on and off: the chat request a model receives carries the MEMORY GUIDANCE
 state header only when it is on (the paper's "No QTM state/header" ablation turns it off)."""
 
 from __future__ import annotations
@@ -72,5 +72,5 @@ def test_state_header_setting_decides_what_the_model_sees(header: bool) -> None:
 
 def test_state_header_is_on_by_default_and_read_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     assert DispatchSettings().state_header is True
-    monkeypatch.setenv("MARS_STATE_HEADER", "false")
+    monkeypatch.setenv("MARS_DISPATCH_STATE_HEADER", "false")
     assert DispatchSettings().state_header is False

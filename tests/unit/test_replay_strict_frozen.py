@@ -1,5 +1,5 @@
 """`replay run --strict` waits for each turn's reward to reach the policy (its version moves); a frozen
-router (MARS_POLICY_UPDATES=false, the no-online-update preset) never moves its version and takes no reward
+router (MARS_ROUTER_POLICY_UPDATES=false, the no-online-update preset) never moves its version and takes no reward
 in, so strict mode goes straight on instead of timing out on every turn."""
 
 from __future__ import annotations

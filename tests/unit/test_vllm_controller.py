@@ -178,7 +178,7 @@ def test_serial_engine_needs_a_positive_cap() -> None:
 
 
 def test_vllm_backend_without_vllm_says_how_to_get_it() -> None:
-    with pytest.raises(ValueError, match="MARS_QTM_MODEL"):
+    with pytest.raises(ValueError, match="MARS_STATE_QTM_MODEL"):
         make_controller("vllm")
     try:
         import vllm  # noqa: F401

@@ -5,7 +5,7 @@ policies differ only in how they choose; `decide` also returns the chosen arm's 
 (propensity), logged on the routed event for off-policy evaluation.
 
 Reproducibility: `decide` takes an optional generator for the turn's draws. The router passes
-`turn_rng(seed, draw_key(user_id, seq))` when MARS_ROUTING_SEED is set, so a stochastic policy's choice is
+`turn_rng(seed, draw_key(user_id, seq))` when MARS_ROUTER_ROUTING_SEED is set, so a stochastic policy's choice is
 a function of (seed, turn, matrices) alone, not of the process or of what other turns drew before it;
 without one a policy draws from its own generator (seeded at construction, or from OS entropy).
 """

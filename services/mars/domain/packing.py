@@ -4,7 +4,7 @@ Runs after routing: the same candidate view is clipped differently for each arm'
 for a fallback arm.
 
 The system message is SYSTEM RULES, MEMORY GUIDANCE (the QTM state header) and MEMORY; without the state
-header (`state_header=False`, dispatch's MARS_STATE_HEADER=false: the paper's "No QTM state/header"
+header (`state_header=False`, dispatch's MARS_DISPATCH_STATE_HEADER=false: the paper's "No QTM state/header"
 ablation, mars_semctx_noactive) it is SYSTEM RULES and MEMORY, with the same memory blocks and clipping.
 """
 

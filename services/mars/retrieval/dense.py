@@ -7,7 +7,7 @@ and would trade recall for nothing.
 
 Why CPU by default: on an H200 node per-user 8-NN scans of ~100 vectors measured 2x slower on the GPU
 than CPU FAISS (a kernel launch costs more than the scan), so the GPU is used only when asked for
-(`use_gpu=True`, the memory service's `MARS_USE_GPU`), for large per-user memories or batched queries.
+(`use_gpu=True`, the memory service's `MARS_MEMORY_USE_GPU`), for large per-user memories or batched queries.
 """
 
 from __future__ import annotations

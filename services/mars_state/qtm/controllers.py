@@ -127,7 +127,7 @@ class VllmController:
         except ImportError as exc:  # an optional extra: say how to get it instead of a bare traceback
             raise ImportError(
                 "the 'vllm' QTM backend needs vllm on a GPU node (pip install vllm); "
-                "use MARS_QTM_BACKEND=openai to reach a vLLM server instead"
+                "use MARS_STATE_QTM_BACKEND=openai to reach a vLLM server instead"
             ) from exc
         engine = LLM(model=model, seed=seed)
         return cls(engine, vllm_sampling_params(max_tokens, seed), prompt, max_in_flight)
@@ -198,10 +198,10 @@ def make_controller(
     template = PromptTemplate.load(prompt)
     if backend == "vllm":
         if not model:
-            raise ValueError("the vllm QTM backend needs a model path (MARS_QTM_MODEL)")
+            raise ValueError("the vllm QTM backend needs a model path (MARS_STATE_QTM_MODEL)")
         return VllmController.load(model, template, max_tokens, max_in_flight=max_in_flight)
     if not base_url:
-        raise ValueError(f"the {backend} QTM backend needs an endpoint (MARS_QTM_URL)")
+        raise ValueError(f"the {backend} QTM backend needs an endpoint (MARS_STATE_QTM_URL)")
     flavour: Dialect = "llamacpp" if backend == "llamacpp" else "openai"
     return OpenAICompatibleController(
         base_url, model or "qtm", template, flavour, api_key, timeout_s, max_tokens

@@ -1,4 +1,4 @@
-"""The learned QTM controller (`MARS_QTM_BACKEND=learned`): one small softmax model per Table 5 decision
+"""The learned QTM controller (`MARS_STATE_QTM_BACKEND=learned`): one small softmax model per Table 5 decision
 over features the service already has, no LLM call.
 
 Features of a turn (`featurize`):

@@ -61,7 +61,7 @@ def add_realmem_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore
         default="fp32",
         choices=["fp32", "int8"],
         help="weights that embed the stored turns alone (a measurement: the memory service has one precision, "
-        "MARS_EMBEDDING_PRECISION); queries stay fp32. Give int8 runs a --cache-dir of their own: the cache "
+        "MARS_MEMORY_EMBEDDING_PRECISION); queries stay fp32. Give int8 runs a --cache-dir of their own: the cache "
         "is keyed by text",
     )
     p.set_defaults(func=cmd_realmem)

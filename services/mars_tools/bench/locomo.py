@@ -180,7 +180,7 @@ def add_locomo_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
         "--embedding-precision",
         choices=("fp32", "int8"),
         default="fp32",
-        help="fp32 (default) or int8 ONNX weights (MARS_EMBEDDING_PRECISION of the memory service)",
+        help="fp32 (default) or int8 ONNX weights (MARS_MEMORY_EMBEDDING_PRECISION of the memory service)",
     )
     p.add_argument(
         "--stored-precision",

@@ -158,7 +158,7 @@ def add_ope_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
         "--lam",
         type=float,
         default=50.0,
-        help="cost weight lambda per USD, as MARS_LAMBDA_COST (default 50: a cent weighs half a quality point)",
+        help="cost weight lambda per USD, as MARS_JUDGE_LAMBDA_COST (default 50: a cent weighs half a quality point)",
     )
     p.add_argument("--train-turns", type=int, default=2000, help="turns to train the frozen LinUCB target")
     p.add_argument("--truth-turns", type=int, default=20000, help="fresh turns for each true value")

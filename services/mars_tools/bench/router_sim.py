@@ -17,7 +17,7 @@ for Llama-3.2-3B, Mixtral-8x7B, Qwen2.5-72B, GPT-4o: base 0.62 / 0.66 / 0.70 / 0
 no arm is best everywhere (small models on light exploration, the strongest on heavy synthesis).
 The observed utility is q_a plus N(0, 0.1) noise, clipped to [0, 1]; the
 reward is u - lambda * C_gen, with C_gen the cost of (view + 300 prompt tokens in, 300 out) at the
-arm's Table 10 price in US dollars, the unit of the live judge's reward (Eq. 10, MARS_LAMBDA_COST), so a
+arm's Table 10 price in US dollars, the unit of the live judge's reward (Eq. 10, MARS_JUDGE_LAMBDA_COST), so a
 lambda here is the service's lambda. A turn costs $0.0002 on Llama-3.2-3B, $0.0014 on Qwen2.5-72B and
 $0.012 on GPT-4o on average: at the paper's lambdas (0.002 main, 0.5 ablation) cost moves an average
 GPT-4o turn's reward by 0.00002 / 0.006, so routing is quality-first (as in the paper's Table 19, where
@@ -277,7 +277,7 @@ def add_router_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
         type=float,
         nargs="+",
         default=[0.002, 0.5, 50.0],
-        help="cost weights per US dollar, as MARS_LAMBDA_COST (default: the paper's 0.002 and 0.5, and 50, "
+        help="cost weights per US dollar, as MARS_JUDGE_LAMBDA_COST (default: the paper's 0.002 and 0.5, and 50, "
         "where a cent weighs half a quality point)",
     )
     p.add_argument("--out", help="write results as JSON here")

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from mars import topology
-from mars.config import ServiceSettings, env_name, old_env_names
+from mars.config import CallerSettings, env_name, old_env_names
 from pydantic import ValidationError
 
 #: Settings the replay stack sets itself (addresses, ports, the run's topic prefix): never overridden.
@@ -114,9 +114,9 @@ def preset(name: str) -> Preset:
     )
 
 
-def settings_classes() -> dict[str, type[ServiceSettings]]:
-    """Each service's settings model, by service name (from the topology)."""
-    return {spec.name: spec.settings_class() for spec in topology.SERVICES}
+def settings_classes() -> dict[str, type[CallerSettings]]:
+    """Each deployable's settings model, by name (from the topology): the services' and the gateway's."""
+    return topology.deployable_settings()
 
 
 def settings_fields() -> dict[str, list[str]]:

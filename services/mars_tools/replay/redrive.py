@@ -15,7 +15,7 @@ comparison.
 
 Each user's turns keep their order. `--strict` sends one turn at a time and waits until its reward has
 reached the router (the policy version moved) before the next: the paper's Algorithm 1 exactly, so the same
-log, configuration and seed give identical decisions. A frozen router (MARS_POLICY_UPDATES=false, the
+log, configuration and seed give identical decisions. A frozen router (MARS_ROUTER_POLICY_UPDATES=false, the
 no-online-update preset) never moves its version and takes no reward in, so there is nothing to wait for.
 """
 
@@ -185,12 +185,20 @@ def _redrive(
     return rows
 
 
+def _pool_names() -> set[str]:
+    """The names of the model pool setting (the router's, dispatch's and the gateway's)."""
+    from mars import topology
+
+    return set(topology.field_env("model_pool", ""))
+
+
 def _start_stack(overrides: dict[str, str], prefix: str, model_pool: str | None, console: Console) -> Any:
     from mars_stack import LocalStack, StackSettings
     from mars_stack.stack_settings import DEFAULT_POOL
 
     env = dict(overrides)
-    pool = Path(env.pop("MARS_MODEL_POOL", model_pool or DEFAULT_POOL)).resolve()
+    given = [env.pop(name) for name in sorted(_pool_names() & set(env))]  # the stack's pool, for all of them
+    pool = Path(given[0] if given else model_pool or DEFAULT_POOL).resolve()
     settings = StackSettings(model_pool=pool, topic_prefix=prefix, extra_env=env)
     stack = LocalStack(settings)
     with console.status("starting the replay stack") as status:
@@ -201,14 +209,15 @@ def _start_stack(overrides: dict[str, str], prefix: str, model_pool: str | None,
 
 def _check_fixed_arm(overrides: dict[str, str], model_pool: str | None) -> None:
     """fixed:<arm> must name an arm of the pool (read without expanding ${VAR}s, which the stack sets)."""
-    policy = overrides.get("MARS_ROUTING_POLICY", "")
+    policy = overrides.get("MARS_ROUTER_ROUTING_POLICY", "")
     if not policy.startswith(presets.FIXED_PREFIX):
         return
     import yaml
     from mars_stack.stack_settings import DEFAULT_POOL
 
     try:
-        raw = yaml.safe_load(Path(overrides.get("MARS_MODEL_POOL", model_pool or DEFAULT_POOL)).read_text())
+        given = [overrides[name] for name in sorted(_pool_names() & set(overrides))]
+        raw = yaml.safe_load(Path(given[0] if given else model_pool or DEFAULT_POOL).read_text())
         arms = [str(m["name"]) for m in raw["models"]]
     except (OSError, yaml.YAMLError, KeyError, TypeError):
         return  # an unreadable pool is reported by the stack, with the file's own error
