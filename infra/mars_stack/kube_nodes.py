@@ -82,7 +82,9 @@ class KwokNodes:
         self.registered = (*self.registered, node)
 
     def remove(self, name: str) -> None:
-        """Delete a node (its pods are the pod garbage collector's); a node that is not there is no error."""
+        """Delete a node and, at once, the pods bound to it (the pod garbage collector would take its time,
+        and a node added again under the name would find them holding its resources); a node that is not
+        there is no error."""
         from kubernetes import client
         from kubernetes.client import ApiException
 
@@ -92,6 +94,12 @@ class KwokNodes:
         except ApiException as exc:
             if exc.status != 404:
                 raise
+        for pod in core.list_pod_for_all_namespaces(field_selector=f"spec.nodeName={name}").items:
+            try:
+                core.delete_namespaced_pod(pod.metadata.name, pod.metadata.namespace, grace_period_seconds=0)
+            except ApiException as exc:
+                if exc.status != 404:
+                    raise
         self.registered = tuple(n for n in self.registered if n.name != name)
 
     def wait_ready(self, timeout_s: float = 60.0) -> None:

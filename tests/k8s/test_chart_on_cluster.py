@@ -118,21 +118,34 @@ def mars_cli(cluster: kube.LocalCluster, *args: str) -> subprocess.CompletedProc
 # --- admission -------------------------------------------------------------------------------------------
 
 
-def test_every_default_object_and_pod_is_admitted_under_restricted(cluster: kube.LocalCluster) -> None:
+ADMISSION = "admission"
+
+
+@pytest.fixture
+def admission_namespace(cluster: kube.LocalCluster) -> str:
+    """A restricted namespace holding the chart's ServiceAccounts (a Pod's admission looks its account up),
+    made where it is missing."""
+    if not _namespace_exists(cluster, ADMISSION):
+        restricted_namespace(cluster, ADMISSION)
+        core, _, _ = _apis(cluster)
+        for account in helm.find(helm.render(BASE, release=RELEASE, namespace=ADMISSION), "ServiceAccount"):
+            core.create_namespaced_service_account(ADMISSION, account)
+    return ADMISSION
+
+
+def test_every_default_object_and_pod_is_admitted_under_restricted(
+    cluster: kube.LocalCluster, admission_namespace: str
+) -> None:
     """Every object of the default values (hooks too) passes server-side dry-run with strict field
     validation, and every pod template passes Pod Security `restricted` as a Pod, with no RuntimeClass."""
     from kubernetes import client
 
-    namespace = "admission"
-    restricted_namespace(cluster, namespace)
+    namespace = admission_namespace
     assert client.NodeV1Api(cluster.api_client()).list_runtime_class().items == []
     objects = helm.render(BASE, release=RELEASE, namespace=namespace)
+    # Dry runs: the ServiceAccounts the fixture made are created again on paper only.
     refusals = [r for obj in objects if (r := dry_run_create(cluster, obj, namespace))]
-    assert refusals == []
-    # A Pod needs its ServiceAccount to exist (admission looks it up): those are made for real.
-    core, _, _ = _apis(cluster)
-    for account in helm.find(objects, "ServiceAccount"):
-        core.create_namespaced_service_account(namespace, account)
+    assert [r for r in refusals if "AlreadyExists" not in r] == []
     pods = [pod_from_template(o) for o in objects if o["kind"] in ("Deployment", "Job")]
     # Six services, the gateway, vLLM, and the migrate, topics, master-key and identity hooks.
     assert len(pods) == 12
@@ -140,22 +153,22 @@ def test_every_default_object_and_pod_is_admitted_under_restricted(cluster: kube
     assert refusals == []
 
 
-def test_a_runtime_class_the_cluster_lacks_is_refused(cluster: kube.LocalCluster) -> None:
+def test_a_runtime_class_the_cluster_lacks_is_refused(cluster: kube.LocalCluster, admission_namespace: str) -> None:
     """Why the chart names none by default: the API refuses a pod whose RuntimeClass does not exist."""
     objects = helm.render(
-        {**BASE, "vllm": {"runtimeClassName": "nvidia"}}, release=RELEASE, namespace="admission"
+        {**BASE, "vllm": {"runtimeClassName": "nvidia"}}, release=RELEASE, namespace=admission_namespace
     )
     (vllm,) = [o for o in helm.find(objects, "Deployment") if o["metadata"]["name"].endswith("-vllm")]
-    refusal = dry_run_create(cluster, pod_from_template(vllm), "admission")
+    refusal = dry_run_create(cluster, pod_from_template(vllm), admission_namespace)
     assert refusal is not None and 'RuntimeClass \\"nvidia\\" not found' in refusal
 
 
-def test_a_privileged_pod_is_refused_by_pod_security(cluster: kube.LocalCluster) -> None:
+def test_a_privileged_pod_is_refused_by_pod_security(cluster: kube.LocalCluster, admission_namespace: str) -> None:
     """The namespace really enforces `restricted` (so the admissions above mean something)."""
-    objects = helm.render(BASE, release=RELEASE, namespace="admission")
+    objects = helm.render(BASE, release=RELEASE, namespace=admission_namespace)
     pod = pod_from_template(helm.find(objects, "Deployment")[0])
     pod["spec"]["containers"][0]["securityContext"]["allowPrivilegeEscalation"] = True
-    refusal = dry_run_create(cluster, pod, "admission")
+    refusal = dry_run_create(cluster, pod, admission_namespace)
     assert refusal is not None and "violates PodSecurity" in refusal
 
 
@@ -420,6 +433,11 @@ def test_secure_profile_with_mutual_tls_network_policies_and_the_gateway(
 
     policies = client.NetworkingV1Api(cluster.api_client()).list_namespaced_network_policy(namespace).items
     assert len(policies) >= 6
+    config = helm_config(cluster, namespace)
+    try:  # its vLLM would wait for the next GPU node and take it from the next test's
+        config.uninstall("secure", wait="watcher", timeout=HELM_TIMEOUT_S)
+    finally:
+        config.close()
 
 
 def _crd(group: str, version: str, kind: str, plural: str, schema: dict[str, Any]) -> dict[str, Any]:
