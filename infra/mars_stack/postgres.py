@@ -11,7 +11,7 @@ import subprocess
 from pathlib import Path
 
 from mars_stack.certs import write_private
-from mars_stack.readiness import free_port, wait_until
+from mars_stack.readiness import StackError, free_port, wait_until
 from mars_stack.settings import launcher_settings
 from mars_stack.stack_settings import StackSettings
 from mars_stack.supervisor import Supervisor
@@ -126,6 +126,9 @@ class PostgresServer:
                 capture_output=True,
                 user=user,
             )
+        except subprocess.CalledProcessError as exc:  # say why, not only that it failed
+            output = (exc.stderr or b"").decode(errors="replace").strip() or "(no output)"
+            raise StackError(f"initdb of {pgdata} failed with status {exc.returncode}: {output[-2000:]}") from exc
         finally:
             pwfile.unlink(missing_ok=True)
 
