@@ -59,15 +59,15 @@ def _load_entry_points() -> list[tuple[str, Any]]:
 @functools.cache
 def deployables() -> Deployables:
     """The specs, loaded once from the `mars.deployables` entry points."""
-    services: dict[str, ServiceSpec] = {}
-    gateways: list[GatewaySpec] = []
+    found: dict[str, ServiceSpec | GatewaySpec] = {}
     for name, spec in _load_entry_points():
         if not isinstance(spec, ServiceSpec | GatewaySpec) or spec.name != name:
             raise TopologyError(f"entry point {ENTRY_POINTS}:{name} is {spec!r}, not the spec of {name!r}")
-        if isinstance(spec, GatewaySpec):
-            gateways.append(spec)
-        elif services.setdefault(name, spec) is not spec:
-            raise TopologyError(f"two distributions declare the deployable {name!r}")
+        # The same spec declared twice (two installs of the project on the path) is one deployable.
+        if found.setdefault(name, spec) is not spec:
+            raise TopologyError(f"two different specs are declared for the deployable {name!r}")
+    services = {n: s for n, s in found.items() if isinstance(s, ServiceSpec)}
+    gateways = [s for s in found.values() if isinstance(s, GatewaySpec)]
     if len(gateways) != 1:
         raise TopologyError(f"expected one gateway among the {ENTRY_POINTS!r} entry points, got {len(gateways)}")
     groups = [g.name for s in services.values() for g in s.groups]

@@ -112,3 +112,22 @@ def test_run_stops_on_a_misspelt_name_naming_the_service(monkeypatch: pytest.Mon
     monkeypatch.setenv("MARS_ROUTER_ALPA", "1")
     with pytest.raises(SystemExit, match=r"^router: MARS_ROUTER_ALPA is not a setting of RouterSettings"):
         runtime.service_settings(ROUTER)
+
+
+def test_a_spec_declared_twice_is_one_deployable_and_two_different_ones_are_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two installs of the project on the path (an editable one and a wheel) declare the same specs."""
+    entries = topology._load_entry_points()
+    try:
+        monkeypatch.setattr(topology, "_load_entry_points", lambda: entries + entries)
+        topology.deployables.cache_clear()
+        assert topology.deployables().services == topology.SERVICES
+        other = dataclasses.replace(ROUTER)
+        monkeypatch.setattr(topology, "_load_entry_points", lambda: [*entries, ("router", other)])
+        topology.deployables.cache_clear()
+        with pytest.raises(topology.TopologyError, match="two different specs"):
+            topology.deployables()
+    finally:
+        monkeypatch.undo()
+        topology.deployables.cache_clear()
