@@ -26,7 +26,7 @@ def table_owners() -> dict[str, str]:
 
     owners = dict(_CORE_TABLES)
     for spec in topology.SERVICES:
-        for stmt in spec.migrations():
+        for stmt in spec.migrations:
             m = re.search(r"CREATE TABLE IF NOT EXISTS (\w+)", stmt)
             if m:
                 owners[m.group(1)] = spec.name

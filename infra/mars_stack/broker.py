@@ -35,7 +35,7 @@ class LocalBroker:
         self.ports = ports
         #: "kafka", "tansu", or "" when the stack runs none (set before `start_*`).
         self.kind = ""
-        #: With SASL_SSL: each principal's Kafka login (mars.kafka_acls.PRINCIPALS -> password); empty on a
+        #: With SASL_SSL: each principal's Kafka login (mars.kafka_acls.principals() -> password); empty on a
         #: plaintext broker.
         self.logins: dict[str, str] = {}
         self._ca: Path | None = None
@@ -179,7 +179,7 @@ class LocalBroker:
         across restarts) and its TLS certificate (made at each start, for the addresses it listens on)."""
         import json
 
-        from mars.kafka_acls import PRINCIPALS
+        from mars.kafka_acls import principals
 
         from mars_stack.certs import make_local_ca
 
@@ -189,7 +189,7 @@ class LocalBroker:
         if logins_file.exists():
             logins = json.loads(logins_file.read_text())
         else:
-            logins = {p: kafka.new_password() for p in (*PRINCIPALS, kafka.BROKER_ADMIN)}
+            logins = {p: kafka.new_password() for p in (*principals(), kafka.BROKER_ADMIN)}
             write_private(logins_file, json.dumps(logins).encode())
         tls = make_local_ca(
             folder / "tls", tuple(dict.fromkeys(("localhost", "127.0.0.1", self.settings.host)))
@@ -198,7 +198,7 @@ class LocalBroker:
             folder / "tls" / "keystore.pem", tls.server_key.read_bytes() + tls.server_cert.read_bytes()
         )
         self._ca = tls.ca
-        self.logins = {p: logins[p] for p in PRINCIPALS}
+        self.logins = {p: logins[p] for p in principals()}
         return kafka.BrokerSecurity(
             users=self.logins,
             admin_password=logins[kafka.BROKER_ADMIN],

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from mars import topology
 
 from mars_stack.helm import CHART_DIR
 from mars_stack.kube import LocalCluster
@@ -23,7 +24,11 @@ from mars_stack.kube_control_plane import BIN_DIR, ClusterError, stop_processes,
 from mars_stack.readiness import free_port
 
 DASHBOARD = CHART_DIR / "dashboards" / "mars.json"
-COMPONENTS = ("ingress", "state", "memory", "router", "dispatch", "judge", "gateway")
+
+
+def components() -> tuple[str, ...]:
+    """The chart's components that serve metrics: every deployable (mars.topology)."""
+    return (*topology.NAMES, topology.GATEWAY.name)
 
 
 def built() -> bool:
@@ -35,7 +40,7 @@ def scrape_config(cluster: LocalCluster, namespace: str, release: str, interval_
     keep = [
         ("__meta_kubernetes_service_label_app_kubernetes_io_name", "mars"),
         ("__meta_kubernetes_service_label_app_kubernetes_io_instance", release),
-        ("__meta_kubernetes_service_label_app_kubernetes_io_component", "|".join(COMPONENTS)),
+        ("__meta_kubernetes_service_label_app_kubernetes_io_component", "|".join(components())),
         ("__meta_kubernetes_endpoint_port_name", "metrics"),
     ]
     return {

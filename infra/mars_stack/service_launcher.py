@@ -143,20 +143,21 @@ class ServiceLauncher:
 
     def start_gateway(self) -> None:
         """The HTTP gateway, a caller of the (first) ingress like any client: the callers' TLS settings."""
+        gateway = topology.GATEWAY.name
         port = free_port()
         env = {**os.environ, **self.env, "PYTHONUNBUFFERED": "1"}
         env.update(
             {
                 "MARS_GATEWAY_HTTP_PORT": str(port),
                 "MARS_GATEWAY_INGRESS_ADDR": self.addr("ingress"),
-                "MARS_REPLICA": "gateway",
+                "MARS_REPLICA": gateway,
             }
         )
-        env.update(self.settings.service_env.get("gateway", {}))
+        env.update(self.settings.service_env.get(gateway, {}))
         env.pop("MARS_ENV_FILE", None)
         env.pop("MARS_API_KEY", None)
         env.pop("MARS_KAFKA_SASL_PASSWORD", None)  # the gateway speaks to the ingress only
-        proc = self.supervisor.spawn("gateway", [sys.executable, "-m", "mars_gateway"], env=env)
+        proc = self.supervisor.spawn(gateway, [sys.executable, "-m", f"mars_{gateway}"], env=env)
 
         def ready() -> bool:
             import httpx
@@ -166,8 +167,8 @@ class ServiceLauncher:
             except httpx.HTTPError:
                 return False
 
-        wait_until(ready, 60, "gateway", proc.popen, proc.log)
-        self.ports["gateway"] = port
+        wait_until(ready, 60, gateway, proc.popen, proc.log)
+        self.ports[gateway] = port
         self.env["MARS_GATEWAY_URL"] = f"http://127.0.0.1:{port}"
         with (self.workdir / "stack.env").open("a") as fh:
             fh.write(f"MARS_GATEWAY_URL=http://127.0.0.1:{port}\n")

@@ -22,6 +22,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from mars import topology
+
 from mars_stack import kube, kubelet, node_net
 from mars_stack.settings import launcher_settings
 from mars_stack.stack import LocalStack
@@ -34,7 +36,6 @@ LLM_SERVICE = f"llm.{INFRA_NAMESPACE}.svc.{node_net.CLUSTER_DOMAIN}"
 KAFKA_PORT, POSTGRES_PORT, LLM_PORT = 9092, 5432, 8080
 #: A request small enough that every pod of the default release fits a 2-core node.
 SMALL_REQUESTS = {"cpu": "10m", "memory": "64Mi"}
-STAGES = ("ingress", "state", "memory", "router", "dispatch", "judge")
 
 
 def missing() -> list[str]:
@@ -192,6 +193,6 @@ class ServingCluster:
                 {"name": "standin-short", **pool_arm, "input_price_per_m": 0.05, "output_price_per_m": 0.10},
                 {"name": "standin-long", **pool_arm, "input_price_per_m": 0.35, "output_price_per_m": 0.40},
             ],
-            "services": {name: small for name in STAGES},
+            "services": {name: small for name in topology.NAMES},
             "gateway": small,
         }

@@ -21,7 +21,8 @@ class StackSettings:
     start_llm: bool = True
     start_broker: bool = True
     start_postgres: bool = True
-    services: tuple[str, ...] = topology.NAMES
+    #: The services to start (every deployable spec's, mars.topology, by default).
+    services: tuple[str, ...] = field(default_factory=lambda: topology.NAMES)
     extra_env: dict[str, str] = field(default_factory=dict)
     #: Per-service extra environment (e.g. a test's deliberately failing model pool for dispatch).
     service_env: dict[str, dict[str, str]] = field(default_factory=dict)

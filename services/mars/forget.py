@@ -99,7 +99,7 @@ USER_LOCK_SQL = "SELECT pg_advisory_xact_lock(hashtext(%s))"
 
 def owned_tables(service: str) -> tuple[str, ...]:
     """The tables the service's own migrations create (it owns them, mars.db_roles)."""
-    statements = topology.service(service).migrations()
+    statements = topology.service(service).migrations
     return tuple(dict.fromkeys(table for table, _ in migration_columns(statements)))
 
 
@@ -110,9 +110,15 @@ def owner(table: str) -> str | None:
     return next((name for name in topology.NAMES if table in owned_tables(name)), None)
 
 
+def acknowledges(service: str) -> bool:
+    """Whether the ingress waits for `service` to acknowledge a forget: every service but the ingress
+    itself (each keeps at least its stage rows)."""
+    return service != SHARED_OWNERS["user_data_keys"]
+
+
 def acknowledgers() -> tuple[str, ...]:
-    """The services the ingress waits for: every one but itself (each keeps at least its stage rows)."""
-    return tuple(name for name in topology.NAMES if name != SHARED_OWNERS["user_data_keys"])
+    """The services the ingress waits for."""
+    return tuple(name for name in topology.NAMES if acknowledges(name))
 
 
 def user_policy_id(tenant: str, user_id: str) -> str:

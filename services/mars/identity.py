@@ -7,8 +7,8 @@ caller's private key, with the caller's certificate, which the identity CA signe
 authentication (extended key usage clientAuth) and which names the caller. The stage checks the signature,
 the certificate's issuer, usage and validity (and the CA's own), that the token is for this service (aud: the
 gRPC service's full name, so a token for Memory opens nothing at Router) and for the method called (mth), and
-unexpired, then that PERMISSIONS lets that caller call that method. No token, or a tenant's API key, is
-UNAUTHENTICATED; a known caller on a method not its own is PERMISSION_DENIED.
+unexpired, then that the service's permissions (its spec's, mars.spec) let that caller call that method. No
+token, or a tenant's API key, is UNAUTHENTICATED; a known caller on a method not its own is PERMISSION_DENIED.
 
 Identities bound to their release: where a scope is set (MARS_IDENTITY_SCOPE, a SPIFFE ID prefix
 `spiffe://<trust-domain>/ns/<namespace>/<release>`), a caller's certificate must carry the URI SAN
@@ -50,7 +50,6 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from mars.config import CallerSettings
 from mars.tls import read_pem
-from mars.topology import INTERNAL_SERVICES, PERMISSIONS
 
 log = logging.getLogger(__name__)
 
@@ -412,28 +411,32 @@ def _refusal(code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
 
 
 class IdentityInterceptor(grpc.aio.ServerInterceptor):
-    """Lets an internal RPC through only with a valid token of a caller PERMISSIONS allows on the method.
+    """Lets an internal RPC through only with a valid token of a caller `permissions` allows on the method.
 
-    `verifier` None (no identity CA configured) with `required` refuses every internal call: a stage left
+    `permissions`: full method name -> the callers allowed (the serving spec's method_permissions, or
+    mars.topology.PERMISSIONS for every stage). A gRPC service with a method there is internal: its
+    methods not there are refused to everyone; other services (the public ingress, health, reflection)
+    pass. `verifier` None (no identity CA configured) with `required` refuses every internal call: a stage left
     without its CA fails closed. `required` False lets everything through (a laptop setting, warned at start).
     """
 
     def __init__(
         self,
         verifier: IdentityVerifier | None,
+        permissions: Mapping[str, frozenset[str]],
         required: bool = True,
-        permissions: Mapping[str, frozenset[str]] = PERMISSIONS,
         on_refusal: Callable[[str, str], None] = lambda method, code: None,
     ) -> None:
         self._verifier = verifier
         self._required = required
         self._permissions = permissions
+        self._internal = frozenset(service_of(method) for method in permissions)
         self._on_refusal = on_refusal
 
     def check(self, method: str, metadata: Any) -> tuple[grpc.StatusCode, str] | None:
         """None when the call may go on, else the status and message to refuse it with."""
         service = service_of(method)
-        if not self._required or service not in INTERNAL_SERVICES:
+        if not self._required or service not in self._internal:
             return None
         if self._verifier is None:
             return grpc.StatusCode.UNAUTHENTICATED, "this service has no identity CA (MARS_IDENTITY_CA_FILE)"

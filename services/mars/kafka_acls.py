@@ -24,8 +24,12 @@ from mars.config import ALL_TOPICS, Topics
 
 #: The tools' principal (not a service): everything on the run's topics, any consumer group.
 OPERATOR = "operator"
-#: Every principal the broker knows besides its own super user: the services and the operator.
-PRINCIPALS: tuple[str, ...] = (*topology.NAMES, OPERATOR)
+
+
+def principals() -> tuple[str, ...]:
+    """Every principal the broker knows besides its own super user: the services and the operator."""
+    return (*topology.NAMES, OPERATOR)
+
 
 # Kafka's protocol codes (org.apache.kafka.common.resource / acl).
 _RESOURCE = {"topic": 2, "group": 3, "cluster": 4}
@@ -36,7 +40,7 @@ _ALLOW = 3
 
 @dataclass(frozen=True)
 class AclBinding:
-    """One allow rule: `principal` (a name of PRINCIPALS) may do `operation` on the resource."""
+    """One allow rule: `principal` (a name of principals()) may do `operation` on the resource."""
 
     principal: str
     resource: str  # topic, group or cluster
@@ -87,9 +91,10 @@ def operator_bindings(topics: Topics) -> list[AclBinding]:
     ]
 
 
-def acl_bindings(topics: Topics, services: Iterable[str] = topology.NAMES) -> dict[str, list[AclBinding]]:
-    """Principal -> its allow rules, for the run with topic names `topics`."""
-    table = {s: service_bindings(s, topics) for s in services}
+def acl_bindings(topics: Topics, services: Iterable[str] | None = None) -> dict[str, list[AclBinding]]:
+    """Principal -> its allow rules, for the run with topic names `topics` (every service's, or those of
+    `services`)."""
+    table = {s: service_bindings(s, topics) for s in (topology.NAMES if services is None else services)}
     table[OPERATOR] = operator_bindings(topics)
     return table
 
@@ -159,7 +164,6 @@ async def create_acls(kafka: Mapping[str, Any], bindings: Iterable[AclBinding]) 
 
 __all__ = [
     "OPERATOR",
-    "PRINCIPALS",
     "AclBinding",
     "AclsRefused",
     "acl_bindings",
@@ -167,5 +171,6 @@ __all__ = [
     "chart_table_json",
     "create_acls",
     "operator_bindings",
+    "principals",
     "service_bindings",
 ]

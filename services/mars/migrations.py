@@ -1,7 +1,7 @@
 """Every service's schema in one place, for `mars migrate` (a Helm hook Job before the services start).
 
-The statements are the services' own (the `MIGRATIONS` of each schema module `mars.topology` names,
-imported, never copied), applied the way each service applies them at start: `mars.db.migrate`, under the
+The statements are the services' own (each spec's migrations, its schema module's `MIGRATIONS`, gathered by
+`mars.topology`: imported, never copied), applied the way each service applies them at start: `mars.db.migrate`, under the
 same advisory lock, so a migrate Job and services starting beside it do not race. Everything is idempotent
 (IF NOT EXISTS), so a rerun is a no-op.
 """
@@ -18,7 +18,7 @@ from mars import db, db_roles, topology
 
 def service_migrations(service: str) -> Sequence[str]:
     """The DDL `service` applies at start (besides the shared ledger, which `db.migrate` adds)."""
-    return topology.service(service).migrations()
+    return topology.service(service).migrations
 
 
 #: What the schema holds: ("table", name), ("index", name), ("column", "table.column").
@@ -83,12 +83,13 @@ async def _tables(conn: AsyncConnection) -> set[str]:
 
 
 async def migrate_all(
-    dsn: str, services: Sequence[str] = topology.NAMES, wait_s: float = 30.0, roles: RoleSetup | None = None
+    dsn: str, services: Sequence[str] | None = None, wait_s: float = 30.0, roles: RoleSetup | None = None
 ) -> list[Migrated]:
     """Apply each service's schema (one transaction per service, under the migrations lock); what each
     added. Needs a live Postgres at `dsn` (waits up to `wait_s` for it to accept a connection). With
     `roles`, the login must be allowed to create roles: each service's schema is applied as its own role,
     which then owns it, and the shared tables' grants follow (mars.db_roles)."""
+    services = topology.NAMES if services is None else services
     unknown = [s for s in services if s not in topology.NAMES]
     if unknown:
         raise ValueError(f"unknown service(s) {', '.join(unknown)} (expected {', '.join(topology.NAMES)})")

@@ -25,6 +25,7 @@ from mars.bus.producer import EventProducer
 from mars.bus.topics import ensure_topics
 from mars.config import ServiceSettings
 from mars.kafka_options import kafka_client_options
+from mars.spec import ServiceSpec
 from mars.telemetry import setup_telemetry
 from mars.v1 import events_pb2 as ev
 
@@ -60,10 +61,14 @@ class ServiceParts:
 class ServiceContext:
     """What a service's `build` function gets to assemble its parts."""
 
-    name: str
+    spec: ServiceSpec
     settings: ServiceSettings
     producer: EventProducer
     pool: AsyncConnectionPool
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
 
 
 Builder = Callable[[ServiceContext], Awaitable[ServiceParts]]
@@ -170,21 +175,23 @@ def configure_logging(level: str, name: str) -> None:
     logging.getLogger("aiokafka").setLevel(logging.WARNING)
 
 
-async def serve(name: str, settings: ServiceSettings, build: Builder, migrations: Sequence[str] = ()) -> None:
+async def serve(spec: ServiceSpec, settings: ServiceSettings, build: Builder) -> None:
+    """Serve the service of `spec` with `settings` (an instance of spec.settings) until SIGTERM/SIGINT."""
+    name = spec.name
     configure_logging(settings.log_level, name)
     try:
         master = data_keys.master_keys(settings)
     except ValueError as exc:  # found at start, with the variable to fix
         raise SystemExit(f"{name}: {exc}") from exc
     telemetry = setup_telemetry(name, settings)
-    ctx = await _open_context(name, settings, migrations, master)
+    ctx = await _open_context(spec, settings, master)
     parts = await build(ctx)
-    if name in forget.acknowledgers():
+    if forget.acknowledges(name):
         # Every replica reads every control event (a broadcast reader): its service's rows of a forgotten
         # user are deleted and acknowledged, and the replica drops what it caches of them.
         forgetter = forget.owner_forgetter(name, ctx.pool, parts.on_forgotten)
-        parts.consumers.append(control_reader(settings, ctx.producer, name, forgetter))
-    grpc_parts = await _start_grpc(name, settings, parts)
+        parts.consumers.append(control_reader(settings, ctx.producer, spec, forgetter))
+    grpc_parts = await _start_grpc(spec, settings, parts)
     for consumer in parts.consumers:
         await consumer.start()
     await asyncio.gather(*(c.wait_assigned() for c in parts.consumers))
@@ -229,10 +236,10 @@ async def serve(name: str, settings: ServiceSettings, build: Builder, migrations
         raise SystemExit(1)
 
 
-async def _open_context(
-    name: str, settings: ServiceSettings, migrations: Sequence[str], master: Any
-) -> ServiceContext:
-    """Topics ensured, the producer started, Postgres migrated, and the data keyring when there is a key."""
+async def _open_context(spec: ServiceSpec, settings: ServiceSettings, master: Any) -> ServiceContext:
+    """Topics ensured, the producer started, Postgres migrated (the spec's migrations), and the data keyring
+    when there is a key."""
+    name = spec.name
     ensured = await ensure_topics(
         kafka_client_options(settings),
         settings.kafka_partitions,
@@ -244,7 +251,7 @@ async def _open_context(
     producer = EventProducer(settings, name)
     await producer.start()
     pool = await db.open_pool(settings.postgres_dsn)
-    await db.migrate(pool, name, migrations)
+    await db.migrate(pool, name, spec.migrations)
     if master is not None:
         producer.keyring = data_keys.Keyring(pool, master, settings.data_key_cache_s)
     else:
@@ -253,7 +260,7 @@ async def _open_context(
             "a user cannot make their past events unreadable",
             name,
         )
-    return ServiceContext(name=name, settings=settings, producer=producer, pool=pool)
+    return ServiceContext(spec=spec, settings=settings, producer=producer, pool=pool)
 
 
 @dataclass
@@ -272,9 +279,9 @@ class _Serving:
             await self.health_server.stop(None)
 
 
-async def _start_grpc(name: str, settings: ServiceSettings, parts: ServiceParts) -> _Serving:
+async def _start_grpc(spec: ServiceSpec, settings: ServiceSettings, parts: ServiceParts) -> _Serving:
     """The gRPC server (and the health-only one), started NOT_SERVING until the consumers are assigned."""
-    server, health_servicer = grpc_server(name, settings, parts.bindings)
+    server, health_servicer = grpc_server(spec, settings, parts.bindings)
     names = [b.full_name for b in parts.bindings]
     port = tls.add_port(server, f"{settings.grpc_host}:{settings.grpc_port}", settings)
     await server.start()
@@ -317,10 +324,11 @@ STOP_GRACE_S = 12.0
 
 
 def grpc_server(
-    name: str, settings: ServiceSettings, bindings: Sequence[GrpcBinding]
+    spec: ServiceSpec, settings: ServiceSettings, bindings: Sequence[GrpcBinding]
 ) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
-    """The service's gRPC server with health, its bindings, the identity check on internal RPCs, and
-    reflection where the API is public (the ingress) or a setting asks for it."""
+    """The service's gRPC server with health, its bindings, the identity check on internal RPCs (the
+    spec's permissions), and reflection where the API is public (the ingress) or a setting asks for it."""
+    name = spec.name
     verifier = None
     if settings.identity_ca_file:
         try:
@@ -328,7 +336,7 @@ def grpc_server(
         except identity.IdentityConfigError as exc:
             raise SystemExit(f"{name}: {exc}") from exc
     names = [b.full_name for b in bindings]
-    internal = [n for n in names if n in topology.INTERNAL_SERVICES]
+    internal = [n for n in names if spec.internal and n == spec.grpc_service]
     if internal and not settings.identity_required:
         log.warning("%s: MARS_IDENTITY_REQUIRED=false: any caller that reaches the port may call it", name)
     elif internal and verifier is None:
@@ -342,7 +350,10 @@ def grpc_server(
             ("grpc.max_connection_age_grace_ms", int(STOP_GRACE_S * 1000)),
         ]
     server = grpc.aio.server(
-        interceptors=[identity.IdentityInterceptor(verifier, settings.identity_required)], options=options
+        interceptors=[
+            identity.IdentityInterceptor(verifier, spec.method_permissions, settings.identity_required)
+        ],
+        options=options,
     )
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -382,14 +393,23 @@ async def _poll_health(
         await asyncio.sleep(every_s)
 
 
-def run(name: str, settings: ServiceSettings, build: Builder, migrations: Sequence[str] = ()) -> None:
-    try:  # a misspelt MARS_* name stops the service here, naming the one it meant, not as a silent default
-        type(settings).check_environment(elsewhere=topology.deployable_env_names())
+def service_settings(spec: ServiceSpec) -> ServiceSettings:
+    """The service's settings from its environment (spec.settings): a misspelt MARS_* name stops it here,
+    naming the one it meant, not as a silent default. The names every other deployable reads may be there
+    too (one env file for the stack): those come from every spec (mars.topology)."""
+    try:
+        spec.settings.check_environment(elsewhere=topology.deployable_env_names())
     except ValueError as exc:
-        raise SystemExit(f"{name}: {exc}") from None
+        raise SystemExit(f"{spec.name}: {exc}") from None
+    return spec.settings()
+
+
+def run(spec: ServiceSpec, build: Builder) -> None:
+    """The one entry of every service process: its settings, checked, then `serve` until stopped."""
+    settings = service_settings(spec)
     if settings.uvloop:
         import uvloop
 
-        uvloop.run(serve(name, settings, build, migrations))
+        uvloop.run(serve(spec, settings, build))
     else:
-        asyncio.run(serve(name, settings, build, migrations))
+        asyncio.run(serve(spec, settings, build))

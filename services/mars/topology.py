@@ -1,223 +1,105 @@
-"""The deployment's topology in one declarative place: every service with its settings model, its schema,
-its Kafka consumer groups (topics it reads), its gRPC service and the callers that may use each method.
+"""The deployment's topology: every deployable's spec (mars.spec), gathered for what needs them all.
+
+Each deployable package defines its own spec (`mars_<name>.spec.SPEC`: settings class, migrations, groups,
+topics, permissions) and declares it in the `mars.deployables` entry points (pyproject.toml); this registry
+loads them, through importlib.metadata, the first time one is asked for. So the library imports no service
+(.importlinter's layers hold), and the one list of deployables is the package's own metadata: an install
+that lacks it (an editable install from before the table, a tree on PYTHONPATH alone) fails loudly here,
+naming the fix.
 
 The local launcher (mars_stack), `mars migrate`, the replay presets, the chaos harness, `mars deploy status`,
-the chart tests (KEDA triggers) and the identity interceptor all read this table; each StageConsumer checks
-its subscriptions against its group here. Services are named by module path and imported by that string only
-when their settings class or migrations are asked for (`ServiceSpec.settings_class`, `.migrations`): not at
-import time, so the core imports nothing above it, but those calls do reach up into the services at run
-time, where `.importlinter` cannot see it. Group and topic names are before the run's topic prefix.
+Kafka ACLs, Postgres roles and the chart tests (KEDA triggers) read every spec here; a running service reads
+only its own (mars.runtime.run). Group and topic names are before the run's topic prefix.
+
+The module's tables (SERVICES, NAMES, GATEWAY, STAGE_GROUPS, PERMISSIONS, INTERNAL_SERVICES) are attributes
+computed on first use (the module's __getattr__), so importing it loads nothing.
 """
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+import functools
+import importlib.metadata
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
 
-from mars.config import (
-    DISPATCH_STAGE,
-    INGRESS_STAGE,
-    JUDGE_STAGE,
-    MEMORY_COMMIT_STAGE,
-    MEMORY_VIEW_STAGE,
-    ROUTER_STAGE,
-    STATE_STAGE,
-    TOPIC_CONTROL,
-    TOPIC_DEAD_LETTER,
-    TOPIC_FEEDBACK,
-    TOPIC_GENERATED,
-    TOPIC_JUDGED,
-    TOPIC_MEMORY_COMMITTED,
-    TOPIC_RECEIVED,
-    TOPIC_ROUTED,
-    TOPIC_STATE,
-    TOPIC_TOKENS,
-    TOPIC_VIEW,
-    CallerSettings,
-    ServiceSettings,
-    env_name,
-)
+from mars.config import CallerSettings, env_name
+from mars.spec import ConsumerGroup, GatewaySpec, ServiceSpec
+
+#: The entry-point group each deployable's spec is declared in ([project.entry-points."mars.deployables"]).
+ENTRY_POINTS = "mars.deployables"
+#: The order the local stack starts the services in (the pipeline's, the ingress last: it serves once the
+#: stages behind it are up). A service not listed comes after these, by name.
+START_ORDER = ("state", "memory", "router", "dispatch", "judge", "ingress")
+
+
+class TopologyError(RuntimeError):
+    """The deployables' specs cannot be found or do not fit together."""
 
 
 @dataclass(frozen=True)
-class ConsumerGroup:
-    name: str
-    service: str
-    topics: tuple[str, ...]
+class Deployables:
+    """Every spec the entry points declare: the stage services in start order, and the gateway."""
+
+    services: tuple[ServiceSpec, ...]
+    gateway: GatewaySpec
 
 
-STATE = ConsumerGroup("mars-state", "state", (TOPIC_RECEIVED,))
-#: Views read the state topic (whose events carry the turn's embedding when the controller made one).
-MEMORY_VIEW = ConsumerGroup("mars-memory-view", "memory", (TOPIC_STATE,))
-MEMORY_WRITER = ConsumerGroup("mars-memory-writer", "memory", (TOPIC_GENERATED,))
-ROUTER = ConsumerGroup("mars-router", "router", (TOPIC_VIEW,))
-ROUTER_UPDATES = ConsumerGroup("mars-router-updates", "router", (TOPIC_JUDGED,))
-DISPATCH = ConsumerGroup("mars-dispatch", "dispatch", (TOPIC_ROUTED,))
-JUDGE = ConsumerGroup("mars-judge", "judge", (TOPIC_GENERATED, TOPIC_FEEDBACK))
-#: Outcomes of turns (answered, failed), from memory's commits which imported pairs are stored, and from
-#: the judge's verdicts what each turn cost (the tenant's daily spend, without reading the judge's table).
-INGRESS_OUTCOMES = ConsumerGroup(
-    "mars-ingress-outcomes",
-    "ingress",
-    (TOPIC_GENERATED, TOPIC_DEAD_LETTER, TOPIC_MEMORY_COMMITTED, TOPIC_JUDGED),
-)
-
-#: Every stage group, in pipeline order. (Each ingress replica's reply reader is a broadcast reader with no
-#: group and no lag to scale on.)
-STAGE_GROUPS: tuple[ConsumerGroup, ...] = (
-    STATE,
-    MEMORY_VIEW,
-    ROUTER,
-    DISPATCH,
-    MEMORY_WRITER,
-    JUDGE,
-    ROUTER_UPDATES,
-    INGRESS_OUTCOMES,
-)
+def _load_entry_points() -> list[tuple[str, Any]]:
+    entry_points = importlib.metadata.entry_points(group=ENTRY_POINTS)
+    if not entry_points:
+        raise TopologyError(
+            f"no deployables: no installed distribution declares the {ENTRY_POINTS!r} entry points "
+            "(pyproject.toml's [project.entry-points.\"mars.deployables\"]); reinstall the project "
+            "(`make install`, or `pip install -e .`) so its metadata has them"
+        )
+    return [(ep.name, ep.load()) for ep in entry_points]
 
 
-def _allow(*callers: str) -> frozenset[str]:
-    return frozenset(callers)
+@functools.cache
+def deployables() -> Deployables:
+    """The specs, loaded once from the `mars.deployables` entry points."""
+    found: dict[str, ServiceSpec | GatewaySpec] = {}
+    for name, spec in _load_entry_points():
+        if not isinstance(spec, ServiceSpec | GatewaySpec) or spec.name != name:
+            raise TopologyError(f"entry point {ENTRY_POINTS}:{name} is {spec!r}, not the spec of {name!r}")
+        # The same spec declared twice (two installs of the project on the path) is one deployable.
+        if found.setdefault(name, spec) is not spec:
+            raise TopologyError(f"two different specs are declared for the deployable {name!r}")
+    services = {n: s for n, s in found.items() if isinstance(s, ServiceSpec)}
+    gateways = [s for s in found.values() if isinstance(s, GatewaySpec)]
+    if len(gateways) != 1:
+        raise TopologyError(f"expected one gateway among the {ENTRY_POINTS!r} entry points, got {len(gateways)}")
+    groups = [g.name for s in services.values() for g in s.groups]
+    if len(groups) != len(set(groups)):
+        raise TopologyError(f"a consumer group is declared twice: {sorted(groups)}")
+
+    def rank(name: str) -> tuple[int, str]:
+        return (START_ORDER.index(name) if name in START_ORDER else len(START_ORDER), name)
+
+    return Deployables(tuple(services[n] for n in sorted(services, key=rank)), gateways[0])
 
 
-@dataclass(frozen=True)
-class ServiceSpec:
-    """One service of the deployment."""
-
-    name: str
-    #: "module:Class" of its settings model (MARS_* variables).
-    settings: str
-    #: Module whose MIGRATIONS are the tables the service owns (None: only the shared stage ledger).
-    schema: str | None
-    #: Full name of the gRPC service it serves (readiness asks for it by name).
-    grpc_service: str
-    groups: tuple[ConsumerGroup, ...]
-    #: Method name -> the caller identities allowed (mars.identity). Empty for the ingress, whose callers
-    #: are tenants with API keys (mars.auth), not services.
-    permissions: Mapping[str, frozenset[str]] = field(default_factory=dict)
-    #: Topics it publishes to (the dead-letter topic besides, which every stage writes): its Kafka
-    #: principal may write these and no others (mars.kafka_acls).
-    produces: tuple[str, ...] = ()
-    #: Topics each of its replicas reads outside any group (broadcast readers: replies, control events).
-    broadcast_reads: tuple[str, ...] = ()
-    #: Its names in the `stage_emitted` ledger (mars.config *_STAGE): its Postgres role sees only these rows.
-    stages: tuple[str, ...] = ()
-
-    @property
-    def reads(self) -> tuple[str, ...]:
-        """Every topic the service reads, in its groups or broadcast."""
-        topics = [t for g in self.groups for t in g.topics] + list(self.broadcast_reads)
-        return tuple(dict.fromkeys(topics))
-
-    @property
-    def writes(self) -> tuple[str, ...]:
-        return tuple(dict.fromkeys((*self.produces, TOPIC_DEAD_LETTER)))
-
-    def settings_class(self) -> type[ServiceSettings]:
-        cls = _load(self.settings)
-        assert issubclass(cls, ServiceSettings)
-        return cls
-
-    def migrations(self) -> Sequence[str]:
-        """The DDL the service applies at start (besides the shared ledger, which `db.migrate` adds)."""
-        if self.schema is None:
-            return ()
-        return tuple(importlib.import_module(self.schema).MIGRATIONS)
+def service(name: str) -> ServiceSpec:
+    by_name = {s.name: s for s in deployables().services}
+    try:
+        return by_name[name]
+    except KeyError:
+        raise ValueError(f"unknown service {name!r}; known: {', '.join(by_name)}") from None
 
 
-#: Every service, in the order the local stack starts them.
-SERVICES: tuple[ServiceSpec, ...] = (
-    ServiceSpec(
-        "state",
-        "mars_state.settings:StateSettings",
-        "mars_state.schema",
-        "mars.v1.StateEstimator",
-        (STATE,),
-        # ImportContext: the ingress hands over the context a history import leaves (state owns the table).
-        {"Estimate": _allow("operator"), "ImportContext": _allow("ingress")},
-        produces=(TOPIC_STATE,),
-        broadcast_reads=(TOPIC_CONTROL,),
-        stages=(STATE_STAGE,),
-    ),
-    ServiceSpec(
-        "memory",
-        "mars_memory.settings:MemorySettings",
-        "mars_memory.schema",
-        "mars.v1.Memory",
-        (MEMORY_VIEW, MEMORY_WRITER),
-        {"BuildView": _allow("operator"), "DescribeIndex": _allow("operator", "chaos")},
-        produces=(TOPIC_VIEW, TOPIC_MEMORY_COMMITTED),
-        broadcast_reads=(TOPIC_CONTROL,),
-        stages=(MEMORY_VIEW_STAGE, MEMORY_COMMIT_STAGE),
-    ),
-    ServiceSpec(
-        "router",
-        "mars_router.settings:RouterSettings",
-        "mars_router.schema",
-        "mars.v1.Router",
-        (ROUTER, ROUTER_UPDATES),
-        {
-            "Route": _allow("operator"),
-            "GetPolicy": _allow("operator", "replay", "deploy"),
-            "ResetPolicy": _allow("operator"),
-        },
-        produces=(TOPIC_ROUTED,),
-        # Control: a forgotten user's rows (each owner deletes its own, mars.forget).
-        broadcast_reads=(TOPIC_CONTROL,),
-        stages=(ROUTER_STAGE,),
-    ),
-    ServiceSpec(
-        "dispatch",
-        "mars_dispatch.settings:DispatchSettings",
-        None,
-        "mars.v1.Dispatch",
-        (DISPATCH,),
-        {"Generate": _allow("operator"), "ListModels": _allow("operator", "deploy")},
-        produces=(TOPIC_GENERATED, TOPIC_TOKENS),
-        broadcast_reads=(TOPIC_CONTROL,),
-        stages=(DISPATCH_STAGE,),
-    ),
-    ServiceSpec(
-        "judge",
-        "mars_judge.settings:JudgeSettings",
-        "mars_judge.schema",
-        "mars.v1.Judge",
-        (JUDGE,),
-        {"Score": _allow("operator")},
-        produces=(TOPIC_JUDGED,),
-        broadcast_reads=(TOPIC_CONTROL,),
-        stages=(JUDGE_STAGE,),
-    ),
-    ServiceSpec(
-        "ingress",
-        "mars_ingress.settings:IngressSettings",
-        "mars_ingress.schema",
-        "mars.v1.Ingress",
-        (INGRESS_OUTCOMES,),
-        # Generated: the answers of an imported history (they go to memory as answered turns do).
-        produces=(TOPIC_RECEIVED, TOPIC_FEEDBACK, TOPIC_GENERATED, TOPIC_CONTROL),
-        # Each replica reads every reply, streamed token, dead letter and forget (the calls wait there).
-        broadcast_reads=(TOPIC_GENERATED, TOPIC_TOKENS, TOPIC_DEAD_LETTER, TOPIC_CONTROL),
-        stages=(INGRESS_STAGE,),
-    ),
-)
-NAMES: tuple[str, ...] = tuple(s.name for s in SERVICES)
-#: The HTTP gateway's settings model: a deployable too, a caller of the ingress with no stage of its own.
-GATEWAY_SETTINGS = "mars_gateway.settings:GatewaySettings"
-_BY_NAME = {s.name: s for s in SERVICES}
-_GROUPS = {g.name: g for s in SERVICES for g in s.groups}
-
-
-def _load(path: str) -> type[CallerSettings]:
-    module, _, name = path.partition(":")
-    cls: type[CallerSettings] = getattr(importlib.import_module(module), name)
-    return cls
+def group(name: str) -> ConsumerGroup:
+    groups = {g.name: g for s in deployables().services for g in s.groups}
+    try:
+        return groups[name]
+    except KeyError:
+        raise ValueError(f"unknown consumer group {name!r}; known: {', '.join(groups)}") from None
 
 
 def deployable_settings() -> dict[str, type[CallerSettings]]:
     """Every deployable's settings model by name: the services' and the gateway's."""
-    return {**{s.name: s.settings_class() for s in SERVICES}, "gateway": _load(GATEWAY_SETTINGS)}
+    found = deployables()
+    return {**{s.name: s.settings for s in found.services}, found.gateway.name: found.gateway.settings}
 
 
 def deployable_env_names() -> frozenset[str]:
@@ -236,23 +118,43 @@ def field_env(field_name: str, value: str) -> dict[str, str]:
     }
 
 
-def service(name: str) -> ServiceSpec:
-    try:
-        return _BY_NAME[name]
-    except KeyError:
-        raise ValueError(f"unknown service {name!r}; known: {', '.join(NAMES)}") from None
+def _tables() -> dict[str, Any]:
+    services = deployables().services
+    return {
+        #: Every service, in the order the local stack starts them.
+        "SERVICES": services,
+        "NAMES": tuple(s.name for s in services),
+        #: The HTTP gateway: a deployable too, a caller of the ingress with no stage of its own.
+        "GATEWAY": deployables().gateway,
+        #: Every stage group, by service in start order. (Each ingress replica's reply reader is a broadcast
+        #: reader with no group and no lag to scale on.)
+        "STAGE_GROUPS": tuple(g for s in services for g in s.groups),
+        #: Who may call what, by full gRPC method name; a method missing here is refused to everyone.
+        "PERMISSIONS": _permissions(services),
+        #: The stage services: every RPC on them needs a caller identity (health and reflection aside).
+        "INTERNAL_SERVICES": frozenset(s.grpc_service for s in services if s.internal),
+    }
 
 
-def group(name: str) -> ConsumerGroup:
-    try:
-        return _GROUPS[name]
-    except KeyError:
-        raise ValueError(f"unknown consumer group {name!r}; known: {', '.join(_GROUPS)}") from None
+def _permissions(services: tuple[ServiceSpec, ...]) -> Mapping[str, frozenset[str]]:
+    return {method: callers for s in services for method, callers in s.method_permissions.items()}
 
 
-#: Who may call what, by full gRPC method name; a method missing here is refused to everyone.
-PERMISSIONS: Mapping[str, frozenset[str]] = {
-    f"/{s.grpc_service}/{method}": callers for s in SERVICES for method, callers in s.permissions.items()
-}
-#: The stage services: every RPC on them needs a caller identity (health and reflection aside).
-INTERNAL_SERVICES = frozenset(s.grpc_service for s in SERVICES if s.permissions)
+SERVICES: tuple[ServiceSpec, ...]
+NAMES: tuple[str, ...]
+GATEWAY: GatewaySpec
+STAGE_GROUPS: tuple[ConsumerGroup, ...]
+PERMISSIONS: Mapping[str, frozenset[str]]
+INTERNAL_SERVICES: frozenset[str]
+
+
+def __getattr__(name: str) -> Any:
+    tables = _cached_tables()
+    if name in tables:
+        return tables[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+@functools.cache
+def _cached_tables() -> dict[str, Any]:
+    return _tables()

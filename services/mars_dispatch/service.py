@@ -8,7 +8,7 @@ import functools
 import time
 
 import grpc
-from mars import deadline, topology
+from mars import deadline
 from mars.bus.codec import PoisonEvent
 from mars.bus.consumer import StageConsumer
 from mars.bus.delivery import Subscription
@@ -27,6 +27,7 @@ from psycopg_pool import AsyncConnectionPool
 from mars_dispatch.clients import ModelClients
 from mars_dispatch.dispatcher import Dispatcher
 from mars_dispatch.settings import DispatchSettings
+from mars_dispatch.spec import GENERATES, SPEC
 
 STAGE = DISPATCH_STAGE
 #: Largest max_tokens a turn may ask for (ingress's limit on the option too).
@@ -62,14 +63,14 @@ class DispatchStage:
                 f"routed event names no arm of this pool (chosen {event.chosen_arm[:100]!r}, "
                 f"{len(event.fallback_order)} fallback(s)); the pool has {', '.join(self._pool_arms)}"
             )
-        if deadline.passed(turn, "dispatch"):
+        if deadline.passed(turn, SPEC.name):
             # No packing and no model call: the turn fails here and nothing is rewarded (mars.deadline).
             expired = ev.Generated(
                 turn=turn,
                 status=ev.FAILED,
                 query=event.text,
                 state=event.state,
-                error=deadline.note("dispatch"),
+                error=deadline.note(SPEC.name),
             )
             expired.controller_cost_usd = event.state.usage.cost_usd
             await self._out.emit(expired, turn)
@@ -158,8 +159,8 @@ async def build(ctx: ServiceContext) -> ServiceParts:
     consumer = StageConsumer(
         settings,
         ctx.producer,
-        "dispatch",
-        topology.DISPATCH.name,
+        SPEC,
+        GENERATES,
         [Subscription(TOPIC_ROUTED, ev.Routed, stage.on_routed)],
     )
     return ServiceParts(
@@ -167,18 +168,18 @@ async def build(ctx: ServiceContext) -> ServiceParts:
             GrpcBinding(
                 svc_grpc.add_DispatchServicer_to_server,
                 DispatchServicer(dispatcher, pool_cfg, settings),
-                "mars.v1.Dispatch",
+                SPEC.grpc_service,
             )
         ],
         consumers=[consumer],
         on_stop=[clients.close],
         # One health entry per arm: NOT_SERVING while its circuit is open.
         health_probes={
-            f"mars.v1.Dispatch.arm.{name}": functools.partial(_circuit_closed, breaker)
+            f"{SPEC.grpc_service}.arm.{name}": functools.partial(_circuit_closed, breaker)
             for name, breaker in dispatcher.breakers.items()
         },
     )
 
 
 def main() -> None:
-    run("dispatch", DispatchSettings(), build)
+    run(SPEC, build)

@@ -12,17 +12,19 @@ from mars.runtime import configure_logging
 
 from mars_gateway.app import create_app
 from mars_gateway.settings import GatewaySettings
+from mars_gateway.spec import SPEC
 
 log = logging.getLogger("mars_gateway")
 
 
 def main() -> None:
     try:  # a misspelt MARS_* name stops the gateway here, naming the one it meant
-        GatewaySettings.check_environment(elsewhere=topology.deployable_env_names())
+        SPEC.settings.check_environment(elsewhere=topology.deployable_env_names())
     except ValueError as exc:
-        raise SystemExit(f"gateway: {exc}") from None
-    settings = GatewaySettings()
-    configure_logging(settings.log_level, "gateway")
+        raise SystemExit(f"{SPEC.name}: {exc}") from None
+    settings = SPEC.settings()
+    assert isinstance(settings, GatewaySettings)
+    configure_logging(settings.log_level, SPEC.name)
     try:
         arms = load_pool(settings.model_pool).arms
     except PoolFileError as exc:
@@ -35,7 +37,7 @@ def main() -> None:
         from opentelemetry.sdk.resources import Resource
 
         _, reader = prometheus_endpoint(settings.metrics_port, settings.http_host)
-        resource = Resource.create({"service.name": "mars-gateway"})
+        resource = Resource.create({"service.name": f"mars-{SPEC.name}"})
         metrics.bind(MeterProvider(resource=resource, metric_readers=[reader]))
     app = create_app(settings, arms)
     log.info(

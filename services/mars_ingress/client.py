@@ -25,6 +25,8 @@ import grpc
 import grpc.aio
 from mars import tls
 
+from mars_ingress.spec import SPEC
+
 Options = Sequence[tuple[str, Any]]
 
 SHED_RETRY_ATTEMPTS = 5  # the most gRPC allows
@@ -32,7 +34,7 @@ RETRY_SERVICE_CONFIG = json.dumps(
     {
         "methodConfig": [
             {
-                "name": [{"service": "mars.v1.Ingress", "method": "SendTurn"}],
+                "name": [{"service": SPEC.grpc_service, "method": "SendTurn"}],
                 "retryPolicy": {
                     "maxAttempts": SHED_RETRY_ATTEMPTS,
                     # Used only when a refusal names no pushback (the ingress's always do).

@@ -18,6 +18,7 @@ from mars.v1 import events_pb2 as ev
 from mars.v1 import services_pb2 as svc
 
 from mars_ingress.settings import IngressSettings
+from mars_ingress.spec import NAME
 
 if TYPE_CHECKING:  # the CLI (mars_tools.forget_cli) imports this module and loads the broker client late
     from mars.bus.producer import EventProducer
@@ -73,7 +74,7 @@ class UserForgetting:
         """Forget the user; the reply counts the rows deleted by table and names the owners that did not
         acknowledge in time (their rows go when they read the event). `key_id` is the caller's, for the log."""
         async with self._pool.connection() as conn:
-            own, turns = await forget.forget_own_async(conn, "ingress", tenant, user_id)
+            own, turns = await forget.forget_own_async(conn, NAME, tenant, user_id)
         event = control_event(tenant, user_id, turn_ids=turns)
         self._producer.forget_user(tenant, user_id)
         await self._producer.send_raw(TOPIC_CONTROL, event.SerializeToString(), event_key(tenant, user_id))

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import grpc
-from mars.config import TOPIC_RECEIVED, TOPIC_ROUTED, TOPIC_STATE, TOPIC_VIEW
+from mars import topology
 from mars.v1 import events_pb2 as ev
 
 from mars_ingress.admission import TurnFailed
@@ -18,13 +18,14 @@ from mars_ingress.settings import IngressSettings
 
 log = logging.getLogger(__name__)
 
-#: The stage that consumes each answer-path topic, for the caller's message when a turn is dead-lettered.
-STAGE_OF_TOPIC = {
-    TOPIC_RECEIVED: "state",
-    TOPIC_STATE: "memory",
-    TOPIC_VIEW: "router",
-    TOPIC_ROUTED: "dispatch",
-}
+
+def failed_stage(consumer: str, prefix: str) -> str:
+    """The service whose consumer group (as on the broker, behind the run's topic prefix) dead-lettered a
+    turn, from the specs (mars.topology), for the caller's message; "pipeline" for a reader of no group."""
+    try:
+        return topology.group(consumer.removeprefix(prefix)).service
+    except ValueError:
+        return "pipeline"
 
 
 class PendingReplies:
@@ -67,7 +68,7 @@ class PendingReplies:
         if fut is not None and not fut.done():
             # The caller gets the stage and a reference; the reason (exception text, database error) is
             # for the log and the turn's record only.
-            stage = STAGE_OF_TOPIC.get(self._settings.topics.base(letter.source_topic) or "", "pipeline")
+            stage = failed_stage(letter.consumer, self._settings.topics.prefix)
             detail = f"turn failed in {letter.consumer}: {letter.reason}"
             log.error("turn %s dead-lettered: %s", letter.turn_id, detail)
             fut.set_exception(

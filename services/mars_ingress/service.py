@@ -9,7 +9,6 @@ import logging
 from collections.abc import AsyncIterator
 
 import grpc
-from mars import topology
 from mars.bus.consumer import StageConsumer
 from mars.bus.delivery import Subscription
 from mars.bus.producer import EventProducer
@@ -32,8 +31,8 @@ from mars_ingress.feedback import FeedbackFlow
 from mars_ingress.forget_user import UserForgetting
 from mars_ingress.history_import import HistoryImport
 from mars_ingress.replies import PendingReplies
-from mars_ingress.schema import MIGRATIONS
 from mars_ingress.settings import IngressSettings
+from mars_ingress.spec import OUTCOMES, SPEC
 from mars_ingress.state_context import StateContextClient
 from mars_ingress.turn_flow import TurnFlow
 from mars_ingress.turns import TurnStore
@@ -163,8 +162,8 @@ async def build(ctx: ServiceContext) -> ServiceParts:
     replies = StageConsumer(
         settings,
         ctx.producer,
-        "ingress",
-        "ingress-replies",
+        SPEC,
+        f"{SPEC.name}-replies",
         [
             Subscription(TOPIC_GENERATED, ev.Generated, servicer.replies.on_generated),
             Subscription(TOPIC_TOKENS, ev.TokenChunk, servicer.replies.on_token),
@@ -173,15 +172,14 @@ async def build(ctx: ServiceContext) -> ServiceParts:
             ),
             Subscription(TOPIC_CONTROL, ev.UserForgotten, servicer.on_forgotten, requires_envelope=False),
         ],
-        broadcast=True,
     )
     # ... and one replica of the group records each outcome, so a turn whose replica died still ends
     # ANSWERED or FAILED in ingress_turns.
     outcomes = StageConsumer(
         settings,
         ctx.producer,
-        "ingress",
-        topology.INGRESS_OUTCOMES.name,
+        SPEC,
+        OUTCOMES,
         [
             Subscription(TOPIC_GENERATED, ev.Generated, servicer.turns.record_generated),
             Subscription(
@@ -192,7 +190,7 @@ async def build(ctx: ServiceContext) -> ServiceParts:
         ],
     )
     return ServiceParts(
-        bindings=[GrpcBinding(svc_grpc.add_IngressServicer_to_server, servicer, "mars.v1.Ingress")],
+        bindings=[GrpcBinding(svc_grpc.add_IngressServicer_to_server, servicer, SPEC.grpc_service)],
         consumers=[replies, outcomes],
         background=[servicer.turns.sweep_orphans],
         on_stop=[servicer.state.aclose],
@@ -200,4 +198,4 @@ async def build(ctx: ServiceContext) -> ServiceParts:
 
 
 def main() -> None:
-    run("ingress", IngressSettings(), build, MIGRATIONS)
+    run(SPEC, build)

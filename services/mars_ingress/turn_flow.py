@@ -27,6 +27,7 @@ from mars_ingress.capacity import Capacity
 from mars_ingress.history_import import HistoryImport
 from mars_ingress.replies import PendingReplies
 from mars_ingress.settings import IngressSettings
+from mars_ingress.spec import NAME
 from mars_ingress.turns import TurnStore
 
 log = logging.getLogger(__name__)
@@ -185,7 +186,7 @@ class TurnFlow:
                 deadline_ms=now_ms + int(wait_s * 1000),
             )
             span.set_attribute("mars.turn_id", envelope.turn_id)
-            span.set_attribute("mars.service", "ingress")
+            span.set_attribute("mars.service", NAME)
             if req.history:
                 with step("ingress history"):
                     imported = await self._imports.import_unheld(req)

@@ -8,7 +8,7 @@ import math
 import os
 
 import grpc
-from mars import metrics, topology
+from mars import metrics
 from mars.bus.codec import PoisonEvent
 from mars.bus.consumer import StageConsumer
 from mars.bus.delivery import Subscription
@@ -24,8 +24,8 @@ from mars.v1 import services_pb2_grpc as svc_grpc
 from psycopg_pool import AsyncConnectionPool
 
 from mars_judge.rubric.judge import RubricJudge
-from mars_judge.schema import MIGRATIONS
 from mars_judge.settings import JudgeSettings
+from mars_judge.spec import SCORES, SPEC
 
 log = logging.getLogger(__name__)
 
@@ -224,8 +224,8 @@ async def build(ctx: ServiceContext) -> ServiceParts:
     consumer = StageConsumer(
         settings,
         ctx.producer,
-        "judge",
-        topology.JUDGE.name,
+        SPEC,
+        SCORES,
         [
             Subscription(TOPIC_GENERATED, ev.Generated, stage.on_generated),
             Subscription(TOPIC_FEEDBACK, ev.Feedback, stage.on_feedback),
@@ -233,14 +233,14 @@ async def build(ctx: ServiceContext) -> ServiceParts:
     )
     return ServiceParts(
         bindings=[
-            GrpcBinding(svc_grpc.add_JudgeServicer_to_server, JudgeServicer(settings, judge), "mars.v1.Judge")
+            GrpcBinding(svc_grpc.add_JudgeServicer_to_server, JudgeServicer(settings, judge), SPEC.grpc_service)
         ],
         consumers=[consumer],
         # NOT_SERVING while the rubric judge keeps failing (turns are then judged deterministically).
-        health_probes={"mars.v1.Judge.rubric": lambda: judge.healthy},
+        health_probes={f"{SPEC.grpc_service}.rubric": lambda: judge.healthy},
         on_stop=[judge.aclose],
     )
 
 
 def main() -> None:
-    run("judge", JudgeSettings(), build, MIGRATIONS)
+    run(SPEC, build)

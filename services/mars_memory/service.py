@@ -10,7 +10,7 @@ import logging
 import time
 
 import grpc
-from mars import deadline, topology
+from mars import deadline
 from mars.bus.consumer import StageConsumer
 from mars.bus.delivery import Subscription
 from mars.bus.output import StageOutput
@@ -31,8 +31,8 @@ from mars.v1 import services_pb2 as svc
 from mars.v1 import services_pb2_grpc as svc_grpc
 from psycopg_pool import AsyncConnectionPool
 
-from mars_memory.schema import MIGRATIONS
 from mars_memory.settings import MemorySettings
+from mars_memory.spec import SPEC, VIEWS, WRITER
 from mars_memory.store import MemoryStore
 
 log = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ class MemoryStage:
         started = time.perf_counter()
         if await self._views.done(turn.turn_id):
             return
-        if deadline.passed(turn, "memory"):
+        if deadline.passed(turn, SPEC.name):
             # No retrieval and no read-your-writes wait: an empty view (mars.deadline).
             expired = ev.ViewBuilt(
                 turn=turn,
@@ -145,16 +145,16 @@ async def build(ctx: ServiceContext) -> ServiceParts:
     views = StageConsumer(
         settings,
         ctx.producer,
-        "memory",
-        topology.MEMORY_VIEW.name,
+        SPEC,
+        VIEWS,
         # The query's vector comes with the state event when the controller embedded the turn.
         [Subscription(TOPIC_STATE, ev.StateEstimated, stage.on_state)],
     )
     writer = StageConsumer(
         settings,
         ctx.producer,
-        "memory",
-        topology.MEMORY_WRITER.name,
+        SPEC,
+        WRITER,
         [Subscription(TOPIC_GENERATED, ev.Generated, stage.on_generated)],
     )
     consumers = [c for role, c in (("views", views), ("writer", writer)) if role in settings.roles]
@@ -163,12 +163,12 @@ async def build(ctx: ServiceContext) -> ServiceParts:
         # user's index on the control event (mars.runtime reads it on every replica).
         on_forgotten=stage.on_forgotten,
         bindings=[
-            GrpcBinding(svc_grpc.add_MemoryServicer_to_server, MemoryServicer(store), "mars.v1.Memory")
+            GrpcBinding(svc_grpc.add_MemoryServicer_to_server, MemoryServicer(store), SPEC.grpc_service)
         ],
         consumers=consumers,
-        health={"mars.v1.Memory.dense": store.dense_available},
+        health={f"{SPEC.grpc_service}.dense": store.dense_available},
     )
 
 
 def main() -> None:
-    run("memory", MemorySettings(), build, MIGRATIONS)
+    run(SPEC, build)

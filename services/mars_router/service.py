@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 
 import grpc
-from mars import deadline, topology
+from mars import deadline
 from mars.bus.consumer import StageConsumer
 from mars.bus.delivery import Subscription
 from mars.bus.output import StageOutput
@@ -28,8 +28,8 @@ from mars.v1 import services_pb2_grpc as svc_grpc
 from psycopg_pool import AsyncConnectionPool
 
 from mars_router.policy_tables import PolicyCorrupt, policy_id_for
-from mars_router.schema import MIGRATIONS
 from mars_router.settings import RouterSettings
+from mars_router.spec import ROUTES, SPEC, UPDATES
 from mars_router.store import PolicyStore
 
 log = logging.getLogger(__name__)
@@ -55,7 +55,7 @@ class RouterStage:
         turn = event.turn
         if await self._out.done(turn.turn_id):
             return
-        if deadline.passed(turn, "router"):
+        if deadline.passed(turn, SPEC.name):
             # No decision recorded and none to learn from (dispatch fails the turn): the first arm stands in.
             expired = ev.Routed(
                 turn=turn,
@@ -189,21 +189,21 @@ async def build(ctx: ServiceContext) -> ServiceParts:
     routes = StageConsumer(
         settings,
         ctx.producer,
-        "router",
-        topology.ROUTER.name,
+        SPEC,
+        ROUTES,
         [Subscription(TOPIC_VIEW, ev.ViewBuilt, stage.on_view)],
     )
     updates = StageConsumer(
         settings,
         ctx.producer,
-        "router",
-        topology.ROUTER_UPDATES.name,
+        SPEC,
+        UPDATES,
         [Subscription(TOPIC_JUDGED, ev.Judged, stage.on_judged)],
     )
     return ServiceParts(
         bindings=[
             GrpcBinding(
-                svc_grpc.add_RouterServicer_to_server, RouterServicer(store, settings), "mars.v1.Router"
+                svc_grpc.add_RouterServicer_to_server, RouterServicer(store, settings), SPEC.grpc_service
             )
         ],
         consumers=[routes, updates],
@@ -211,4 +211,4 @@ async def build(ctx: ServiceContext) -> ServiceParts:
 
 
 def main() -> None:
-    run("router", RouterSettings(), build, MIGRATIONS)
+    run(SPEC, build)

@@ -10,7 +10,7 @@ import os
 import time
 
 import grpc
-from mars import deadline, topology
+from mars import deadline
 from mars.bus.consumer import StageConsumer
 from mars.bus.delivery import Subscription
 from mars.bus.output import StageOutput
@@ -28,8 +28,8 @@ from mars_state.context import ContextStore
 from mars_state.qtm.controllers import make_controller
 from mars_state.qtm.guard import GuardedEstimator
 from mars_state.qtm.learned import LearnedController, ModelFileError
-from mars_state.schema import MIGRATIONS
 from mars_state.settings import StateSettings
+from mars_state.spec import ESTIMATES, SPEC
 
 STAGE = STATE_STAGE
 log = logging.getLogger(__name__)
@@ -117,7 +117,7 @@ class StateStage:
         started = time.perf_counter()
         if await self._out.done(turn.turn_id):
             return
-        if deadline.passed(turn, "state"):
+        if deadline.passed(turn, SPEC.name):
             # No controller call and no context saved: the turn fails at dispatch (mars.deadline).
             out = ev.StateEstimated(
                 turn=turn, text=event.text, latency_ms=(time.perf_counter() - started) * 1000
@@ -178,8 +178,8 @@ async def build(ctx: ServiceContext) -> ServiceParts:
     consumer = StageConsumer(
         settings,
         ctx.producer,
-        "state",
-        topology.STATE.name,
+        SPEC,
+        ESTIMATES,
         [Subscription(TOPIC_RECEIVED, ev.TurnReceived, stage.on_received)],
     )
     return ServiceParts(
@@ -187,16 +187,16 @@ async def build(ctx: ServiceContext) -> ServiceParts:
             GrpcBinding(
                 svc_grpc.add_StateEstimatorServicer_to_server,
                 StateEstimatorServicer(settings, estimator, contexts),
-                "mars.v1.StateEstimator",
+                SPEC.grpc_service,
             )
         ],
         consumers=[consumer],
         on_forgotten=stage.on_forgotten,
         # NOT_SERVING while the controller keeps failing: turns still get states, from the rules.
-        health_probes={"mars.v1.StateEstimator.controller": lambda: estimator.healthy},
+        health_probes={f"{SPEC.grpc_service}.controller": lambda: estimator.healthy},
         # The learned backend's model file did not load: the rules answer instead.
         health=(
-            {"mars.v1.StateEstimator.learned_model": not estimator.model_error}
+            {f"{SPEC.grpc_service}.learned_model": not estimator.model_error}
             if settings.qtm_backend == "learned"
             else {}
         ),
@@ -205,4 +205,4 @@ async def build(ctx: ServiceContext) -> ServiceParts:
 
 
 def main() -> None:
-    run("state", StateSettings(), build, MIGRATIONS)
+    run(SPEC, build)

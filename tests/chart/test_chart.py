@@ -601,7 +601,7 @@ def test_network_policies_let_each_service_be_reached_by_its_callers_only() -> N
     }
     expected = {("client", "ingress", "grpc"), ("client", "gateway", "http"), ("gateway", "ingress", "grpc")}
     expected |= {("migrate", s, "grpc") for s in STAGES}  # tool pods (hook and replay Jobs)
-    expected |= {("prometheus", s, "metrics") for s in (*SERVICES, "gateway")}
+    expected |= {("prometheus", s, "metrics") for s in (*SERVICES, topology.GATEWAY.name)}
     expected |= {(s, "vllm", "http") for s in ("state", "dispatch", "judge")}
     # Services that call another (the topology's permissions name them): the ingress calls state.
     expected |= {
@@ -1103,14 +1103,14 @@ def test_each_service_logs_in_to_kafka_as_its_own_principal_by_default() -> None
 
 
 def test_kafka_users_carry_the_acl_table_under_the_release_prefix() -> None:
-    from mars.kafka_acls import PRINCIPALS, chart_table
+    from mars.kafka_acls import chart_table, principals
 
     assert not helm.find(render(BASE), "KafkaUser")  # only where Strimzi's API is installed
     objects = render(merged(BASE, {"kafka": {"topicPrefix": "prod."}}), strimzi=True)
     users = {u["metadata"]["name"]: u for u in helm.find(objects, "KafkaUser")}
-    assert set(users) == {f"mars-kafka-{p}" for p in PRINCIPALS}
+    assert set(users) == {f"mars-kafka-{p}" for p in principals()}
     table = chart_table()
-    for principal in PRINCIPALS:
+    for principal in principals():
         spec = users[f"mars-kafka-{principal}"]["spec"]
         assert spec["authentication"] == {"type": "scram-sha-512"}
         got = {

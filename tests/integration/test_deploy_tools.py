@@ -17,8 +17,8 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from conftest import broker_only
 from mars.config import TOPIC_RECEIVED, ServiceSettings, Topics
 from mars.kafka_options import kafka_client_options
-from mars.topology import STATE
 from mars_stack import LocalStack
+from mars_state.spec import ESTIMATES
 from mars_tools.deploy.lag import fetch_lag
 
 pytestmark = pytest.mark.integration
@@ -147,7 +147,7 @@ def test_lag_of_a_stage_group_over_sasl(kafka: LocalStack) -> None:
         finally:
             await producer.stop()
         # The state group has handled 3 records of partition 0 and nothing of partition 1.
-        consumer = AIOKafkaConsumer(**options, group_id=prefix + STATE.name, enable_auto_commit=False)
+        consumer = AIOKafkaConsumer(**options, group_id=prefix + ESTIMATES.name, enable_auto_commit=False)
         await consumer.start()
         try:
             consumer.assign([TopicPartition(topic, 0)])  # assigned, not subscribed: no group join to wait for
@@ -155,7 +155,7 @@ def test_lag_of_a_stage_group_over_sasl(kafka: LocalStack) -> None:
         finally:
             await consumer.stop()
         lags = {(row.group, row.topic): row for row in await fetch_lag(options, prefix)}
-        state = lags[(prefix + STATE.name, topic)]
+        state = lags[(prefix + ESTIMATES.name, topic)]
         assert (state.lag, state.partitions, state.uncommitted) == (2 + 5, 2, 1)
         untouched = lags[(prefix + "mars-router", Topics(prefix).name("mars.turn.view"))]
         assert (untouched.lag, untouched.uncommitted) == (0, 2)

@@ -176,7 +176,7 @@ def test_a_service_starting_as_its_role_applies_its_schema_and_leaves_the_shared
         async with await psycopg.AsyncConnection.connect(
             stack.postgres_dsn(service), autocommit=True
         ) as conn:
-            await db.migrate_on(conn, topology.service(service).migrations())
+            await db.migrate_on(conn, topology.service(service).migrations)
 
     for name in topology.NAMES:
         asyncio.run(start_as(name))

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from mars import topology
 from mars_stack import helm, kube, kubelet, serving_cluster
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -30,7 +31,7 @@ RESTRICTED = {
     "pod-security.kubernetes.io/enforce": "restricted",
     "pod-security.kubernetes.io/enforce-version": "latest",
 }
-COMPONENTS = (*serving_cluster.STAGES, "gateway")
+COMPONENTS = (*topology.NAMES, topology.GATEWAY.name)
 #: The run's figures (install time, turns answered, the fault runs' counts), printed at its end.
 REPORT: list[str] = []
 #: The ingress serves TLS (the chart's default, minted by its identity Job): reached by its ClusterIP, a

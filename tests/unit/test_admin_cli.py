@@ -12,6 +12,7 @@ import mars_router.schema
 import mars_state.schema
 import mars_state.service
 import pytest
+from mars import topology
 from mars.migrations import new_objects, service_migrations
 from mars_tools.admin_cli import SettingsError, load_settings, topic_rows
 from mars_tools.cli import build_parser
@@ -27,10 +28,11 @@ def test_migrate_uses_each_services_own_statements() -> None:
 
 
 def test_each_service_applies_at_start_what_mars_migrate_applies() -> None:
-    # The service modules start with the same statements `mars migrate` runs (one schema module each).
-    assert mars_ingress.service.MIGRATIONS is mars_ingress.schema.MIGRATIONS
-    assert mars_memory.service.MIGRATIONS is mars_memory.schema.MIGRATIONS
-    assert mars_state.service.MIGRATIONS is mars_state.schema.MIGRATIONS
+    # A service starts from its spec (mars.runtime.run migrates with spec.migrations), the one `mars migrate`
+    # reads through mars.topology.
+    for module in (mars_ingress.service, mars_memory.service, mars_state.service):
+        assert module.SPEC is topology.service(module.SPEC.name)
+        assert module.SPEC.migrations is service_migrations(module.SPEC.name)
 
 
 def test_new_objects_names_new_tables_and_only_the_columns_added_to_old_ones() -> None:

@@ -27,7 +27,11 @@ from mars.config import SCHEMA_VERSION, ServiceSettings
 from mars.domain.features import _unit
 from mars.domain.text import enum_name
 from mars.runtime import InvalidRequest, rpc_status
+from mars.spec import ConsumerGroup
 from mars.v1 import events_pb2 as ev
+from mars_memory.spec import WRITER
+from mars_router.spec import UPDATES
+from mars_state.spec import ESTIMATES
 
 
 def turn(**kw: Any) -> ev.TurnEnvelope:
@@ -144,7 +148,7 @@ def test_a_handler_failure_letter_names_the_exception_type_not_its_text() -> Non
 
     event = ev.TurnReceived(turn=turn(), text="my bank PIN is 4321")
     letters, _ = _consume_one(
-        event, "mars.turn.received", None, "state", "mars-state", failing, ServiceSettings(handler_attempts=2)
+        event, "mars.turn.received", None, ESTIMATES, failing, ServiceSettings(handler_attempts=2)
     )
     ((reason, turn_id),) = letters
     assert reason == "handler failed after 2 attempts: ValueError" and turn_id == "t1"
@@ -154,14 +158,14 @@ def _consume_one(
     event: Any,
     topic: str,
     keyring: object | None,
-    service: str = "memory",
-    group: str = "mars-memory-writer",
+    group: ConsumerGroup = WRITER,
     handler: Any = None,
     settings: ServiceSettings | None = None,
 ) -> tuple[list[tuple[str, str]], list[Any]]:
     """(dead letters, handled events) after one StageConsumer reads `event` from `topic`, its producer
     holding `keyring` (not None: the service seals, as one with MARS_MASTER_KEY_FILE does); `handler`
     (default: one that records the event) handles it."""
+    from mars import topology
     from mars.bus.codec import event_key
     from mars.bus.consumer import StageConsumer
     from mars.bus.delivery import Subscription
@@ -187,7 +191,7 @@ def _consume_one(
         consumer = StageConsumer(
             settings or ServiceSettings(),
             producer,  # type: ignore[arg-type]
-            service,
+            topology.service(group.service),
             group,
             [Subscription(topic, type(event), handler or keep)],
         )
@@ -233,6 +237,6 @@ def test_plaintext_is_taken_where_nothing_seals_and_text_free_events_anywhere() 
     assert letters == [] and [e.text for e in handled] == ["an answer"]
     judged = ev.Judged(turn=turn(), reward=0.5)
     letters, handled = _consume_one(
-        judged, "mars.turn.judged", _SealingKeyring(), "router", "mars-router-updates"
+        judged, "mars.turn.judged", _SealingKeyring(), UPDATES
     )
     assert letters == [] and len(handled) == 1

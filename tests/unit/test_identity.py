@@ -17,13 +17,13 @@ from cryptography.hazmat.primitives.asymmetric import rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from mars.identity import (
     IDENTITY_METADATA,
-    PERMISSIONS,
     CallerIdentity,
     IdentityConfigError,
     IdentityError,
     IdentityInterceptor,
     IdentityVerifier,
 )
+from mars.topology import PERMISSIONS
 from mars_stack.certs import identity_authority, make_identities
 
 
@@ -216,7 +216,7 @@ def decide(interceptor: IdentityInterceptor, method: str, token: str | None) -> 
 
 
 def test_the_server_decides_by_token_and_permission(ca: Path) -> None:
-    check = IdentityInterceptor(verifier(ca))
+    check = IdentityInterceptor(verifier(ca), PERMISSIONS)
     operator, chaos = caller(ca, "operator"), caller(ca, "chaos")
     reset, describe = "/mars.v1.Router/ResetPolicy", "/mars.v1.Memory/DescribeIndex"
     assert decide(check, reset, operator.token(reset)) is None
@@ -238,8 +238,8 @@ def test_the_server_decides_by_token_and_permission(ca: Path) -> None:
 
 def test_a_stage_without_its_ca_fails_closed_unless_identity_is_turned_off(ca: Path) -> None:
     token = caller(ca, "operator").token("/mars.v1.Judge/Score")
-    assert decide(IdentityInterceptor(None), "/mars.v1.Judge/Score", token) == grpc.StatusCode.UNAUTHENTICATED
-    assert decide(IdentityInterceptor(None, required=False), "/mars.v1.Judge/Score", None) is None
+    assert decide(IdentityInterceptor(None, PERMISSIONS), "/mars.v1.Judge/Score", token) == grpc.StatusCode.UNAUTHENTICATED
+    assert decide(IdentityInterceptor(None, PERMISSIONS, required=False), "/mars.v1.Judge/Score", None) is None
 
 
 def test_every_internal_method_is_in_the_permissions() -> None:

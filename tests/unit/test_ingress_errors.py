@@ -64,3 +64,11 @@ def test_a_dead_letter_tells_the_caller_the_stage_and_a_reference_only() -> None
     assert exc.code == grpc.StatusCode.INTERNAL
     assert str(exc) == "turn failed in the state stage; reference t1"
     assert "UntranslatableCharacter" in exc.detail  # kept for the log and the turn's record
+
+
+def test_the_failed_stage_is_the_service_whose_group_dead_lettered_the_turn() -> None:
+    from mars_ingress.replies import failed_stage
+
+    assert failed_stage("mars-router-updates", "") == "router"
+    assert failed_stage("run7.mars-memory-view", "run7.") == "memory"
+    assert failed_stage("state-control", "") == "pipeline"  # a broadcast reader, no group

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from mars import topology
 from mars.config import ALL_TOPICS, TOPIC_DEAD_LETTER, TOPIC_GENERATED, TOPIC_RECEIVED, Topics
-from mars.kafka_acls import OPERATOR, PRINCIPALS, AclBinding, acl_bindings, service_bindings
+from mars.kafka_acls import OPERATOR, AclBinding, acl_bindings, principals, service_bindings
 from mars_stack import kafka
 
 
@@ -54,7 +54,7 @@ def test_a_prefixed_run_grants_its_own_names_only() -> None:
     assert groups == {"run7.mars-router", "run7.mars-router-updates"}
     (operator_topics,) = [b for b in table[OPERATOR] if b.resource == "topic"]
     assert (operator_topics.name, operator_topics.pattern) == ("run7.mars.", "prefixed")
-    assert set(table) == set(PRINCIPALS)
+    assert set(table) == set(principals())
 
 
 def test_a_sasl_ssl_broker_has_no_plaintext_listener_and_denies_by_default(tmp_path: Path) -> None:
@@ -104,11 +104,11 @@ def test_a_broadcast_reader_the_topology_does_not_list_fails_at_start() -> None:
         pass
 
     control = [Subscription(TOPIC_CONTROL, ev.UserForgotten, handler, requires_envelope=False)]
-    check_broadcast("memory", control)
+    check_broadcast(topology.service("memory"), control)
     tokens = [Subscription(TOPIC_TOKENS, ev.TokenChunk, handler)]
-    check_broadcast("ingress", tokens)  # each ingress replica reads the streamed tokens
+    check_broadcast(topology.service("ingress"), tokens)  # each ingress replica reads the streamed tokens
     with pytest.raises(ValueError, match="outside its groups"):
-        check_broadcast("judge", tokens)
+        check_broadcast(topology.service("judge"), tokens)
 
 
 def test_the_charts_acl_file_is_this_table() -> None:

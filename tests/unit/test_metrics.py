@@ -33,6 +33,7 @@ from mars_dispatch.settings import DispatchSettings
 from mars_judge.service import count_costs
 from mars_memory.write_behind import WriteBehind
 from mars_state.qtm.guard import GuardedEstimator
+from mars_state.spec import ESTIMATES, SPEC
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
@@ -124,7 +125,7 @@ async def _consumer(handler: Any, attempts: int = 2) -> tuple[StageConsumer, lis
 
     producer.dead_letter = dead_letter  # type: ignore[method-assign]
     consumer = StageConsumer(
-        settings, producer, "state", "mars-state", [Subscription(TOPIC_RECEIVED, ev.TurnReceived, handler)]
+        settings, producer, SPEC, ESTIMATES, [Subscription(TOPIC_RECEIVED, ev.TurnReceived, handler)]
     )
     await consumer._consumer.stop()  # closed, never started
     return consumer, letters

@@ -20,6 +20,7 @@ from mars.runtime import GrpcBinding, grpc_server
 from mars.v1 import events_pb2 as ev
 from mars.v1 import services_pb2 as svc
 from mars.v1 import services_pb2_grpc as svc_grpc
+from mars_judge.spec import SPEC as JUDGE
 from mars_stack.certs import identity_authority
 
 SECRET = "connection to server at 10.9.8.7 failed: password authentication failed for user mars_ingress"
@@ -33,8 +34,8 @@ async def _serve(server: grpc.aio.Server) -> str:
 
 def _score(settings: ServiceSettings, caller: CallerIdentity) -> grpc.StatusCode:
     async def run() -> grpc.StatusCode:
-        binding = GrpcBinding(svc_grpc.add_JudgeServicer_to_server, svc_grpc.JudgeServicer(), "mars.v1.Judge")
-        server, _ = grpc_server("judge", settings, [binding])
+        binding = GrpcBinding(svc_grpc.add_JudgeServicer_to_server, svc_grpc.JudgeServicer(), JUDGE.grpc_service)
+        server, _ = grpc_server(JUDGE, settings, [binding])
         addr = await _serve(server)
         try:
             async with grpc.aio.insecure_channel(addr) as channel:

@@ -22,7 +22,13 @@ from mars.config import (
     topic_name,
     validate_topic_prefix,
 )
+from mars.spec import ConsumerGroup
 from mars.v1 import events_pb2 as ev
+from mars_ingress.spec import OUTCOMES
+from mars_ingress.spec import SPEC as INGRESS
+from mars_memory.spec import SPEC as MEMORY
+from mars_state.spec import ESTIMATES
+from mars_state.spec import SPEC as STATE
 from pydantic import ValidationError
 
 
@@ -77,8 +83,8 @@ def test_bus_subscribes_publishes_and_groups_under_the_prefix() -> None:
         consumer = StageConsumer(
             settings,
             producer,
-            "ingress",
-            "mars-ingress-outcomes",
+            INGRESS,
+            OUTCOMES,
             [
                 Subscription(TOPIC_GENERATED, ev.Generated, handler),
                 Subscription(TOPIC_DEAD_LETTER, ev.DeadLetter, handler, requires_envelope=False),
@@ -105,10 +111,11 @@ def test_a_stage_consumer_must_handle_exactly_its_groups_topics_in_the_topology(
 
     received = Subscription(TOPIC_RECEIVED, ev.TurnReceived, handler)
     generated = Subscription(TOPIC_GENERATED, ev.Generated, handler)
-    check_group("state", "mars-state", [received])  # what the topology says: accepted
+    check_group(STATE, ESTIMATES, [received])  # what the spec says: accepted
     with pytest.raises(ValueError, match=r"handles mars\.turn\.generated, mars\.turn\.received"):
-        check_group("state", "mars-state", [received, generated])  # a handler the registry does not know
-    with pytest.raises(ValueError, match="topology gives it to state"):
-        check_group("memory", "mars-state", [received])  # another service's group
-    with pytest.raises(ValueError, match="unknown consumer group 'state-test'"):
-        check_group("state", "state-test", [received])
+        check_group(STATE, ESTIMATES, [received, generated])  # a handler the spec does not know
+    with pytest.raises(ValueError, match="is not one of memory's"):
+        check_group(MEMORY, ESTIMATES, [received])  # another service's group
+    stray = ConsumerGroup("state-test", "state", (TOPIC_RECEIVED,))
+    with pytest.raises(ValueError, match="consumer group state-test is not one of state's"):
+        check_group(STATE, stray, [received])  # a group its spec does not list

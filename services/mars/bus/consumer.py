@@ -16,38 +16,44 @@ from typing import Any
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, ConsumerRecord, TopicPartition
 from aiokafka.coordinator.assignors.range import RangePartitionAssignor
 
-from mars import metrics, topology
+from mars import metrics
 from mars.bus.codec import is_transient
 from mars.bus.delivery import StageDelivery, Subscription
 from mars.bus.offsets import PartitionTrack, records_behind
 from mars.bus.producer import EventProducer
 from mars.config import TOPIC_CONTROL, ServiceSettings
 from mars.kafka_options import kafka_client_options
+from mars.spec import ConsumerGroup, ServiceSpec
 from mars.v1 import events_pb2 as ev
 
 log = logging.getLogger(__name__)
 
 
-def check_group(service: str, group_id: str, subscriptions: Sequence[Subscription]) -> None:
-    """A stage group reads exactly the topics the topology gives it, in the service it names: a handler
-    added or dropped in one place and not the other fails at start, not as lag nobody scales on."""
-    group = topology.group(group_id)
-    handled = sorted(s.topic for s in subscriptions)
-    if group.service != service or handled != sorted(group.topics):
+def check_group(spec: ServiceSpec, group: ConsumerGroup, subscriptions: Sequence[Subscription]) -> None:
+    """A stage group is one of the service's own (its spec's) and reads exactly the topics the spec gives
+    it: a handler added or dropped in one place and not the other fails at start, not as lag nobody scales
+    on (and not as a group its Kafka principal may not join, mars.kafka_acls)."""
+    if group not in spec.groups:
         raise ValueError(
-            f"consumer group {group_id} of {service} handles {', '.join(handled)}; the topology gives it to "
-            f"{group.service} with {', '.join(sorted(group.topics))}"
+            f"consumer group {group.name} is not one of {spec.name}'s: its spec gives it "
+            f"{', '.join(g.name for g in spec.groups) or 'none'}"
+        )
+    handled = sorted(s.topic for s in subscriptions)
+    if handled != sorted(group.topics):
+        raise ValueError(
+            f"consumer group {group.name} of {spec.name} handles {', '.join(handled)}; its spec gives it "
+            f"{', '.join(sorted(group.topics))}"
         )
 
 
-def check_broadcast(service: str, subscriptions: Sequence[Subscription]) -> None:
-    """A broadcast reader reads only what the topology says the service reads outside its groups (its Kafka
+def check_broadcast(spec: ServiceSpec, subscriptions: Sequence[Subscription]) -> None:
+    """A broadcast reader reads only what the service's spec says it reads outside its groups (its Kafka
     principal may read nothing else)."""
-    allowed = set(topology.service(service).broadcast_reads)
+    allowed = set(spec.broadcast_reads)
     if extra := sorted({s.topic for s in subscriptions} - allowed):
         raise ValueError(
-            f"{service} reads {', '.join(extra)} outside its groups; the topology gives it "
-            f"{', '.join(sorted(allowed)) or 'nothing'} (mars.topology broadcast_reads)"
+            f"{spec.name} reads {', '.join(extra)} outside its groups; its spec gives it "
+            f"{', '.join(sorted(allowed)) or 'nothing'} (broadcast_reads)"
         )
 
 
@@ -58,9 +64,10 @@ class StageConsumer:
     fetching goes on while handlers run. A partition's offset is committed (every COMMIT_EVERY_S) up to its
     first unfinished record, so nothing is skipped after a crash or a rebalance.
 
-    `broadcast=True` makes a reader outside any group instead: it gets every partition (every ingress
-    replica must see every reply), starts at the end (or the beginning where end offsets are not
-    trusted), and commits nothing.
+    A reader named by a string instead of a ConsumerGroup is a broadcast reader, outside any group: it gets
+    every partition (every ingress replica must see every reply), starts at the end (or the beginning
+    where end offsets are not trusted), and commits nothing. Either way what it reads is checked against
+    the service's spec at construction.
     """
 
     #: Records fetched and not finished, at most (fetching pauses above it).
@@ -73,16 +80,18 @@ class StageConsumer:
         self,
         settings: ServiceSettings,
         producer: EventProducer,
-        service: str,
-        group_id: str,
+        spec: ServiceSpec,
+        reader: ConsumerGroup | str,
         subscriptions: list[Subscription],
-        broadcast: bool = False,
     ) -> None:
-        if not broadcast:
-            check_group(service, group_id, subscriptions)
+        broadcast = isinstance(reader, str)
+        if isinstance(reader, ConsumerGroup):
+            check_group(spec, reader, subscriptions)
+            group_id = reader.name
         else:
-            check_broadcast(service, subscriptions)
-        self._delivery = StageDelivery(settings, producer, service, group_id, subscriptions)
+            check_broadcast(spec, subscriptions)
+            group_id = reader
+        self._delivery = StageDelivery(settings, producer, spec.name, group_id, subscriptions)
         self._settings, self._producer, self._broadcast = settings, producer, broadcast
         self._group_id = self._delivery.group_id
         self._subs = self._delivery.subs
@@ -335,16 +344,15 @@ class _FreshOffsets(ConsumerRebalanceListener):  # type: ignore[misc]
 def control_reader(
     settings: ServiceSettings,
     producer: EventProducer,
-    service: str,
+    spec: ServiceSpec,
     on_forgotten: Callable[[ev.UserForgotten], Awaitable[None]],
 ) -> StageConsumer:
-    """Every replica of `service` reads every control event (a broadcast reader, outside any group): a
+    """Every replica of the service reads every control event (a broadcast reader, outside any group): a
     forgotten user's caches go everywhere, whoever owns their partitions."""
     return StageConsumer(
         settings,
         producer,
-        service,
-        f"{service}-control",
+        spec,
+        f"{spec.name}-control",
         [Subscription(TOPIC_CONTROL, ev.UserForgotten, on_forgotten, requires_envelope=False)],
-        broadcast=True,
     )

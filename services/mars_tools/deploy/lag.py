@@ -13,8 +13,9 @@ from typing import Any
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
+from mars import topology
 from mars.config import Topics
-from mars.topology import STAGE_GROUPS, ConsumerGroup
+from mars.spec import ConsumerGroup
 
 
 @dataclass(frozen=True)
@@ -58,10 +59,11 @@ def topic_lag(
 
 
 async def fetch_lag(
-    kafka: dict[str, Any], prefix: str = "", groups: Sequence[ConsumerGroup] = STAGE_GROUPS
+    kafka: dict[str, Any], prefix: str = "", groups: Sequence[ConsumerGroup] | None = None
 ) -> list[TopicLag]:
     """Lag of every stage group on every topic it reads, in pipeline order. Needs a live broker; `kafka`
     are the client options (`mars.kafka_options.kafka_client_options`)."""
+    groups = topology.STAGE_GROUPS if groups is None else groups
     names = Topics(prefix)
     admin = AIOKafkaAdminClient(**kafka)
     consumer = AIOKafkaConsumer(**kafka, enable_auto_commit=False)
