@@ -5,6 +5,7 @@ minute up); only `stop_all` ends them. The chaos tools' kill, pause and restart 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import subprocess
@@ -19,6 +20,8 @@ from typing import Any
 BACKOFF_FIRST_S = 0.5
 BACKOFF_MAX_S = 15.0
 BACKOFF_RESET_S = 60.0
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -193,6 +196,8 @@ class Supervisor:
             try:
                 proc.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
+                # Worth knowing: a stop that never ends costs every stack's teardown the whole timeout.
+                log.warning("%s did not stop within %.0f s of its stop signal: killed", proc.name, timeout_s)
                 proc.popen.kill()
                 proc.popen.wait()
 
