@@ -174,6 +174,11 @@ OTHER_NAMES = frozenset(
     {"MARS_ENV_FILE", "MARS_LOCAL_LLM_URL", "MARS_LOCAL_GGUF", "MARS_GATEWAY_URL"}
     | {f"MARS_{section}_ADDR" for section in SECTIONS}
 )
+#: The variables Kubernetes gives every pod for each Service of its namespace (service links: a Service
+#: "mars-router" gives MARS_ROUTER_SERVICE_HOST, MARS_ROUTER_PORT_50053_TCP_ADDR, ...): never settings.
+_SERVICE_LINK = re.compile(
+    r"[A-Z0-9_]+_(SERVICE_HOST|SERVICE_PORT(_[A-Z0-9_]+)?|PORT(_\d+_(TCP|UDP|SCTP)(_(ADDR|PORT|PROTO))?)?)"
+)
 #: How close (difflib's ratio) an unknown name must come to a known one, and a word to a section's name
 #: (ROUTRE to ROUTER: 0.83; BROKER to ROUTER: 0.67), to count as its misspelling.
 _MISSPELT = 0.85
@@ -319,7 +324,7 @@ class CallerSettings(BaseSettings):
         current = sorted({env_name(cls, f) for f in cls.model_fields})
         problems = []
         for name in sorted(n.upper() for n in names):
-            if not name.startswith("MARS_") or name in known:
+            if not name.startswith("MARS_") or name in known or _SERVICE_LINK.fullmatch(name):
                 continue
             word = name[len("MARS_") :].split("_", 1)[0]
             if word in SECTIONS and word != cls.env_section:

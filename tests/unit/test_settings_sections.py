@@ -141,3 +141,19 @@ def test_every_name_in_the_docs_is_one_a_model_reads_now() -> None:
     assert {doc: names for doc, names in stale.items() if names} == {}
     # The check can fail: an old name in a copy of the README is found.
     assert _names_in("set `MARS_VIEW_POLICY` or MARS_GATEWAY_* or MARS_TLS_CLIENT_*") - current == {"MARS_VIEW_POLICY"}
+
+
+def test_kubernetes_service_links_are_not_taken_for_settings() -> None:
+    """A pod gets <SERVICE>_SERVICE_HOST, <SERVICE>_PORT_<n>_TCP_ADDR, ... for every Service of its namespace:
+    the chart's Service mars-router gives MARS_ROUTER_SERVICE_HOST to every MARS pod (found on a real node)."""
+    links = [
+        "MARS_ROUTER_SERVICE_HOST",
+        "MARS_ROUTER_SERVICE_PORT",
+        "MARS_ROUTER_SERVICE_PORT_GRPC",
+        "MARS_ROUTER_PORT",
+        "MARS_ROUTER_PORT_50053_TCP",
+        "MARS_ROUTER_PORT_50053_TCP_ADDR",
+        "MARS_ROUTER_PORT_9464_TCP_PROTO",
+    ]
+    assert RouterSettings.misread_names(links, topology.deployable_env_names()) == []
+    assert RouterSettings.misread_names(["MARS_ROUTER_PORTS"], topology.deployable_env_names()) != []
