@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn, TypeVar
@@ -224,14 +225,29 @@ async def serve(spec: ServiceSpec, settings: ServiceSettings, build: Builder) ->
     )
     # Calls in flight finish before the consumers stop: the ingress's waiting turns get their answers from
     # its consumer, so stopping that first would fail every turn in flight on a rolling update.
+    # Each phase is timed and logged: a stop that nears the deadline says where its time went.
+    phases: list[tuple[str, float]] = []
+    began = time.monotonic()
     await grpc_parts.stop()
-    for consumer in parts.consumers:
-        await consumer.stop()
+    phases.append(("grpc", time.monotonic()))
+    # The consumers stop together: each may wait out its handlers and its last commit, and one after another
+    # those waits added up past the supervisor's stop timeout.
+    await asyncio.gather(*(consumer.stop() for consumer in parts.consumers))
+    phases.append(("consumers", time.monotonic()))
     for hook in parts.on_stop:
         await hook()
+    phases.append(("hooks", time.monotonic()))
     await ctx.producer.stop()
+    phases.append(("producer", time.monotonic()))
     await ctx.pool.close()
+    phases.append(("postgres", time.monotonic()))
     telemetry.shutdown()
+    phases.append(("telemetry", time.monotonic()))
+    spent, last = [], began
+    for phase, at in phases:
+        spent.append(f"{phase} {at - last:.2f}")
+        last = at
+    log.info("%s stopped in %.2fs (%s)", name, last - began, ", ".join(spent))
     if crashed:
         raise SystemExit(1)
 
