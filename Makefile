@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PROTO_SRC := $(wildcard proto/mars/v1/*.proto)
 PROTO_OUT := services/mars/v1/.generated
 
-.PHONY: chart-acls install proto kafka litellm run test test-resilience test-unit test-integration lint clean image test-image kube test-k8s test-k8s-kubelet node-tools test-k8s-e2e
+.PHONY: test-sharpness chart-acls install proto kafka litellm run test test-resilience test-unit test-integration lint clean image test-image kube test-k8s test-k8s-kubelet node-tools test-k8s-e2e
 
 install: $(STAMP)
 
@@ -68,6 +68,12 @@ test: install proto kafka litellm
 # every service, and chaos.py's short scenario (replicas SIGKILLed, the broker stopped, Postgres restarted).
 test-resilience: install proto kafka
 	$(PY) -m pytest -q -m resilience tests/integration
+
+# Each check that issue 46 sharpened, shown failing on a deliberately broken copy of the repository
+# (tests/sharpness/mutants.py): the unit and stack mutants, each test run on the unbroken copy first
+# (~15 min on 2 cores). The chart's master-key mutant needs the control plane: add --cost k8s after make kube.
+test-sharpness: install proto kafka litellm
+	$(PY) tests/sharpness/check_mutants.py --cost unit,stack --baseline
 
 # The chart's KafkaUser ACLs (charts/mars/files/kafka-acls.json) from mars.kafka_acls: the one table, written
 # for the chart (tests/unit/test_kafka_acl_table.py fails when the file is stale).
