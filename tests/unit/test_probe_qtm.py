@@ -15,8 +15,8 @@ from mars_tools.probe.qtm import (
     pick_snapshots,
     project_boundaries,
     turn_pairs,
-    wilson_interval,
 )
+from mars_tools.stats import wilson_interval
 
 TINY = Path(__file__).parent / "fixtures" / "realmem_tiny.json"
 

@@ -10,6 +10,7 @@ from collections import Counter
 from collections.abc import Callable
 
 import pytest
+from fresh_process import across_processes
 from mars.domain.rollout import (
     Decision,
     Evidence,
@@ -19,8 +20,6 @@ from mars.domain.rollout import (
     decide,
     in_canary,
 )
-
-from tests.unit.fresh_process import across_processes
 
 Draw = Callable[[random.Random], float]
 

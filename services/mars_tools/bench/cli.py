@@ -186,6 +186,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     from mars_tools.bench.memory_load import add_memory_load_parser
     from mars_tools.bench.ope import add_ope_parser
     from mars_tools.bench.replay import add_replay_bench_parser
+    from mars_tools.bench.rollout import add_rollout_parser
     from mars_tools.bench.router_sim import add_router_parser
 
     bench = sub.add_parser("bench", help="benchmarks over real data (retrieval)")
@@ -197,3 +198,4 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     add_dispatch_parser(bench_sub)
     add_ope_parser(bench_sub)
     add_replay_bench_parser(bench_sub)
+    add_rollout_parser(bench_sub)

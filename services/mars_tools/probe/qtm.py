@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import statistics
 import time
 from collections.abc import Sequence
@@ -46,6 +45,7 @@ from mars_tools.probe.common import (
     precision_recall_f1,
     project_boundaries,
 )
+from mars_tools.stats import wilson_interval
 
 TOP_IDS = 20
 #: Turns of the active thread the `mars` view policy adds as secondary queries (memory service default).
@@ -122,17 +122,6 @@ class FrozenMemory:
 
 
 # ---- statistics -------------------------------------------------------------------------------------------
-
-
-def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
-    """Wilson score interval for a binomial proportion (95% with z = 1.96)."""
-    if n == 0:
-        return (0.0, 1.0)
-    p = successes / n
-    denom = 1 + z * z / n
-    centre = (p + z * z / (2 * n)) / denom
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
-    return (max(0.0, centre - half), min(1.0, centre + half))
 
 
 def jaccard(a: Sequence[str], b: Sequence[str]) -> float:
