@@ -12,7 +12,7 @@ with m_c, m_l the arms' mean rewards before turn t. Since m_c, m_l are fixed bef
 E[D_t | past] = mu_c - mu_l whatever they are; they only take the arms' levels out of the variance
 (Waudby-Smith et al. 2024, "Anytime-valid off-policy inference for contextual bandits"). On the running mean
 of the D_t sits the two-sided normal-mixture confidence sequence (Robbins' mixture; Howard et al. 2021,
-"Time-uniform, nonparametric, nonasymptotic confidence sequences", eq. 14) with the variance estimated from
+"Time-uniform, nonparametric, nonasymptotic confidence sequences") with the variance estimated from
 the data (Waudby-Smith et al. 2021, "Time-uniform central limit theory and asymptotic confidence sequences"):
 
     mean_t ± sd_t * B(t) / t,    B(t) = sqrt((t + rho) * log((t + rho) / (rho * alpha^2)))
