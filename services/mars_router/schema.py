@@ -50,16 +50,26 @@ MIGRATIONS = [
         PRIMARY KEY (tenant, version), CHECK (version <> 'default'), CHECK (cardinality(arms) > 0)
     )
     """,
+    # Created once, never replaced: a rerun of `mars migrate --roles` over a database made with one login
+    # applies this as the router's role, which owns the table by then but not a function the admin made.
     """
-    CREATE OR REPLACE FUNCTION router_policy_versions_immutable() RETURNS trigger LANGUAGE plpgsql AS $$
+    DO $$
     BEGIN
-        RAISE EXCEPTION 'policy version %/% is immutable: create a new version instead', OLD.tenant, OLD.version
-            USING ERRCODE = 'integrity_constraint_violation';
+        IF to_regprocedure('router_policy_versions_immutable()') IS NULL THEN
+            CREATE FUNCTION router_policy_versions_immutable() RETURNS trigger LANGUAGE plpgsql AS $f$
+            BEGIN
+                RAISE EXCEPTION 'policy version %/% is immutable: create a new version instead',
+                    OLD.tenant, OLD.version USING ERRCODE = 'integrity_constraint_violation';
+            END $f$;
+        END IF;
+        IF NOT EXISTS (
+            SELECT 1 FROM pg_trigger
+            WHERE tgname = 'router_policy_versions_immutable' AND tgrelid = 'router_policy_versions'::regclass
+        ) THEN
+            CREATE TRIGGER router_policy_versions_immutable BEFORE UPDATE OR DELETE ON router_policy_versions
+            FOR EACH ROW EXECUTE FUNCTION router_policy_versions_immutable();
+        END IF;
     END $$
-    """,
-    """
-    CREATE OR REPLACE TRIGGER router_policy_versions_immutable BEFORE UPDATE OR DELETE ON router_policy_versions
-    FOR EACH ROW EXECUTE FUNCTION router_policy_versions_immutable()
     """,
     # Which version does what for a tenant: at most one per role (the primary key), so one live at most; a
     # tenant without a live row routes by the implicit version "default" (the router's settings).
