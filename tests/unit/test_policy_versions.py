@@ -140,3 +140,57 @@ def test_evaluate_logged_recovers_a_better_candidate_from_a_stochastic_log() -> 
     assert result.ess == pytest.approx(result.matched)  # equal weights 1/0.5 on the matched turns
     with pytest.raises(ValueError, match="no logged turn has a known live propensity"):
         evaluate_logged([LoggedComparison(np.ones(2), 0, 0.0, 1.0, 0, 1.0)], n_arms=2)
+
+
+class _Rows:
+    """A stand-in pool whose one query answers `rows` (the roles of a tenant), counting the reads."""
+
+    def __init__(self, rows: list[tuple[object, ...]]) -> None:
+        self.rows = rows
+
+    def connection(self) -> _Rows:
+        return self
+
+    async def __aenter__(self) -> _Rows:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        return None
+
+    async def execute(self, sql: str, params: tuple[object, ...]) -> _Rows:
+        return self
+
+    async def fetchall(self) -> list[tuple[object, ...]]:
+        return self.rows
+
+
+def test_roles_are_read_once_per_ttl_and_an_unusable_version_routes_by_default() -> None:
+    import asyncio
+
+    from mars_router.versions import PolicyVersions
+
+    now = [100.0]
+    v1 = ("live", "v1", "linucb", {"alpha": 0.5, "ridge": 1.0}, "state", None, ["small", "large"])
+    rows = _Rows([v1])
+    versions = PolicyVersions(rows, 1.0, ["small", "large"], clock=lambda: now[0])  # type: ignore[arg-type]
+
+    async def scenario() -> None:
+        first = await versions.resolve("acme")
+        assert (first.live_version, first.shadow_version) == ("v1", None)
+        assert first.live is not None and first.live.params["alpha"] == 0.5
+        rows.rows = [v1, ("shadow", "v2", "thompson", {}, "state", 0.01, ["large"])]
+        now[0] += 0.99
+        assert (await versions.resolve("acme")).shadow_version is None  # cached: not read again
+        assert versions.reads == 1
+        now[0] += 0.02
+        second = await versions.resolve("acme")
+        assert (
+            second.shadow_version == "v2" and second.shadow is not None and second.shadow.lambda_cost == 0.01
+        )
+        assert versions.reads == 2
+        # A version naming an arm this replica's pool lacks is never routed by: the live is "default".
+        rows.rows = [("live", "v3", "linucb", {}, "state", None, ["huge"])]
+        versions.invalidate("acme")
+        assert (await versions.resolve("acme")).live_version == "default"
+
+    asyncio.run(scenario())
