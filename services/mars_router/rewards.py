@@ -14,6 +14,7 @@ neither twice."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import random
 from collections.abc import Awaitable, Callable, Sequence
@@ -29,6 +30,8 @@ from psycopg_pool import AsyncConnectionPool
 
 from mars_router.policy_tables import dim_of_policy
 from mars_router.settings import RouterSettings
+
+log = logging.getLogger(__name__)
 
 ARM_SQL = "SELECT model, pulls, reward_sum, version FROM router_arms WHERE policy_id = %s AND arm = %s"
 SHADOW_SQL = "SELECT policy_id, arm, features, lambda_cost FROM router_shadow_decisions WHERE turn_id = %s"
@@ -50,6 +53,9 @@ class Target:
     arm: str
     reward: float
     x: np.ndarray
+    #: A shadow version's row: a problem with it (missing, failing its sanity check) skips the shadow's
+    #: update and never holds up the live one.
+    shadow: bool = False
 
     def shifted(self, model: ArmModel) -> ArmModel:
         """`model` with an applied reward moved by this target's reward (a correction's delta)."""
@@ -175,7 +181,9 @@ class RewardUpdates:
         """The shadow's update for the turn when matched (its arm's reward was observed), else None."""
         if row is None or str(row[1]) not in observed:
             return None
-        return Target(str(row[0]), str(row[1]), observed[str(row[1])], np.asarray(row[2], dtype=np.float64))
+        return Target(
+            str(row[0]), str(row[1]), observed[str(row[1])], np.asarray(row[2], dtype=np.float64), shadow=True
+        )
 
     async def _ledger(
         self, conn: AsyncConnection, key: str, policy_id: str, arm: str, reward: float, applied: bool
@@ -210,7 +218,12 @@ class RewardUpdates:
             if (shadow := self._shadow_target(await cur.fetchone(), {arm: delta})) is not None:
                 targets.append(shadow)
             for t in sorted(targets, key=lambda t: (t.policy_id, t.arm)):
-                await self._write_arm(conn, t.policy_id, t.arm, t.shifted)
+                try:
+                    await self._write_arm(conn, t.policy_id, t.arm, t.shifted)
+                except PoisonEvent as exc:
+                    if not t.shadow:
+                        raise
+                    log.error("correction %s: shadow update skipped: %s", correction_id, exc)
         return True
 
     async def _apply_reward_once(
@@ -254,7 +267,13 @@ class RewardUpdates:
                 return False
             writes = []
             for t, read in zip(targets, reads, strict=True):
-                model, version = self._arm_model(t.policy_id, t.arm, await read.fetchone())
+                try:
+                    model, version = self._arm_model(t.policy_id, t.arm, await read.fetchone())
+                except PoisonEvent as exc:
+                    if not t.shadow:
+                        raise
+                    log.error("turn %s: shadow update skipped: %s", turn_id, exc)
+                    continue
                 updated = self._update(model, t.x, t.reward)
                 writes.append((t, await self._conditional_write(conn, t.policy_id, t.arm, updated, version)))
             await pipeline.sync()

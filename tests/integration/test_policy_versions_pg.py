@@ -368,3 +368,38 @@ def test_compare_promote_and_rollback_through_the_cli(postgres: str) -> None:
     assert shown.returncode == 0 and '"alpha": 0.0' in shown.stdout and "promote" in shown.stdout, (
         shown.stdout
     )
+
+
+def test_a_broken_shadow_never_holds_up_the_live_update(postgres: str) -> None:
+    """The shadow's matrices fail their sanity check: it sits the turn's update out (and its correction's),
+    the live policy learns as ever."""
+    from mars.domain.linucb import ArmModel
+
+    async def scenario() -> None:
+        store, stage, pool = await replica(postgres)
+        with sync_conn(postgres) as conn:
+            admin.create_version(conn, "brk", PolicyConfig("linucb", ("small",)), ARMS)  # always "small"
+            admin.set_shadow(conn, "brk", "v1")
+        routed = await stage._route(view("brk", 1))
+        while routed.chosen_arm != "small":  # a matched turn: the shadow would learn from it
+            routed = await stage._route(view("brk", routed.turn.seq + 1))
+        bad = ArmModel.cold(FEATURE_DIM)
+        bad.A[0, 0] = float("nan")
+        async with pool.connection() as conn:
+            await conn.execute(
+                "UPDATE router_arms SET model = %s WHERE policy_id = 'tenant:brk#v=v1'", (bad.to_bytes(),)
+            )
+        before, _ = await store.load("tenant:brk")
+        assert await store.apply_reward(routed.turn.turn_id, "small", 0.5, [])
+        assert await store.apply_correction(
+            f"{routed.turn.turn_id}#feedback-1", routed.turn.turn_id, "small", 0.1
+        )
+        after, _ = await store.load("tenant:brk")
+        assert after["small"].pulls == before["small"].pulls + 1
+        np.testing.assert_allclose(after["small"].b, before["small"].b + 0.6 * np.asarray(routed.features))
+        async with pool.connection() as conn:
+            cur = await conn.execute("SELECT pulls FROM router_arms WHERE policy_id = 'tenant:brk#v=v1'")
+            assert await cur.fetchall() == [(0,)]
+        await pool.close()
+
+    asyncio.run(scenario())
