@@ -369,7 +369,12 @@ def add_policy_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
         "(an unknown tenant or version, a bad parameter, a role a version cannot take).",
     )
     psub = policy.add_subparsers(dest="policy_cmd", required=True)
+    _add_version_commands(psub)
+    _add_role_commands(psub)
 
+
+def _add_version_commands(psub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """create, list, show, diff: the versions themselves."""
     p = psub.add_parser(
         "create",
         help="store a new immutable version of TENANT's routing config",
@@ -401,6 +406,9 @@ def add_policy_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     p.add_argument("--model-pool", help="the pool 'default' routes over (default: MARS_ROUTER_MODEL_POOL)")
     p.set_defaults(func=cmd_diff)
 
+
+def _add_role_commands(psub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """activate, shadow, compare, promote, rollback: which version does what, and the evidence."""
     p = psub.add_parser(
         "activate",
         help="make VERSION live for TENANT now, without a shadow run ('default': the router's settings)",
