@@ -18,12 +18,13 @@ new table with a user column cannot be forgotten silently.
 
 What a table is keyed by decides its predicate:
   - tenant + user_id: the row is the user's;
-  - turn_id only (stage_emitted, router_decisions, router_ledger): the user's turn ids, gathered first from
-    every table that has both (ingress_turns, memory_records, judge_feedback, judge_rewards); the ledger's
-    feedback corrections ("<turn_id>#feedback-N") by the turn id before the '#';
+  - turn_id only (stage_emitted, router_decisions, router_ledger, router_shadow_decisions): the user's turn
+    ids, gathered first from every table that has both (ingress_turns, memory_records, judge_feedback,
+    judge_rewards); the ledger's feedback corrections ("<turn_id>#feedback-N") by the turn id before the '#';
   - policy_id (router_policies, router_arms): the user's own policy "user:tenant/user" and its variants
-    ("user:tenant/user#query"). Tenant or global policies keep what the user's rewards taught them: a
-    model's matrices cannot be unlearned turn by turn (documented in the README).
+    ("user:tenant/user#query", a policy version's "user:tenant/user#v=v2"). Tenant or global policies keep
+    what the user's rewards taught them: a model's matrices cannot be unlearned turn by turn (documented in
+    the README).
 
 Turns in flight while a user is forgotten: see `forget_user` (a race acknowledged, not prevented).
 """
@@ -67,6 +68,8 @@ FORGET_TABLES: tuple[ForgetTable, ...] = (
     ForgetTable("stage_emitted", _TURNS),
     ForgetTable("router_decisions", f"({_TURNS} OR starts_with(session_key, %(session_prefix)s))"),
     ForgetTable("router_ledger", f"({_TURNS} OR {_POLICY})"),
+    # A shadow policy's decisions on the user's turns, and those under the user's versioned policy ids.
+    ForgetTable("router_shadow_decisions", f"({_TURNS} OR {_POLICY})"),
     ForgetTable("router_arms", _POLICY),
     ForgetTable("router_policies", _POLICY),
     ForgetTable("judge_feedback", _USER),

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from mars.domain.features import RECENT_TURNS
+from mars.domain.features import FEATURE_DIM, QUERY_FEATURE_DIM, RECENT_TURNS
 from mars.domain.linucb import ArmModel
 from psycopg import AsyncConnection
 from psycopg_pool import AsyncConnectionPool
@@ -34,6 +34,16 @@ def policy_id_for(scope: str, tenant: str, user_id: str, feature_space: str = "s
     else:
         base = f"user:{tenant}/{user_id}"
     return base if feature_space == "state" else f"{base}#{feature_space}"
+
+
+def dim_of_policy(policy_id: str, default: int = FEATURE_DIM) -> int:
+    """The feature dimension of a policy's matrices from its id: a query-embedding policy's ids carry
+    "#query" (`policy_id_for`), a state policy's are `default` (the state map's, or the router's own)."""
+    if "#query" in policy_id:
+        return QUERY_FEATURE_DIM
+    if "#v=" in policy_id:
+        return FEATURE_DIM  # a state-feature version (mars_router.versions.versioned_policy_id)
+    return default
 
 
 class PolicyCorrupt(Exception):

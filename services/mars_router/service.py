@@ -10,6 +10,7 @@ judged events, but never changes A or b, so the policy version does not move eit
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import grpc
 from mars import deadline
@@ -19,6 +20,7 @@ from mars.bus.output import StageOutput
 from mars.bus.producer import EventProducer
 from mars.config import ROUTER_STAGE, TOPIC_JUDGED, TOPIC_ROUTED, TOPIC_VIEW
 from mars.domain.bandits import draw_key
+from mars.domain.policy_versions import DEFAULT_VERSION
 from mars.model_pool import ModelPool, load_pool
 from mars.runtime import GrpcBinding, InvalidRequest, ServiceContext, ServiceParts, check_ids, rpc_errors, run
 from mars.telemetry import step
@@ -27,10 +29,11 @@ from mars.v1 import services_pb2 as svc
 from mars.v1 import services_pb2_grpc as svc_grpc
 from psycopg_pool import AsyncConnectionPool
 
-from mars_router.policy_tables import PolicyCorrupt, policy_id_for
+from mars_router.policy_tables import PolicyCorrupt
 from mars_router.settings import RouterSettings
 from mars_router.spec import ROUTES, SPEC, UPDATES
-from mars_router.store import PolicyStore
+from mars_router.store import PolicyStore, ShadowResult
+from mars_router.versions import VersionPolicy
 
 log = logging.getLogger(__name__)
 
@@ -66,22 +69,38 @@ class RouterStage:
             )
             await self._out.emit(expired, turn)
             return
+        await self._out.emit(await self._route(event), turn)
+
+    async def _route(self, event: ev.ViewBuilt) -> ev.Routed:
+        """The turn's decision by the tenant's live policy version, and its shadow version's beside it
+        (recorded and on the event, never answered by)."""
+        turn = event.turn
         session_key = f"{turn.tenant}/{turn.user_id}/{turn.session_id}"
+        draw = draw_key(turn.user_id, turn.seq)
+        live, shadow = await self._store.policies(turn.tenant)
         with step("router phases"):  # and the policy, in the same round trip
             phases, policy = await self._store.read_for_turn(
-                turn.tenant, turn.user_id, session_key, turn.turn_id
+                turn.tenant, turn.user_id, session_key, turn.turn_id, live
             )
-        x = self._store.features(
-            event.state, event.view.load, event.state.thread_depth, event.query_embedding, phases
-        )
+        state, load, depth = event.state, event.view.load, event.state.thread_depth
+        x = self._store.features(state, load, depth, event.query_embedding, phases, live.feature_space)
         with step("router decide"):
-            route = await self._store.decide(
-                turn.tenant, turn.user_id, x, session_key, draw_key(turn.user_id, turn.seq), policy
-            )
+            route = await self._store.decide(turn.tenant, turn.user_id, x, session_key, draw, policy, live)
+            shadow_route = None
+            if shadow is not None:
+                xs = x
+                if shadow.feature_space != live.feature_space:
+                    xs = self._store.features(
+                        state, load, depth, event.query_embedding, phases, shadow.feature_space
+                    )
+                shadow_route = await self._store.shadow_decide(turn.tenant, turn.user_id, xs, shadow, draw)
         arm = route.arm
         with step("router record"):
-            await self._store.record_decision(turn.turn_id, route.policy_id, arm, x, session_key)
-        out = ev.Routed(
+            await self._store.record_decision(
+                turn.turn_id, route.policy_id, arm, x, session_key, turn.tenant, route, shadow_route
+            )
+        default = route.config_version == DEFAULT_VERSION
+        return ev.Routed(
             turn=turn,
             text=event.text,
             state=event.state,
@@ -94,11 +113,15 @@ class RouterStage:
             policy_version=route.version,
             previous_arm=route.previous_arm or "",
             switch_penalty=route.switch_penalty,
-            fallback_order=self._fallbacks(arm),
-            cascade_min_logprob=self._cascade_threshold,
+            # A version's fallbacks stay among its arms, whose rewards its matrices can take.
+            fallback_order=self._fallbacks(arm)
+            if default
+            else [a for a in self._pool_cfg.fallbacks_after(arm) if a in live.arms],
+            cascade_min_logprob=self._cascade_threshold if default else 0.0,
             policy_frozen=not self._store.updates,
+            config_version=route.config_version,
+            **shadow_fields(shadow_route),
         )
-        await self._out.emit(out, turn)
 
     @property
     def _cascade_threshold(self) -> float:
@@ -115,7 +138,26 @@ class RouterStage:
                 event.correction_id, event.turn.turn_id, event.arm, event.reward_delta
             )
             return
-        await self._store.apply_reward(event.turn.turn_id, event.arm, event.reward, list(event.failed_arms))
+        await self._store.apply_reward(
+            event.turn.turn_id,
+            event.arm,
+            event.reward,
+            list(event.failed_arms),
+            event.cost_usd,
+            event.lambda_cost,
+        )
+
+
+def shadow_fields(shadow: ShadowResult | None) -> dict[str, Any]:
+    """The shadow's fields of a Routed event or a RouteDecision (none without a shadow decision)."""
+    if shadow is None:
+        return {}
+    return {
+        "shadow_version": shadow.version,
+        "shadow_arm": shadow.arm,
+        "shadow_propensity": shadow.propensity,
+        "shadow_score": shadow.score,
+    }
 
 
 class RouterServicer(svc_grpc.RouterServicer):
@@ -126,51 +168,63 @@ class RouterServicer(svc_grpc.RouterServicer):
     @rpc_errors
     async def Route(self, request: svc.RouteRequest, context: grpc.aio.ServicerContext) -> svc.RouteDecision:
         check_ids(tenant=request.tenant, user_id=request.user_id)
-        x = self._store.features(
-            request.state, request.view.load, request.turn_depth or 1, request.query_embedding
-        )
-        route = await self._store.decide(request.tenant, request.user_id, x)
+        live, shadow = await self._store.policies(request.tenant)
+        state, load, depth = request.state, request.view.load, request.turn_depth or 1
+        x = self._store.features(state, load, depth, request.query_embedding, (), live.feature_space)
+        route = await self._store.decide(request.tenant, request.user_id, x, live=live)
+        shadow_route = None
+        if shadow is not None:
+            xs = self._store.features(state, load, depth, request.query_embedding, (), shadow.feature_space)
+            shadow_route = await self._store.shadow_decide(request.tenant, request.user_id, xs, shadow)
         return svc.RouteDecision(
             features=[float(v) for v in x],
             scores=route.scores,
             chosen_arm=route.arm,
             policy_id=route.policy_id,
             policy_version=route.version,
+            config_version=route.config_version,
+            propensity=route.propensity,
+            **shadow_fields(shadow_route),
         )
 
-    def _policy_id(self, request: svc.PolicyRequest) -> str:
+    async def _live_policy(
+        self, request: svc.PolicyRequest
+    ) -> tuple[str, VersionPolicy, VersionPolicy | None]:
+        """The id of the matrices the request's tenant (and user) is routed by: its live version's."""
         scope = self._settings.policy_scope
         if (scope != "global" and not request.tenant) or (scope == "user" and not request.user_id):
             raise InvalidRequest("tenant (and user_id for user policies) required")
         for name in ("tenant", "user_id"):
             if getattr(request, name):  # given where the scope does not use it: still a usable id
                 check_ids(**{name: getattr(request, name)})
-        return policy_id_for(
-            self._settings.policy_scope, request.tenant, request.user_id, self._store.feature_space
-        )
+        live, shadow = await self._store.policies(request.tenant)
+        return self._store.policy_id(request.tenant, request.user_id, live), live, shadow
 
     @rpc_errors
     async def ResetPolicy(
         self, request: svc.PolicyRequest, context: grpc.aio.ServicerContext
     ) -> svc.PolicyInfo:
-        await self._store.reset(self._policy_id(request))
+        policy_id, live, _ = await self._live_policy(request)
+        await live.tables.reset(policy_id)
         return await self.GetPolicy(request, context)
 
     @rpc_errors
     async def GetPolicy(
         self, request: svc.PolicyRequest, context: grpc.aio.ServicerContext
     ) -> svc.PolicyInfo:
-        policy_id = self._policy_id(request)
+        policy_id, live, shadow = await self._live_policy(request)
         try:
-            models, version = await self._store.load(policy_id)
+            models, version = await self._store.load(policy_id, live)
         except PolicyCorrupt as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         return svc.PolicyInfo(
             policy_id=policy_id,
             version=version,
-            dimension=self._store.dim,
+            dimension=live.dim,
             frozen=not self._store.updates,
             arms=[svc.ArmSummary(arm=a, pulls=m.pulls, reward_sum=m.reward_sum) for a, m in models.items()],
+            config_version=live.version,
+            shadow_version=shadow.version if shadow else "",
         )
 
 

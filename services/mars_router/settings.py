@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import ClassVar, Literal
 
 from mars.config import ServiceSettings
+from pydantic import Field
 
 
 class RouterSettings(ServiceSettings):
@@ -46,3 +47,7 @@ class RouterSettings(ServiceSettings):
     #: replayed reward from the frozen period is a ledger duplicate, never applied late to a policy that
     #: did not choose by it, and the reward stays visible to whoever reads the ledger.
     policy_updates: bool = True
+    #: How long a replica caches a tenant's policy versions (live, shadow; mars_router.versions) before
+    #: reading them again: a `mars policy promote|rollback|activate` routes every replica's turns within
+    #: about this many seconds.
+    policy_config_ttl_s: float = Field(default=1.0, ge=0.0, le=60.0)

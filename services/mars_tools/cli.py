@@ -26,6 +26,7 @@ COMMANDS: dict[str, str] = {
     "migrate": "mars_tools.admin_cli:add_migrate_parser",
     "topics": "mars_tools.admin_cli:add_topics_parser",
     "tenant": "mars_tools.tenant_cli:add_tenant_parser",
+    "policy": "mars_tools.policy_cli:add_policy_parser",
     "forget-user": "mars_tools.forget_cli:add_forget_parser",
     "keys": "mars_tools.keys_cli:add_keys_parser",
     "identity": "mars_tools.identity_cli:add_identity_parser",
