@@ -50,4 +50,4 @@ class RouterSettings(ServiceSettings):
     #: How long a replica caches a tenant's policy versions (live, shadow; mars_router.versions) before
     #: reading them again: a `mars policy promote|rollback|activate` routes every replica's turns within
     #: about this many seconds.
-    policy_config_ttl_s: float = Field(default=1.0, ge=0.0, le=60.0)
+    policy_config_ttl_s: float = Field(default=0.5, ge=0.0, le=60.0)

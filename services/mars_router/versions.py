@@ -1,9 +1,9 @@
 """Which policy version routes a tenant's turns, and which one runs in shadow beside it (issue 47).
 
 Versions and roles live in router_policy_versions / router_policy_roles (mars_router.policy_admin changes
-them). Every router replica reads a tenant's roles at most once per MARS_ROUTER_POLICY_CONFIG_TTL_S (1 s by
+them). Every router replica reads a tenant's roles at most once per MARS_ROUTER_POLICY_CONFIG_TTL_S (0.5 s by
 default) and caches them that long, so a promote or a rollback routes every replica's turns within about
-that time, at the cost of one small query per tenant and second. A tenant without a live row routes by the
+that time plus one read (under a second), at the cost of two small queries per tenant and second. A tenant without a live row routes by the
 implicit version "default": the router's own settings, its matrices under the bare policy id, as before
 versions existed.
 

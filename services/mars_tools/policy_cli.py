@@ -5,7 +5,7 @@ mars.domain.policy_versions), kept by the router in the pipeline's Postgres (MAR
 --postgres-dsn). One version is live per tenant (none: the router's own settings, the implicit "default");
 one may run in shadow beside it, deciding every turn without answering. `compare` judges the shadow from
 the log; `promote` makes it live, `rollback` goes back. Every router replica routes by a change within
-MARS_ROUTER_POLICY_CONFIG_TTL_S (1 s). The operations are mars_router.policy_admin's; this is the terminal.
+MARS_ROUTER_POLICY_CONFIG_TTL_S (0.5 s). The operations are mars_router.policy_admin's; this is the terminal.
 """
 
 from __future__ import annotations
