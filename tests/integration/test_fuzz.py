@@ -1,5 +1,8 @@
-"""Fuzzing the stage consumers (issue 16, item 7): hypothesis-drawn malformed and adversarial events on
-every consumed topic of a real stack (Apache Kafka, Postgres, the stand-in LLM, the six services).
+"""Fuzzing on one running stack (issue 16, item 7; Apache Kafka, Postgres, the stand-in LLM, the six
+services): first the stage consumers, then the internal gRPC services. One stack for both, since neither
+part reads another's effects (issue 46: fewer stack starts).
+
+The consumers: hypothesis-drawn malformed and adversarial events on every consumed topic.
 
 The short run of `load-tests/fuzz.py` (the full one sends 1,000 events, see load-tests/README.md): random
 bytes, truncated protobufs, another message type, invalid UTF-8, NUL in ids and text, ~1 MB texts,
@@ -7,7 +10,16 @@ unknown schema_version, seq <= 0, missing ids, keys that disagree with the envel
 bodies fuzzed field by field, replays of answered turns, garbage on the dead-letter topic. Afterwards:
 no process exited, every malformed event was dead-lettered by every consumer group of its topic with a
 reason naming the problem, no handler failed on an unexpected exception, replays had no second effect,
-valid turns sent after the storm were answered, and every stage group's lag is back to 0."""
+valid turns sent after the storm were answered, and every stage group's lag is back to 0.
+
+The RPCs: hypothesis-drawn requests against StateEstimator.Estimate, Memory.BuildView / DescribeIndex,
+Router.Route / GetPolicy / ResetPolicy, Dispatch.Generate / ListModels and Judge.Score on a running stack:
+arbitrary unicode with NUL, huge strings, extreme integers, NaN and infinite doubles, unknown enum values,
+random maps and repeated fields, empty messages; half of them with valid ids so they reach past the first
+check. No request may end INTERNAL, UNKNOWN (an exception the servicer did not map) or DEADLINE_EXCEEDED (a
+hang): bad input gets INVALID_ARGUMENT (or another specific status) with a message, valid input OK. A
+failing request is shrunk by hypothesis to the smallest one that fails. Every process is still up
+afterwards. The full run (10,000 requests) is `load-tests/fuzz.py --events 0 --requests 10000`."""
 
 from __future__ import annotations
 
@@ -15,6 +27,7 @@ import importlib.util
 import sys
 from collections.abc import Iterator
 from types import ModuleType
+from typing import Any
 
 import pytest
 from conftest import REPO, require_kafka, start_stack
@@ -24,6 +37,8 @@ pytestmark = pytest.mark.integration
 
 #: Fuzz events in the suite's run (about 14 of each kind).
 EVENTS = 210
+#: Requests per method in the suite's run.
+PER_METHOD = 40
 
 
 def load_fuzz() -> ModuleType:
@@ -42,7 +57,7 @@ def load_fuzz() -> ModuleType:
 def fuzz_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
     require_kafka()
     s = start_stack(
-        tmp_path_factory.mktemp("fuzz-consumers"),
+        tmp_path_factory.mktemp("fuzz"),
         str(REPO / "config" / "models.standin.yaml"),
         llm="standin",
         service_env={"memory": {"MARS_MEMORY_READ_YOUR_WRITES_WAIT_S": "5"}},
@@ -78,3 +93,27 @@ def test_malformed_events_are_dead_lettered_and_the_consumers_go_on(fuzz_stack: 
     # The consumers went on: valid turns after the storm were answered end to end, nothing is stuck.
     assert report.valid_turns > 0 and report.unanswered == [], summary
     assert report.lag == {}, report.lag
+
+
+@pytest.mark.parametrize("rpc", load_fuzz().INTERNAL_RPCS, ids=lambda r: f"{r.service}.{r.method}")
+def test_no_request_ends_internal_or_unknown(fuzz_stack: LocalStack, rpc: Any) -> None:
+    fuzz = load_fuzz()
+    report = fuzz.RpcReport()
+    fuzz.fuzz_rpc(fuzz_stack, rpc, PER_METHOD, report, rng_seed=16, strict=True)
+    assert report.bad == []
+    assert report.requests >= min(PER_METHOD, 2)
+    assert set(report.codes) <= {
+        "OK",
+        "INVALID_ARGUMENT",
+        "NOT_FOUND",
+        "FAILED_PRECONDITION",
+        "RESOURCE_EXHAUSTED",
+        "UNAVAILABLE",
+    }, report.codes
+    # Valid requests still get answers.
+    assert report.codes.get("OK", 0) > 0, report.codes
+
+
+def test_every_service_is_still_up(fuzz_stack: LocalStack) -> None:
+    assert [e for e in fuzz_stack.events if e.kind == "exited"] == []
+    assert all(alive for _, alive in fuzz_stack.alive())
