@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from mars.auth import ID_PATTERN
 
-from mars_ingress.budgets import ANY, WINDOW_S, BudgetRow, Scope, Use
+from mars_ingress.budgets import ANY, WINDOW_S, BudgetRow, Scope, Use, scope_name
 
 if TYPE_CHECKING:  # the CLI (mars_tools.tenant_cli) imports this module with psycopg alone
     from psycopg_pool import AsyncConnectionPool
@@ -133,6 +133,10 @@ class Target:
     @property
     def each_user(self) -> bool:
         return self.user_id == ANY and self.key_id == ANY
+
+    @property
+    def scope(self) -> str:
+        return scope_name(self.user_id, self.key_id)
 
 
 def check_target(conn: Any, target: Target) -> None:

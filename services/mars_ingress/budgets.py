@@ -61,10 +61,14 @@ class BudgetRow:
 
     @property
     def scope(self) -> str:
-        """How `mars tenant budgets` names it: "user U", "key K" or "each user"."""
-        if self.each_user:
-            return "each user"
-        return f"user {self.user_id}" if self.user_id != ANY else f"key {self.key_id}"
+        return scope_name(self.user_id, self.key_id)
+
+
+def scope_name(user_id: str, key_id: str) -> str:
+    """How `mars tenant budgets` names a budget's owner: "user U", "key K" or "each user"."""
+    if user_id != ANY:
+        return f"user {user_id}"
+    return f"key {key_id}" if key_id != ANY else "each user"
 
 
 @dataclass(frozen=True)
