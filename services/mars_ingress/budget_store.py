@@ -65,9 +65,13 @@ def use_from(row: Iterable[Any]) -> tuple[Scope, Use, float]:
 CACHE_ENTRIES = 10_000
 
 
+#: Whether a tenant has any budget: a tenant without one costs a read per cache time, not one per user.
+HAS_BUDGETS_SQL = "SELECT EXISTS (SELECT 1 FROM ingress_budgets WHERE tenant = %s)"
+
+
 class BudgetStore:
-    """The ingress's reads: each (tenant, user, key)'s budget rows, cached for `ttl_s`, and the use of the
-    user and key those rows need."""
+    """The ingress's reads: each (tenant, user, key)'s budget rows, cached for `ttl_s` (and whether the
+    tenant has any), and the use of the user and key those rows need."""
 
     def __init__(
         self, pool: AsyncConnectionPool, ttl_s: float, clock: Callable[[], float] = time.monotonic
@@ -76,9 +80,25 @@ class BudgetStore:
         self._ttl_s = ttl_s
         self._clock = clock
         self._cache: dict[tuple[str, str, str], tuple[float, list[BudgetRow]]] = {}
+        self._tenants: dict[str, tuple[float, bool]] = {}
+
+    async def _has_budgets(self, tenant: str, now: float) -> bool:
+        hit = self._tenants.get(tenant)
+        if hit is not None and hit[0] > now:
+            return hit[1]
+        async with self._pool.connection() as conn:
+            cur = await conn.execute(HAS_BUDGETS_SQL, (tenant,))
+            row = await cur.fetchone()
+        found = bool(row and row[0])
+        if len(self._tenants) >= CACHE_ENTRIES:
+            self._tenants.clear()
+        self._tenants[tenant] = (now + self._ttl_s, found)
+        return found
 
     async def rows(self, tenant: str, user_id: str, key_id: str | None) -> list[BudgetRow]:
         now = self._clock()
+        if not await self._has_budgets(tenant, now):
+            return []
         entry = (tenant, user_id, key_id or ANY)
         hit = self._cache.get(entry)
         if hit is not None and hit[0] > now:

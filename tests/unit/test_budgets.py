@@ -4,13 +4,16 @@ it frees up (00:00 UTC for USD per day, the sliding minute for tokens), debt, an
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 
 import pytest
 from mars import metrics
 from mars.v1 import services_pb2 as svc
 from mars_gateway import mapping
-from mars_ingress import budgets
+from mars_ingress import budget_store, budgets
 from mars_ingress.admission import budget_failure, rate_limits
 from mars_ingress.budgets import Budget, BudgetRow, Use
 
@@ -177,3 +180,45 @@ def test_the_gateway_turns_a_refusals_metadata_into_headers() -> None:
         "1m30s",
         "5h0m12s",
     ]
+
+
+class _Pool:
+    """Stands in for the ingress's pool: answers the budget store's two reads, and counts them."""
+
+    def __init__(self, rows: list[tuple[object, ...]]) -> None:
+        self.rows = rows
+        self.reads: list[str] = []
+
+    @contextlib.asynccontextmanager
+    async def connection(self) -> AsyncIterator[_Pool]:
+        yield self
+
+    async def execute(self, sql: str, params: object) -> _Pool:
+        self.reads.append("exists" if sql == budget_store.HAS_BUDGETS_SQL else "rows")
+        return self
+
+    async def fetchone(self) -> tuple[bool]:
+        return (bool(self.rows),)
+
+    async def fetchall(self) -> list[tuple[object, ...]]:
+        return self.rows
+
+
+def test_the_store_reads_a_tenant_without_budgets_once_per_cache_time() -> None:
+    clock = [0.0]
+    empty = _Pool([])
+    store = budget_store.BudgetStore(empty, 5.0, lambda: clock[0])  # type: ignore[arg-type]
+    for user in ("u1", "u2", "u3"):
+        assert asyncio.run(store.rows(T, user, "k1")) == []
+    assert empty.reads == ["exists"]
+    clock[0] = 6.0
+    asyncio.run(store.rows(T, "u1", "k1"))
+    assert empty.reads == ["exists", "exists"]
+    held = _Pool([(T, "alice", "*", False, None, 100)])
+    store = budget_store.BudgetStore(held, 5.0, lambda: clock[0])  # type: ignore[arg-type]
+    for _ in range(2):
+        assert asyncio.run(store.rows(T, "alice", None)) == [BudgetRow(T, "alice", tokens_per_minute=100)]
+    assert held.reads == ["exists", "rows"]
+    store.forget_user(T, "alice")  # a forgotten user's rows are read again (and found gone)
+    asyncio.run(store.rows(T, "alice", None))
+    assert held.reads == ["exists", "rows", "rows"]
