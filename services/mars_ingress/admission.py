@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 
 import grpc
@@ -21,7 +21,15 @@ from psycopg_pool import AsyncConnectionPool
 
 from mars_ingress import budgets, history
 from mars_ingress.budget_store import BudgetStore
-from mars_ingress.quota import Quotas, Refusal, SpendCache, TenantLimits, pool_spend, spend_refusal
+from mars_ingress.quota import (
+    Headroom,
+    Quotas,
+    Refusal,
+    SpendCache,
+    TenantLimits,
+    pool_spend,
+    spend_refusal,
+)
 from mars_ingress.settings import IngressSettings
 
 log = logging.getLogger(__name__)
@@ -106,17 +114,23 @@ def auth_failure(exc: AuthError) -> TurnFailed:
 
 def quota_failure(refusal: Refusal) -> TurnFailed:
     """RESOURCE_EXHAUSTED with the wait in the message and in trailing metadata `retry-after-ms`; a pushback
-    of -1 tells gRPC's own retries (mars_ingress.client) not to send it again: the wait may be hours."""
+    of -1 tells gRPC's own retries (mars_ingress.client) not to send it again: the wait may be hours. A
+    rate bucket's refusal adds its figures (mars-ratelimit-*-requests or -tokens)."""
+    figures = () if refusal.headroom is None else ratelimit_metadata(quota_limit(refusal.headroom))
     return TurnFailed(
         grpc.StatusCode.RESOURCE_EXHAUSTED,
         refusal.message,
-        trailing=(("retry-after-ms", str(refusal.retry_after_ms)), ("grpc-retry-pushback-ms", "-1")),
+        trailing=(
+            ("retry-after-ms", str(refusal.retry_after_ms)),
+            ("grpc-retry-pushback-ms", "-1"),
+            *figures,
+        ),
     )
 
 
-#: Trailing metadata of a budget's refusal: the budget that binds (mars.metrics.BUDGET_KINDS), and per unit
-#: (tokens, usd) `mars-ratelimit-limit-<unit>`, `-remaining-<unit>`, `-reset-<unit>` (seconds until it is
-#: whole again, or has room again when refused) of the tightest budget of that unit.
+#: Trailing metadata of a refusal by a budget or a tenant's rate quota: the budget that binds
+#: (mars.metrics.BUDGET_KINDS), and for its unit (tokens, usd, requests) `mars-ratelimit-limit-<unit>`,
+#: `-remaining-<unit>` and `-reset-<unit>` (seconds until it has room again).
 BUDGET_KEY = "mars-budget"
 RATELIMIT_PREFIX = "mars-ratelimit-"
 
@@ -135,20 +149,27 @@ def rate_limits(standings: tuple[budgets.Standing, ...], now: float) -> list[svc
     ]
 
 
-def ratelimit_metadata(standings: tuple[budgets.Standing, ...], now: float) -> list[tuple[str, str]]:
-    out: list[tuple[str, str]] = []
-    for unit, s in budgets.tightest(standings).items():
-        out += [
-            (f"{RATELIMIT_PREFIX}limit-{unit}", f"{s.budget.limit:g}"),
-            (f"{RATELIMIT_PREFIX}remaining-{unit}", f"{s.remaining:g}"),
-            (f"{RATELIMIT_PREFIX}reset-{unit}", f"{s.reset_in_s(now):.3f}"),
-        ]
-    return out
+def quota_limit(headroom: Headroom) -> svc.RateLimit:
+    return svc.RateLimit(
+        budget=headroom.name,
+        unit=headroom.unit,
+        limit=headroom.limit,
+        remaining=headroom.remaining,
+        reset_s=round(headroom.reset_s, 3),
+    )
+
+
+def ratelimit_metadata(limit: svc.RateLimit) -> tuple[tuple[str, str], ...]:
+    return (
+        (f"{RATELIMIT_PREFIX}limit-{limit.unit}", f"{limit.limit:.10g}"),
+        (f"{RATELIMIT_PREFIX}remaining-{limit.unit}", f"{limit.remaining:.10g}"),
+        (f"{RATELIMIT_PREFIX}reset-{limit.unit}", f"{limit.reset_s:.3f}"),
+    )
 
 
 def budget_failure(verdict: budgets.Verdict, now: float) -> TurnFailed:
     """RESOURCE_EXHAUSTED naming the budget, its limit and when it frees up; in trailing metadata the wait
-    (`retry-after-ms`, and a pushback of -1: no automatic retry), the budget and the rate-limit figures."""
+    (`retry-after-ms`, and a pushback of -1: no automatic retry), the budget and its figures."""
     binding = verdict.binding
     assert binding is not None
     wait_ms = max(1, int(binding.reset_in_s(now) * 1000 + 0.999))
@@ -159,7 +180,7 @@ def budget_failure(verdict: budgets.Verdict, now: float) -> TurnFailed:
             ("retry-after-ms", str(wait_ms)),
             ("grpc-retry-pushback-ms", "-1"),
             (BUDGET_KEY, binding.budget.label),
-            *ratelimit_metadata(verdict.standings, now),
+            *ratelimit_metadata(rate_limits((binding,), now)[0]),
         ),
     )
 
@@ -167,18 +188,25 @@ def budget_failure(verdict: budgets.Verdict, now: float) -> TurnFailed:
 @dataclass(frozen=True)
 class Admitted:
     """A turn let in: its options, the key it came with, its text's estimated tokens, and its budgets'
-    standings when it was let in (at `checked_at`, epoch seconds)."""
+    standings when it was let in."""
 
     options: dict[str, str]
     key_id: str | None = None
     text_tokens: int = 0
     standings: tuple[budgets.Standing, ...] = ()
-    checked_at: float = field(default_factory=time.time)
+    #: The tenant's rate buckets in this process once the turn was taken from them.
+    quota_limits: tuple[svc.RateLimit, ...] = ()
+
+    @property
+    def limited(self) -> bool:
+        return bool(self.standings or self.quota_limits)
 
     def rate_limits(self, tokens: float, usd: float) -> list[svc.RateLimit]:
-        """What is left once the turn's own `tokens` and `usd` are counted."""
+        """What is left once the turn's own `tokens` and `usd` are counted (budgets), and of the tenant's
+        buckets as the turn left them."""
         now = time.time()
-        return rate_limits(tuple(budgets.after_turn(s, tokens, usd, now) for s in self.standings), now)
+        after = tuple(budgets.after_turn(s, tokens, usd, now) for s in self.standings)
+        return [*rate_limits(after, now), *self.quota_limits]
 
 
 def admin_tenant(principal: Principal | None, tenant: str, action: str = "forgetting a user") -> str:
@@ -264,10 +292,11 @@ class Admission:
         options = validate_turn(req, self._settings.max_text_chars)
         text_tokens = self._count_tokens(req.text)
         key_id = principal.key_id if principal is not None else None
-        standings, checked_at = await self._check_budgets(req, key_id, principal)
+        standings = await self._check_budgets(req, key_id, principal)
         limits = self._quotas.limits(req.tenant)
         tokens_asked = text_tokens if limits.tokens_per_min > 0 else 0
-        refusal = self._quotas.admit(req.tenant, tokens_asked, time.monotonic())
+        taken_at = time.monotonic()
+        refusal = self._quotas.admit(req.tenant, tokens_asked, taken_at)
         limit_usd = limits.usd_per_day
         if refusal is None and limit_usd > 0:
             refusal = spend_refusal(
@@ -276,17 +305,18 @@ class Admission:
         if refusal is not None:
             log.info("turn of tenant %s refused: %s", req.tenant, refusal.message)
             raise quota_failure(refusal)
-        return Admitted(options, key_id, text_tokens, standings, checked_at)
+        quota_limits = tuple(quota_limit(h) for h in self._quotas.headroom(req.tenant, taken_at))
+        return Admitted(options, key_id, text_tokens, standings, quota_limits)
 
     async def _check_budgets(
         self, req: svc.TurnRequest, key_id: str | None, principal: Principal | None
-    ) -> tuple[tuple[budgets.Standing, ...], float]:
+    ) -> tuple[budgets.Standing, ...]:
         """The standings of the user's and the key's budgets (mars_ingress.budgets); TurnFailed when one is
         spent. Nothing is read beyond the cached rows when none applies."""
         rows = await self._budgets.rows(req.tenant, req.user_id, key_id)
         applying = budgets.applicable(rows, req.user_id, key_id)
         if not applying:
-            return (), time.time()
+            return ()
         scopes = {b.scope for b in applying}
         uses, now = await self._budgets.uses(
             req.tenant,
@@ -301,7 +331,7 @@ class Admission:
             )
             log.info("turn of tenant %s refused: %s", req.tenant, verdict.binding.message())
             raise budget_failure(verdict, now)
-        return verdict.standings, now
+        return verdict.standings
 
     def charge_imported(self, tenant: str, pairs: list[history.ImportedPair]) -> None:
         """Imported text is the tenant's text too: it counts against a token quota."""

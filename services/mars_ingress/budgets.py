@@ -220,13 +220,3 @@ def after_turn(s: Standing, tokens: float, usd: float, now: float) -> Standing:
     if tokens <= 0:
         return s
     return Standing(s.budget, s.used + tokens, max(s.reset_at, now + WINDOW_S))
-
-
-def tightest(standings: Iterable[Standing]) -> dict[str, Standing]:
-    """Per unit ("tokens", "usd"), the standing with the least room left: what OpenAI-style headers show."""
-    out: dict[str, Standing] = {}
-    for s in standings:
-        held = out.get(s.budget.unit)
-        if held is None or s.remaining < held.remaining:
-            out[s.budget.unit] = s
-    return out

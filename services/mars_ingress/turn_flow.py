@@ -46,7 +46,7 @@ def turn_reply(
     envelope: ev.TurnEnvelope, generated: ev.Generated, started: float, admitted: Admitted | None = None
 ) -> svc.TurnReply:
     limits: list[svc.RateLimit] = []
-    if admitted is not None and admitted.standings:
+    if admitted is not None and admitted.limited:
         tokens = charged_tokens(generated) or admitted.text_tokens
         limits = admitted.rate_limits(tokens, generated.cost_usd + generated.controller_cost_usd)
     return svc.TurnReply(
@@ -158,7 +158,7 @@ class TurnFlow:
         limits: list[svc.RateLimit] | None = None,
     ) -> svc.TurnReply:
         admitted = await self._admission.admit(req, principal)
-        if limits is not None and admitted.standings:
+        if limits is not None and admitted.limited:
             limits.extend(admitted.rate_limits(admitted.text_tokens, 0.0))
         slot = self._capacity.enter(req.tenant, principal.tenant if principal is not None else "")
         pipeline_ms: float | None = None

@@ -347,7 +347,11 @@ def test_quota_is_429_with_retry_after(gw_stack: LocalStack) -> None:
     c.chat.completions.create(**body)  # type: ignore[call-overload]
     with pytest.raises(openai.RateLimitError) as info:
         c.chat.completions.create(**body)  # type: ignore[call-overload]
-    assert int(info.value.response.headers["Retry-After"]) >= 1
+    headers = info.value.response.headers
+    assert int(headers["Retry-After"]) >= 1
+    # The tenant's turn bucket, as OpenAI's request figures: a burst of 1, none left.
+    assert (headers["x-ratelimit-limit-requests"], headers["x-ratelimit-remaining-requests"]) == ("1", "0")
+    assert "x-mars-budget" not in headers  # a quota, not a budget
 
 
 def set_budget(stack: LocalStack, user: str, tokens_per_minute: int) -> None:
