@@ -80,6 +80,12 @@ FORGET_TABLES: tuple[ForgetTable, ...] = (
     ForgetTable("memory_progress", _USER),
     ForgetTable("ingress_turns", _USER),
     ForgetTable("ingress_user_seq", _USER),
+    # The user's budgets, and those of the keys limited to them (before the keys: found through them).
+    ForgetTable(
+        "ingress_budgets",
+        f"tenant = %(tenant)s AND (user_id = %(user_id)s OR key_id IN "
+        f"(SELECT key_id FROM ingress_api_keys WHERE {_USER}))",
+    ),
     # Keys limited to this user (tenant-wide keys have user_id NULL and stay).
     ForgetTable("ingress_api_keys", _USER),
     # The user's data key: without it their sealed text on every topic stays unreadable (mars.sealing).

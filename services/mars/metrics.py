@@ -20,6 +20,7 @@ mars.judge.outcomes      counter           {turn}    outcome                    
 mars.circuit.state       observable gauge  1         arm (0 closed, 1 half-open, 2 open)            dispatch
 mars.dispatch.attempts   counter           {attempt} arm, outcome (DISPATCH_OUTCOMES)               dispatch
 mars.admission.shed      counter           {turn}    tenant                                          ingress
+mars.budget.refused      counter           {turn}    tenant, budget (BUDGET_KINDS)                   ingress
 mars.stage.expired       counter           {turn}    stage (EXPIRED_STAGES)                       answer path
 mars.admission.limit     observable gauge  {turn}    (none: one series per ingress process)          ingress
 mars.admission.inflight  observable gauge  {turn}    (none: one series per ingress process)          ingress
@@ -92,6 +93,8 @@ DISPATCH_OUTCOMES = (
 )
 #: The answer-path stages that pass a turn on without their work once its deadline passed (mars.deadline).
 EXPIRED_STAGES = ("state", "memory", "router", "dispatch")
+#: The budget that refused a turn (mars_ingress.budgets.LABELS): its scope and kind, never whose it is.
+BUDGET_KINDS = ("user_usd_per_day", "user_tokens_per_minute", "key_usd_per_day", "key_tokens_per_minute")
 #: mars.circuit.state values.
 CIRCUIT_VALUES = {"closed": 0, "half_open": 1, "open": 2}
 
@@ -296,6 +299,11 @@ class Instruments:
             unit="{turn}",
             description="turns refused at once because the pipeline was at its concurrency limit, per tenant",
         )
+        self.budget_refused = meter.create_counter(
+            "mars.budget.refused",
+            unit="{turn}",
+            description="turns refused by a budget per user or per key, per tenant and budget kind",
+        )
         self.admission_limit = meter.create_observable_gauge(
             "mars.admission.limit",
             callbacks=[_observe(_admission_sources, "limit")],
@@ -387,6 +395,13 @@ def record_expired(stage: str) -> None:
 def record_shed(tenant: str) -> None:
     """One turn shed at the concurrency limit, for the authenticated `tenant` ("" without one)."""
     _current.admission_shed.add(1, {"tenant": tenant})
+
+
+def record_budget_refused(tenant: str, budget: str) -> None:
+    """One turn refused by a budget of kind `budget` (BUDGET_KINDS) for the authenticated `tenant`: the
+    user or key whose budget it was is never a label (the label rule above)."""
+    if budget in BUDGET_KINDS:
+        _current.budget_refused.add(1, {"tenant": tenant, "budget": budget})
 
 
 def record_dead_letter(group: str, topic: str, reason_kind: str) -> None:

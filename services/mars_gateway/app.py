@@ -56,7 +56,7 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
         (403, "the key may not act for this tenant or user"),
         (404, "no such model or turn"),
         (413, "request body too large"),
-        (429, "quota exceeded (Retry-After says when to try again)"),
+        (429, "quota or budget exceeded (Retry-After says when to try again; x-mars-budget names a budget)"),
         (503, "MARS is unavailable or no model could answer"),
         (504, "no answer before the deadline"),
     )
@@ -92,10 +92,7 @@ def from_bad_request(exc: mapping.BadRequest) -> GatewayError:
 def from_rpc(exc: grpc.aio.AioRpcError) -> GatewayError:
     """The ingress's status as OpenAI's error; its message is already written for the caller."""
     err = mapping.http_error(exc.code())
-    headers: dict[str, str] = {}
-    for key, value in exc.trailing_metadata() or ():
-        if key == "retry-after-ms":
-            headers["Retry-After"] = str(max(1, -(-int(str(value)) // 1000)))
+    headers = mapping.refusal_headers(exc.trailing_metadata() or ())
     message = exc.details() or exc.code().name
     param = None
     if exc.code() == grpc.StatusCode.INVALID_ARGUMENT and message == "user_id is required":
@@ -357,7 +354,11 @@ def _add_openai_routes(app: FastAPI, gateway: Gateway, settings: GatewaySettings
             )
             # Serialized by pydantic-core directly: FastAPI's response_model pass (validate, then encode)
             # would double the work for a body built from typed parts.
-            return Response(mapping.completion(reply, plan).model_dump_json(), media_type="application/json")
+            return Response(
+                mapping.completion(reply, plan).model_dump_json(),
+                media_type="application/json",
+                headers=mapping.ratelimit_headers(reply.rate_limits),
+            )
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         call = gateway.ingress().Converse(iter([request]), metadata=metadata, timeout=timeout)
         stream = call.__aiter__()
@@ -372,7 +373,11 @@ def _add_openai_routes(app: FastAPI, gateway: Gateway, settings: GatewaySettings
         return StreamingResponse(
             _sse(first, stream, plan, include_usage),
             media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            headers={
+                "Cache-Control": "no-cache",
+                "X-Accel-Buffering": "no",
+                **mapping.ratelimit_headers(first.rate_limits),
+            },
         )
 
 

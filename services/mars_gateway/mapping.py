@@ -5,6 +5,7 @@ error type of each gRPC status."""
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,6 +60,60 @@ INTERNAL = HttpError(500, "server_error", "internal_error")
 
 def http_error(code: grpc.StatusCode) -> HttpError:
     return STATUS_MAP.get(code, INTERNAL)
+
+
+#: The ingress's trailing metadata of a budget's refusal (mars_ingress.admission) and the headers they become.
+BUDGET_METADATA = "mars-budget"
+RATELIMIT_METADATA = "mars-ratelimit-"
+
+
+def number(value: float) -> str:
+    """A limit or what is left of it: 2000, 0.25 (no exponent for the sizes budgets have)."""
+    return f"{value:.10g}"
+
+
+def duration(seconds: float) -> str:
+    """A wait as OpenAI's x-ratelimit-reset-* say it: "20ms", "6.5s", "1m30s", "5h0m12s"."""
+    if seconds < 1:
+        return f"{max(0, round(seconds * 1000))}ms"
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    text = f"{secs:.3f}".rstrip("0").rstrip(".") + "s"
+    if hours >= 1:
+        return f"{int(hours)}h{int(minutes)}m{text}"
+    return f"{int(minutes)}m{text}" if minutes >= 1 else text
+
+
+def ratelimit_headers(limits: Iterable[svc.RateLimit]) -> dict[str, str]:
+    """OpenAI-style x-ratelimit-limit-<unit>, -remaining-<unit>, -reset-<unit> of an answered turn's
+    budgets (TurnReply.rate_limits): per unit (tokens, usd), the budget with the least left."""
+    tightest: dict[str, svc.RateLimit] = {}
+    for limit in limits:
+        held = tightest.get(limit.unit)
+        if held is None or (limit.remaining, -limit.reset_s) < (held.remaining, -held.reset_s):
+            tightest[limit.unit] = limit
+    headers: dict[str, str] = {}
+    for unit, limit in sorted(tightest.items()):
+        headers[f"x-ratelimit-limit-{unit}"] = number(limit.limit)
+        headers[f"x-ratelimit-remaining-{unit}"] = number(limit.remaining)
+        headers[f"x-ratelimit-reset-{unit}"] = duration(limit.reset_s)
+    return headers
+
+
+def refusal_headers(trailing: Iterable[tuple[str, str | bytes]]) -> dict[str, str]:
+    """The headers of a refused call from the ingress's trailing metadata: Retry-After (whole seconds),
+    x-mars-budget (the budget that binds) and the x-ratelimit-* figures."""
+    headers: dict[str, str] = {}
+    for key, raw in trailing:
+        value = raw.decode() if isinstance(raw, bytes) else str(raw)
+        if key == "retry-after-ms":
+            headers["Retry-After"] = str(max(1, -(-int(value) // 1000)))
+        elif key == BUDGET_METADATA:
+            headers["x-mars-budget"] = value
+        elif key.startswith(RATELIMIT_METADATA):
+            name = key.removeprefix(RATELIMIT_METADATA)
+            headers[f"x-ratelimit-{name}"] = duration(float(value)) if name.startswith("reset-") else value
+    return headers
 
 
 def message_text(message: ChatMessage, where: str) -> str:

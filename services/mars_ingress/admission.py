@@ -1,10 +1,12 @@
-"""Who calls and whether their turn may go in: API keys (mars.auth), scope, validation and the tenant's
-quotas. Everything here answers before anything is written; failures are RpcRefusals with their status."""
+"""Who calls and whether their turn may go in: API keys (mars.auth), scope, validation, the budgets of its
+user and key (mars_ingress.budgets) and the tenant's quotas. Everything here answers before anything is
+written; failures are RpcRefusals with their status."""
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from datetime import UTC, datetime
 
 import grpc
@@ -17,8 +19,17 @@ from mars.tokens import load_counter
 from mars.v1 import services_pb2 as svc
 from psycopg_pool import AsyncConnectionPool
 
-from mars_ingress import history
-from mars_ingress.quota import Quotas, Refusal, SpendCache, TenantLimits, pool_spend, spend_refusal
+from mars_ingress import budgets, history
+from mars_ingress.budget_store import BudgetStore
+from mars_ingress.quota import (
+    Headroom,
+    Quotas,
+    Refusal,
+    SpendCache,
+    TenantLimits,
+    pool_spend,
+    spend_refusal,
+)
 from mars_ingress.settings import IngressSettings
 
 log = logging.getLogger(__name__)
@@ -103,12 +114,99 @@ def auth_failure(exc: AuthError) -> TurnFailed:
 
 def quota_failure(refusal: Refusal) -> TurnFailed:
     """RESOURCE_EXHAUSTED with the wait in the message and in trailing metadata `retry-after-ms`; a pushback
-    of -1 tells gRPC's own retries (mars_ingress.client) not to send it again: the wait may be hours."""
+    of -1 tells gRPC's own retries (mars_ingress.client) not to send it again: the wait may be hours. A
+    rate bucket's refusal adds its figures (mars-ratelimit-*-requests or -tokens)."""
+    figures = () if refusal.headroom is None else ratelimit_metadata(quota_limit(refusal.headroom))
     return TurnFailed(
         grpc.StatusCode.RESOURCE_EXHAUSTED,
         refusal.message,
-        trailing=(("retry-after-ms", str(refusal.retry_after_ms)), ("grpc-retry-pushback-ms", "-1")),
+        trailing=(
+            ("retry-after-ms", str(refusal.retry_after_ms)),
+            ("grpc-retry-pushback-ms", "-1"),
+            *figures,
+        ),
     )
+
+
+#: Trailing metadata of a refusal by a budget or a tenant's rate quota: the budget that binds
+#: (mars.metrics.BUDGET_KINDS), and for its unit (tokens, usd, requests) `mars-ratelimit-limit-<unit>`,
+#: `-remaining-<unit>` and `-reset-<unit>` (seconds until it has room again).
+BUDGET_KEY = "mars-budget"
+RATELIMIT_PREFIX = "mars-ratelimit-"
+
+
+def rate_limits(standings: tuple[budgets.Standing, ...], now: float) -> list[svc.RateLimit]:
+    """The budgets' standings as the caller is told them (TurnReply.rate_limits)."""
+    return [
+        svc.RateLimit(
+            budget=s.budget.label,
+            unit=s.budget.unit,
+            limit=s.budget.limit,
+            remaining=s.remaining,
+            reset_s=round(s.reset_in_s(now), 3),
+        )
+        for s in standings
+    ]
+
+
+def quota_limit(headroom: Headroom) -> svc.RateLimit:
+    return svc.RateLimit(
+        budget=headroom.name,
+        unit=headroom.unit,
+        limit=headroom.limit,
+        remaining=headroom.remaining,
+        reset_s=round(headroom.reset_s, 3),
+    )
+
+
+def ratelimit_metadata(limit: svc.RateLimit) -> tuple[tuple[str, str], ...]:
+    return (
+        (f"{RATELIMIT_PREFIX}limit-{limit.unit}", f"{limit.limit:.10g}"),
+        (f"{RATELIMIT_PREFIX}remaining-{limit.unit}", f"{limit.remaining:.10g}"),
+        (f"{RATELIMIT_PREFIX}reset-{limit.unit}", f"{limit.reset_s:.3f}"),
+    )
+
+
+def budget_failure(verdict: budgets.Verdict, now: float) -> TurnFailed:
+    """RESOURCE_EXHAUSTED naming the budget, its limit and when it frees up; in trailing metadata the wait
+    (`retry-after-ms`, and a pushback of -1: no automatic retry), the budget and its figures."""
+    binding = verdict.binding
+    assert binding is not None
+    wait_ms = max(1, int(binding.reset_in_s(now) * 1000 + 0.999))
+    return TurnFailed(
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        binding.message(),
+        trailing=(
+            ("retry-after-ms", str(wait_ms)),
+            ("grpc-retry-pushback-ms", "-1"),
+            (BUDGET_KEY, binding.budget.label),
+            *ratelimit_metadata(rate_limits((binding,), now)[0]),
+        ),
+    )
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """A turn let in: its options, the key it came with, its text's estimated tokens, and its budgets'
+    standings when it was let in."""
+
+    options: dict[str, str]
+    key_id: str | None = None
+    text_tokens: int = 0
+    standings: tuple[budgets.Standing, ...] = ()
+    #: The tenant's rate buckets in this process once the turn was taken from them.
+    quota_limits: tuple[svc.RateLimit, ...] = ()
+
+    @property
+    def limited(self) -> bool:
+        return bool(self.standings or self.quota_limits)
+
+    def rate_limits(self, tokens: float, usd: float) -> list[svc.RateLimit]:
+        """What is left once the turn's own `tokens` and `usd` are counted (budgets), and of the tenant's
+        buckets as the turn left them."""
+        now = time.time()
+        after = tuple(budgets.after_turn(s, tokens, usd, now) for s in self.standings)
+        return [*rate_limits(after, now), *self.quota_limits]
 
 
 def admin_tenant(principal: Principal | None, tenant: str, action: str = "forgetting a user") -> str:
@@ -139,7 +237,8 @@ def admin_target(principal: Principal | None, tenant: str, user_id: str, action:
 
 
 class Admission:
-    """The ingress's gate: key verification (cached), per-tenant rate, token and spend quotas."""
+    """The ingress's gate: key verification (cached), budgets per user and per key, per-tenant rate, token
+    and spend quotas."""
 
     def __init__(self, settings: IngressSettings, pool: AsyncConnectionPool) -> None:
         self._settings = settings
@@ -155,11 +254,14 @@ class Admission:
             settings.quota_replicas,
         )
         self._spend = SpendCache(pool_spend(pool), settings.quota_spend_cache_s, time.monotonic)
+        self._budgets = BudgetStore(pool, settings.quota_budget_cache_s)
         self._count_tokens = load_counter(None)
 
     def forget_user(self, tenant: str, user_id: str) -> None:
-        """The forgotten user's keys (deleted) stop working here now, not after the cache TTL."""
+        """The forgotten user's keys (deleted) stop working here now, not after the cache TTL; their
+        budgets (deleted) likewise."""
         self._keys.forget_user(tenant, user_id)
+        self._budgets.forget_user(tenant, user_id)
 
     async def authenticated(self, metadata: object) -> Principal | None:
         """`_authenticate` for a turn: a refused key is counted as a rejected turn (no tenant label)."""
@@ -179,19 +281,22 @@ class Admission:
         except AuthError as exc:
             raise auth_failure(exc) from None
 
-    async def admit(self, req: svc.TurnRequest, principal: Principal | None) -> dict[str, str]:
-        """Scope, validation and quotas of one turn; fills the tenant (and a user-scoped key's user) from
-        the key into `req`. Returns the turn's options."""
+    async def admit(self, req: svc.TurnRequest, principal: Principal | None) -> Admitted:
+        """Scope, validation, budgets and quotas of one turn; fills the tenant (and a user-scoped key's user)
+        from the key into `req`. Budgets first: a turn they refuse takes nothing from the tenant's buckets."""
         if principal is not None:
             try:
                 req.tenant, req.user_id = auth.authorize(principal, req.tenant, req.user_id)
             except AuthError as exc:
                 raise auth_failure(exc) from None
         options = validate_turn(req, self._settings.max_text_chars)
+        text_tokens = self._count_tokens(req.text)
+        key_id = principal.key_id if principal is not None else None
+        standings = await self._check_budgets(req, key_id, principal)
         limits = self._quotas.limits(req.tenant)
-        # Counting the text's tokens is work on the answer path: only when a token quota asks for it.
-        text_tokens = self._count_tokens(req.text) if limits.tokens_per_min > 0 else 0
-        refusal = self._quotas.admit(req.tenant, text_tokens, time.monotonic())
+        tokens_asked = text_tokens if limits.tokens_per_min > 0 else 0
+        taken_at = time.monotonic()
+        refusal = self._quotas.admit(req.tenant, tokens_asked, taken_at)
         limit_usd = limits.usd_per_day
         if refusal is None and limit_usd > 0:
             refusal = spend_refusal(
@@ -200,7 +305,33 @@ class Admission:
         if refusal is not None:
             log.info("turn of tenant %s refused: %s", req.tenant, refusal.message)
             raise quota_failure(refusal)
-        return options
+        quota_limits = tuple(quota_limit(h) for h in self._quotas.headroom(req.tenant, taken_at))
+        return Admitted(options, key_id, text_tokens, standings, quota_limits)
+
+    async def _check_budgets(
+        self, req: svc.TurnRequest, key_id: str | None, principal: Principal | None
+    ) -> tuple[budgets.Standing, ...]:
+        """The standings of the user's and the key's budgets (mars_ingress.budgets); TurnFailed when one is
+        spent. Nothing is read beyond the cached rows when none applies."""
+        rows = await self._budgets.rows(req.tenant, req.user_id, key_id)
+        applying = budgets.applicable(rows, req.user_id, key_id)
+        if not applying:
+            return ()
+        scopes = {b.scope for b in applying}
+        uses, now = await self._budgets.uses(
+            req.tenant,
+            req.user_id if "user" in scopes else None,
+            key_id if "key" in scopes else None,
+        )
+        verdict = budgets.decide(applying, uses, now)
+        if verdict.binding is not None:
+            # The authenticated tenant only, and the budget's kind: never the user or the key.
+            metrics.record_budget_refused(
+                principal.tenant if principal is not None else "", verdict.binding.budget.label
+            )
+            log.info("turn of tenant %s refused: %s", req.tenant, verdict.binding.message())
+            raise budget_failure(verdict, now)
+        return verdict.standings
 
     def charge_imported(self, tenant: str, pairs: list[history.ImportedPair]) -> None:
         """Imported text is the tenant's text too: it counts against a token quota."""

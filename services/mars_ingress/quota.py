@@ -60,6 +60,32 @@ class TokenBucket:
         self._refill(now)
         self.tokens -= n
 
+    def level(self, now: float) -> tuple[float, float]:
+        """(tokens left, seconds until the bucket is full again) at `now`."""
+        self._refill(now)
+        return self.tokens, max(0.0, (self.capacity - self.tokens) / self.rate)
+
+
+@dataclass(frozen=True)
+class Headroom:
+    """One of a tenant's buckets in this process as the caller is told it (TurnReply.rate_limits): turns
+    ("requests") or text tokens, its capacity, what is left and the seconds until it is full again."""
+
+    name: str
+    unit: str
+    limit: float
+    remaining: float
+    reset_s: float
+
+
+#: The name a tenant bucket of each unit goes by in TurnReply.rate_limits.
+BUCKET_NAMES = {"requests": "tenant_turns_per_s", "tokens": "tenant_tokens_per_minute"}
+
+
+def bucket_headroom(unit: str, bucket: TokenBucket, now: float) -> Headroom:
+    left, full_in = bucket.level(now)
+    return Headroom(BUCKET_NAMES[unit], unit, bucket.capacity, max(0.0, math.floor(left)), full_in)
+
 
 @dataclass(frozen=True)
 class Refusal:
@@ -68,6 +94,8 @@ class Refusal:
     limit: str
     retry_after_s: float
     message: str
+    #: The bucket that refused (a rate refusal), for the caller's rate-limit figures.
+    headroom: Headroom | None = None
 
     @property
     def retry_after_ms(self) -> int:
@@ -109,14 +137,21 @@ class Quotas:
         for bucket, n, what in buckets:
             wait = bucket.wait_s(n, now)
             if wait > 0:
+                unit = "requests" if bucket is self._turns.get(tenant) else "tokens"
                 return Refusal(
                     "rate",
                     wait,
                     f"tenant {tenant!r} is over its quota of {what}; retry in {math.ceil(wait * 1000)} ms",
+                    bucket_headroom(unit, bucket, now),
                 )
         for bucket, n, _ in buckets:
             bucket.take(n, now)
         return None
+
+    def headroom(self, tenant: str, now: float) -> list[Headroom]:
+        """The tenant's turn and token buckets in this process (those it has), after what was taken."""
+        found = (("requests", self._turns.get(tenant)), ("tokens", self._tokens.get(tenant)))
+        return [bucket_headroom(unit, bucket, now) for unit, bucket in found if bucket is not None]
 
     def charge_tokens(self, tenant: str, text_tokens: int, now: float) -> None:
         """Take `text_tokens` from the tenant's token bucket without refusing (it may go into debt, paid

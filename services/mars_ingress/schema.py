@@ -59,6 +59,30 @@ MIGRATIONS = [
         PRIMARY KEY (forget_id, service)
     )
     """,
+    # Budgets per user and per API key (mars_ingress.budgets), beside the tenant's quotas: '*' is "not this
+    # dimension". A row names a user or a key, never both; (tenant, '*', '*') only as the default for each
+    # user (each_user). A NULL limit is no limit of that kind; a row holds at least one.
+    """
+    CREATE TABLE IF NOT EXISTS ingress_budgets (
+        tenant TEXT NOT NULL, user_id TEXT NOT NULL DEFAULT '*', key_id TEXT NOT NULL DEFAULT '*',
+        each_user BOOLEAN NOT NULL DEFAULT false,
+        usd_per_day DOUBLE PRECISION CHECK (usd_per_day >= 0),
+        tokens_per_minute BIGINT CHECK (tokens_per_minute >= 0),
+        updated_at TIMESTAMPTZ NOT NULL DEFAULT now(),
+        PRIMARY KEY (tenant, user_id, key_id),
+        CONSTRAINT ingress_budgets_one_dimension CHECK (user_id = '*' OR key_id = '*'),
+        CONSTRAINT ingress_budgets_scope CHECK (each_user = (user_id = '*' AND key_id = '*')),
+        CONSTRAINT ingress_budgets_a_limit CHECK (usd_per_day IS NOT NULL OR tokens_per_minute IS NOT NULL)
+    )
+    """,
+    # The API key a turn came with (its id; NULL with auth off), and the tokens it counts against a
+    # tokens-per-minute budget: its text's estimate when admitted, the answering call's prompt + answer
+    # tokens once answered. Spend and tokens per user and per key are summed from here (mars_ingress.budget_store).
+    "ALTER TABLE ingress_turns ADD COLUMN IF NOT EXISTS key_id TEXT",
+    "ALTER TABLE ingress_turns ADD COLUMN IF NOT EXISTS tokens BIGINT",
+    "CREATE INDEX IF NOT EXISTS ingress_turns_user_time ON ingress_turns (tenant, user_id, created_at)",
+    "CREATE INDEX IF NOT EXISTS ingress_turns_key_time ON ingress_turns (tenant, key_id, created_at) "
+    "WHERE key_id IS NOT NULL",
     # The API keys (mars.auth): applied with the ingress's schema, by the service and by `mars migrate`.
     *auth.MIGRATIONS,
 ]

@@ -48,6 +48,10 @@ class IngressSettings(ServiceSettings):
     quota_replicas: int = Field(default=1, ge=1)
     #: How long a tenant's spend today is cached before Postgres is asked again.
     quota_spend_cache_s: float = Field(default=5.0, ge=0)
+    #: How long the budgets per user and per key (`mars tenant set-budget`, mars_ingress.budgets) are cached
+    #: per (tenant, user, key) before Postgres is asked again: a changed budget holds within this time.
+    #: The use they are checked against is read fresh for each turn they apply to.
+    quota_budget_cache_s: float = Field(default=5.0, ge=0)
     #: ImportHistory with wait: the longest it waits for the memory service to store the pairs when the
     #: call itself has no deadline.
     import_wait_s: float = Field(default=600.0, gt=0)

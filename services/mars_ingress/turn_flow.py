@@ -22,13 +22,13 @@ from mars.v1 import events_pb2 as ev
 from mars.v1 import services_pb2 as svc
 from opentelemetry import trace
 
-from mars_ingress.admission import Admission, TurnFailed
+from mars_ingress.admission import Admission, Admitted, TurnFailed
 from mars_ingress.capacity import Capacity
 from mars_ingress.history_import import HistoryImport
 from mars_ingress.replies import PendingReplies
 from mars_ingress.settings import IngressSettings
 from mars_ingress.spec import NAME
-from mars_ingress.turns import TurnStore
+from mars_ingress.turns import TurnStore, charged_tokens
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,13 @@ def caller_attempt(attempt: ev.GenerationAttempt) -> ev.GenerationAttempt:
     return shown
 
 
-def turn_reply(envelope: ev.TurnEnvelope, generated: ev.Generated, started: float) -> svc.TurnReply:
+def turn_reply(
+    envelope: ev.TurnEnvelope, generated: ev.Generated, started: float, admitted: Admitted | None = None
+) -> svc.TurnReply:
+    limits: list[svc.RateLimit] = []
+    if admitted is not None and admitted.limited:
+        tokens = charged_tokens(generated) or admitted.text_tokens
+        limits = admitted.rate_limits(tokens, generated.cost_usd + generated.controller_cost_usd)
     return svc.TurnReply(
         turn_id=envelope.turn_id,
         seq=envelope.seq,
@@ -57,6 +63,7 @@ def turn_reply(envelope: ev.TurnEnvelope, generated: ev.Generated, started: floa
         attempts=[caller_attempt(a) for a in generated.attempts],
         trace_id=current_trace_id(),
         usage=generated.usage,
+        rate_limits=limits,
     )
 
 
@@ -98,13 +105,15 @@ class TurnFlow:
         principal: Principal | None,
         tokens: asyncio.Queue[ev.TokenChunk] | None = None,
         caller_remaining_s: float | None = None,
+        limits: list[svc.RateLimit] | None = None,
     ) -> svc.TurnReply:
-        """One turn, counted in mars.turns by how it ended (SendTurn, Converse and streamed turns alike)."""
+        """One turn, counted in mars.turns by how it ended (SendTurn, Converse and streamed turns alike).
+        `limits` gets the turn's budgets as they stand once it is let in (a streamed turn's first reply)."""
         started = time.perf_counter()
         # The authenticated tenant only: a tenant name the caller typed must not become a metric label.
         tenant = principal.tenant if principal is not None else ""
         try:
-            reply = await self._answer(req, metadata, principal, tokens, caller_remaining_s)
+            reply = await self._answer(req, metadata, principal, tokens, caller_remaining_s, limits)
         except BaseException as exc:
             metrics.record_turn(metrics.turn_status(exc), tenant, (time.perf_counter() - started) * 1000)
             raise
@@ -117,13 +126,19 @@ class TurnFlow:
         """Partial replies as dispatch streams the answer, then the final reply (always complete: pieces
         that arrive after it are dropped, since the final text already holds them)."""
         tokens: asyncio.Queue[ev.TokenChunk] = asyncio.Queue()
-        turn = asyncio.create_task(self.turn(request, metadata, principal, tokens))
+        limits: list[svc.RateLimit] = []
+        turn = asyncio.create_task(self.turn(request, metadata, principal, tokens, limits=limits))
+        first = True
         try:
             while not turn.done():
                 getter = asyncio.ensure_future(tokens.get())
                 await asyncio.wait({getter, turn}, return_when=asyncio.FIRST_COMPLETED)
                 if getter.done():
-                    yield partial_reply(getter.result())
+                    partial = partial_reply(getter.result())
+                    if first:  # the caller's headers go out with the first piece (mars_gateway)
+                        partial.rate_limits.extend(limits)
+                        first = False
+                    yield partial
                 else:
                     getter.cancel()
             while not tokens.empty():
@@ -140,14 +155,17 @@ class TurnFlow:
         principal: Principal | None,
         tokens: asyncio.Queue[ev.TokenChunk] | None = None,
         caller_remaining_s: float | None = None,
+        limits: list[svc.RateLimit] | None = None,
     ) -> svc.TurnReply:
-        options = await self._admission.admit(req, principal)
+        admitted = await self._admission.admit(req, principal)
+        if limits is not None and admitted.limited:
+            limits.extend(admitted.rate_limits(admitted.text_tokens, 0.0))
         slot = self._capacity.enter(req.tenant, principal.tenant if principal is not None else "")
         pipeline_ms: float | None = None
         turn_ms: float | None = None
         failure: BaseException | None = None
         try:
-            reply = await self._admitted(req, metadata, options, tokens, caller_remaining_s)
+            reply = await self._admitted(req, metadata, admitted, tokens, caller_remaining_s)
             # The turn's time in MARS: what the model calls took is not the pipeline's capacity.
             turn_ms = reply.latency_ms
             pipeline_ms = turn_ms - sum(a.latency_ms for a in reply.attempts)
@@ -162,7 +180,7 @@ class TurnFlow:
         self,
         req: svc.TurnRequest,
         metadata: object,
-        options: dict[str, str],
+        admitted: Admitted,
         tokens: asyncio.Queue[ev.TokenChunk] | None,
         caller_remaining_s: float | None,
     ) -> svc.TurnReply:
@@ -182,7 +200,7 @@ class TurnFlow:
                 session_id=req.session_id or "default",
                 received_at_ms=now_ms,
                 schema_version=SCHEMA_VERSION,
-                options=options,
+                options=admitted.options,
                 deadline_ms=now_ms + int(wait_s * 1000),
             )
             span.set_attribute("mars.turn_id", envelope.turn_id)
@@ -193,9 +211,9 @@ class TurnFlow:
                 span.set_attribute("mars.history_imported", imported)
             with step("ingress accept"):
                 envelope.data_key_id = await self._producer.data_key_for(req.tenant, req.user_id)
-                received = await self._turns.accept(envelope, req.text)
+                received = await self._turns.accept(envelope, req.text, admitted.key_id, admitted.text_tokens)
             generated = await self._publish_and_wait(received, wait_s, tokens)
-            return turn_reply(received.turn, generated, started)
+            return turn_reply(received.turn, generated, started, admitted)
 
     async def _publish_and_wait(
         self, received: ev.TurnReceived, wait_s: float, tokens: asyncio.Queue[ev.TokenChunk] | None

@@ -30,6 +30,15 @@ FINISH_SQL = (
     "WHERE turn_id = %s AND (status = 'PENDING' OR (status = 'TIMEOUT' AND %s = 'ANSWERED'))"
 )
 
+#: An answered turn's tokens: the answering call's prompt + answer tokens replace the text's estimate.
+TOKENS_SQL = "UPDATE ingress_turns SET tokens = %s WHERE turn_id = %s"
+
+
+def charged_tokens(generated: ev.Generated) -> int:
+    """What an answered turn counts against a tokens-per-minute budget: the answering call's prompt and
+    answer tokens as the endpoint counted them (0: it did not say; the text's estimate stays)."""
+    return int(generated.usage.input_tokens + generated.usage.output_tokens)
+
 
 class TurnStore:
     def __init__(self, settings: IngressSettings, producer: EventProducer, pool: AsyncConnectionPool) -> None:
@@ -44,11 +53,14 @@ class TurnStore:
             self._producer.ledger = EmittedLedger(self._pool)
         self._producer.ledger.add(INGRESS_STAGE, turn_id)
 
-    async def accept(self, envelope: ev.TurnEnvelope, text: str) -> ev.TurnReceived:
+    async def accept(
+        self, envelope: ev.TurnEnvelope, text: str, key_id: str | None = None, tokens: int | None = None
+    ) -> ev.TurnReceived:
         """Give the turn its per-user seq and record it (with its event, the outbox copy) in one
         transaction: a seq is never taken without its turn, so no later view waits for a turn that never
         was. Two round trips (pipelined): the seq, then the row with the commit. Retried on a broken
-        connection; a retry after a commit whose answer was lost finds the row."""
+        connection; a retry after a commit whose answer was lost finds the row. `key_id` (the caller's key)
+        and `tokens` (the text's estimate) are what its budgets count (mars_ingress.budget_store)."""
         for attempt in range(1, ACCEPT_ATTEMPTS + 1):
             try:
                 async with self._pool.connection() as conn, conn.pipeline(), conn.transaction():
@@ -73,8 +85,8 @@ class TurnStore:
                     received = ev.TurnReceived(turn=envelope, text=text)
                     await conn.execute(
                         "INSERT INTO ingress_turns (turn_id, tenant, user_id, session_id, seq, status, "
-                        "deadline_at, received, text_digest) "
-                        "VALUES (%s, %s, %s, %s, %s, 'PENDING', to_timestamp(%s / 1000.0), %s, %s)",
+                        "deadline_at, received, text_digest, key_id, tokens) "
+                        "VALUES (%s, %s, %s, %s, %s, 'PENDING', to_timestamp(%s / 1000.0), %s, %s, %s, %s)",
                         (
                             envelope.turn_id,
                             envelope.tenant,
@@ -84,6 +96,8 @@ class TurnStore:
                             envelope.deadline_ms,
                             received.SerializeToString(),
                             history.text_digest(envelope.tenant, envelope.user_id, envelope.session_id, text),
+                            key_id,
+                            tokens,
                         ),
                     )
                     return received
@@ -114,7 +128,12 @@ class TurnStore:
         if event.imported:
             return  # recorded as IMPORTED when it was imported
         if event.status == ev.OK:
-            await self.record(event.turn.turn_id, "ANSWERED")
+            # The answer's tokens count against its budgets from now on (debt), in the same round trip.
+            used = charged_tokens(event)
+            async with self._pool.connection() as conn, conn.pipeline():
+                await conn.execute(FINISH_SQL, ("ANSWERED", None, event.turn.turn_id, "ANSWERED"))
+                if used > 0:
+                    await conn.execute(TOKENS_SQL, (used, event.turn.turn_id))
         else:
             await self.record(event.turn.turn_id, "FAILED", event.error or "no model could answer")
 

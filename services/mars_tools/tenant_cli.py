@@ -1,4 +1,5 @@
-"""`mars tenant create|list|rotate|revoke`: the API keys callers present at the ingress (mars.auth).
+"""`mars tenant create|list|rotate|revoke`: the API keys callers present at the ingress (mars.auth); and
+`set-budget|clear-budget|budgets`, the budgets per user and per key (mars_tools.budget_cli).
 
 Keys live hashed (SHA-256) in the pipeline's Postgres (MARS_POSTGRES_DSN or --postgres-dsn), table
 ingress_api_keys; the key itself is printed once, at creation or rotation, and cannot be shown again.
@@ -10,10 +11,12 @@ import argparse
 from typing import Any
 
 from mars import auth
+from mars_ingress import budget_store
 from rich.markup import escape
 from rich.table import Table
 
 from mars_tools.admin_cli import SettingsError, add_postgres_dsn_arg, load_settings
+from mars_tools.budget_cli import add_budget_parsers
 from mars_tools.terminal import console
 
 
@@ -89,6 +92,9 @@ def cmd_rotate(args: argparse.Namespace) -> int:
             console.print(f"[red]no live key {escape(args.key_id)}[/] (see `mars tenant list --all`)")
             return 1
         _show_new(new, f"replaced {args.key_id} (revoked) by")
+        if conn.execute("SELECT to_regclass('ingress_budgets') IS NOT NULL").fetchone()[0]:
+            if budget_store.move_key_budget(conn, args.key_id, new.key_id):
+                console.print(f"its budget now applies to {new.key_id} (its use starts over)")
         return 0
 
     return _run(args, action)
@@ -110,11 +116,12 @@ def cmd_revoke(args: argparse.Namespace) -> int:
 def add_tenant_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     tenant = sub.add_parser(
         "tenant",
-        help="create, list, rotate and revoke the tenants' API keys for the ingress",
+        help="create, list, rotate and revoke the tenants' API keys; set budgets per user and per key",
         description="Callers of the ingress send `authorization: Bearer <key>` gRPC metadata; the key names "
         "the tenant (and optionally the one user) it acts for. Keys are stored as SHA-256 hashes in the "
         "Postgres at --postgres-dsn / MARS_POSTGRES_DSN; a key is printed once, when created or rotated. "
         "A revoked key stops working within MARS_INGRESS_AUTH_CACHE_TTL_S (5 s) on every ingress replica. "
+        "Budgets per user and per key (USD per day, tokens per minute): set-budget, clear-budget, budgets. "
         "Exit 0 on success, 1 when Postgres failed or the key does not exist, 2 for bad input.",
     )
     tenant_sub = tenant.add_subparsers(dest="tenant_cmd", required=True)
@@ -143,7 +150,7 @@ def add_tenant_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
 
     p = tenant_sub.add_parser(
         "rotate",
-        help="issue a new key like KEY_ID (same tenant, user, admin flag) and revoke KEY_ID",
+        help="issue a new key like KEY_ID (same tenant, user, admin flag, budget) and revoke KEY_ID",
     )
     common(p)
     p.add_argument(
@@ -159,3 +166,5 @@ def add_tenant_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
         help="the id of the key to revoke (`mars tenant list`; an id starting with '-' goes after --)",
     )
     p.set_defaults(func=cmd_revoke)
+
+    add_budget_parsers(tenant_sub)

@@ -38,6 +38,8 @@ from mars.identity import with_identity
 from mars.v1 import events_pb2 as ev
 from mars.v1 import services_pb2 as svc
 from mars.v1 import services_pb2_grpc as svc_grpc
+from mars_ingress import budget_store
+from mars_ingress.budget_store import Target
 from mars_ingress.client import ingress_channel
 from mars_stack import LocalStack, StackSettings
 from mars_tools.replay.readers import read_topics
@@ -182,8 +184,17 @@ def test_forget_user(stack: LocalStack) -> None:
         stub.SubmitFeedback(
             svc.FeedbackRequest(user_id=user, turn_id=turn_ids[tenant, user][0], thumbs=1), timeout=30
         )
-    # A key limited to the user, which goes with them.
-    api_key(stack, TENANT, GONE)
+    # A key limited to the user, which goes with them, and budgets: the user's and their key's go, the
+    # other user's and the same user id's in another tenant stay.
+    gone_key_id = api_key(stack, TENANT, GONE)[5:13]
+    with psycopg.connect(stack.env["MARS_POSTGRES_DSN"], autocommit=True) as conn:
+        for target in (
+            Target(TENANT, GONE),
+            Target(TENANT, key_id=gone_key_id),
+            Target(TENANT, KEPT),
+            Target(OTHER_TENANT, GONE),
+        ):
+            budget_store.set_budget(conn, target, 100.0, None)
     everything = [t for ids in turn_ids.values() for t in ids]
     wait_for(lambda: _settled(stack, everything), 90, "every turn stored, judged and applied")
     wait_for(
@@ -212,6 +223,7 @@ def test_forget_user(stack: LocalStack) -> None:
     for table in ("ingress_turns", "memory_records", "judge_rewards", "router_decisions", "router_arms"):
         assert before[TENANT, GONE][table] > 0, table
     assert before[TENANT, GONE]["ingress_api_keys"] == 1
+    assert before[TENANT, GONE]["ingress_budgets"] == 1  # the key's budget names no user (found by its key)
     # Both replicas load the user's index (before the forget: only the control event can empty them).
     for described in describe_all(stack, TENANT, GONE):
         assert described.lexical_docs == len(TURNS) and described.dense_vectors >= len(TURNS)
@@ -255,7 +267,9 @@ def test_forget_user(stack: LocalStack) -> None:
     assert reply.rows_deleted["ingress_turns"] == len(TURNS)
     assert reply.rows_deleted["memory_records"] == len(TURNS)
     assert reply.rows_deleted["ingress_api_keys"] == 1
-    assert sum(reply.rows_deleted.values()) == sum(before[TENANT, GONE].values())
+    assert reply.rows_deleted["ingress_budgets"] == 2
+    assert sum(reply.rows_deleted.values()) == sum(before[TENANT, GONE].values()) + 1  # + the key's budget
+    assert query(stack, "SELECT count(*) FROM ingress_budgets WHERE key_id = %s", (gone_key_id,)) == [(0,)]
 
     # 0 rows of the user in any table; 0 vectors in every replica's index.
     assert set(rows_of(stack, TENANT, GONE, turn_ids[TENANT, GONE]).values()) == {0}

@@ -1,10 +1,12 @@
 """The OpenAI-compatible gateway (mars_gateway) over the real stack: the official `openai` client, streamed
 and not, two users and two sessions; earlier messages stored once; feedback reaching the router; bad input
-answered in OpenAI's error format with nothing written; schemathesis against the served OpenAPI document."""
+answered in OpenAI's error format with nothing written; budgets per user as 429 with Retry-After and OpenAI's
+x-ratelimit-* headers; schemathesis against the served OpenAPI document."""
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -14,10 +16,12 @@ from typing import Any
 
 import httpx
 import openai
+import psycopg
 import pytest
 from conftest import api_key, query, read_events, start_stack, wait_for
 from mars.config import TOPIC_VIEW
 from mars.v1 import events_pb2 as ev
+from mars_ingress import budget_store
 from mars_stack import LocalStack
 from mars_stack.readiness import free_port
 
@@ -29,6 +33,7 @@ ARMS = {"broken-endpoint", "standin-short", "standin-long"}
 
 
 METRICS_PORT = free_port()
+QUOTAS = {QUOTA_TENANT: {"turns_per_s": 0.001, "turn_burst": 1}}
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +46,8 @@ def gw_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
             "judge": {"MARS_JUDGE_FEEDBACK_MODE": "replace"},
             # One turn, then 429 for a long while: the quota test and the fuzzing tenant.
             "ingress": {
-                "MARS_INGRESS_QUOTA_TENANTS": json.dumps({QUOTA_TENANT: {"turns_per_s": 0.001, "turn_burst": 1}})
+                "MARS_INGRESS_QUOTA_TENANTS": json.dumps(QUOTAS),
+                "MARS_INGRESS_QUOTA_BUDGET_CACHE_S": "0",
             },
             "gateway": {"MARS_GATEWAY_METRICS_PORT": str(METRICS_PORT)},
         },
@@ -341,7 +347,58 @@ def test_quota_is_429_with_retry_after(gw_stack: LocalStack) -> None:
     c.chat.completions.create(**body)  # type: ignore[call-overload]
     with pytest.raises(openai.RateLimitError) as info:
         c.chat.completions.create(**body)  # type: ignore[call-overload]
-    assert int(info.value.response.headers["Retry-After"]) >= 1
+    headers = info.value.response.headers
+    assert int(headers["Retry-After"]) >= 1
+    # The tenant's turn bucket, as OpenAI's request figures: a burst of 1, none left.
+    assert (headers["x-ratelimit-limit-requests"], headers["x-ratelimit-remaining-requests"]) == ("1", "0")
+    assert "x-mars-budget" not in headers  # a quota, not a budget
+
+
+def set_budget(stack: LocalStack, user: str, tokens_per_minute: int) -> None:
+    with psycopg.connect(stack.env["MARS_POSTGRES_DSN"], autocommit=True) as conn:
+        budget_store.set_budget(conn, budget_store.Target(TENANT, user), None, tokens_per_minute)
+
+
+def completion_body(user: str, stream: bool = False) -> dict[str, Any]:
+    messages = [{"role": "user", "content": "Name a river"}]
+    return {"model": "mars", "user": user, "messages": messages, "max_tokens": 8, "stream": stream}
+
+
+def post(stack: LocalStack, body: dict[str, Any]) -> httpx.Response:
+    """The response with its body read (a stream to its [DONE])."""
+    headers = {"Authorization": f"Bearer {api_key(stack, TENANT)}"}
+    return httpx.post(url(stack) + "/v1/chat/completions", json=body, headers=headers, timeout=120)
+
+
+def test_a_users_budget_is_429_with_retry_after_and_ratelimit_headers(gw_stack: LocalStack) -> None:
+    """A budget per user through the gateway, plain and streamed: answers carry OpenAI's x-ratelimit-*
+    headers; once spent, 429 with Retry-After, x-mars-budget and the figures, before any stream starts;
+    another user of the same key is answered."""
+    for user, stream in (("gw-bud", False), ("gw-bud-s", True)):
+        set_budget(gw_stack, user, 1)
+        ok = post(gw_stack, completion_body(user, stream))
+        assert ok.status_code == 200, ok.text
+        assert ok.headers["x-ratelimit-limit-tokens"] == "1"
+        assert ok.headers["x-ratelimit-remaining-tokens"] == "0"
+        # Whole again a minute after this turn, in OpenAI's duration format.
+        assert re.fullmatch(r"1m0s|59(\.\d+)?s", ok.headers["x-ratelimit-reset-tokens"]), ok.headers
+        if stream:
+            assert ok.text.rstrip().endswith("data: [DONE]")
+        refused = post(gw_stack, completion_body(user, stream))
+        assert refused.status_code == 429, refused.text
+        assert refused.headers["content-type"].startswith("application/json")  # not a started stream
+        err = _error(refused)
+        assert err["type"] == "rate_limit_error" and "user budget of 1 tokens/min reached" in err["message"]
+        assert 1 <= int(refused.headers["Retry-After"]) <= 60
+        assert refused.headers["x-mars-budget"] == "user_tokens_per_minute"
+        assert refused.headers["x-ratelimit-remaining-tokens"] == "0"
+        assert refused.headers["x-ratelimit-limit-tokens"] == "1"
+    # Through the SDK: its RateLimitError, with the headers; another user is answered.
+    with pytest.raises(openai.RateLimitError) as info:
+        client(gw_stack).chat.completions.create(**completion_body("gw-bud"))  # type: ignore[call-overload]
+    assert info.value.response.headers["x-mars-budget"] == "user_tokens_per_minute"
+    other = post(gw_stack, completion_body("gw-unbudgeted"))
+    assert other.status_code == 200 and "x-ratelimit-limit-tokens" not in other.headers
 
 
 def test_the_callers_trace_continues_through_the_pipeline(gw_stack: LocalStack) -> None:

@@ -1,12 +1,14 @@
 """The ingress's front door over the real stack: API keys (UNAUTHENTICATED / PERMISSION_DENIED), tenants
 from the key, user-scoped keys, revocation within the cache TTL, `mars tenant` commands, control characters
-(INVALID_ARGUMENT instead of a database error), per-tenant quotas (RESOURCE_EXHAUSTED with a retry hint) and
+(INVALID_ARGUMENT instead of a database error), per-tenant quotas (RESOURCE_EXHAUSTED with a retry hint),
+budgets per user and per key (`mars tenant set-budget`: RESOURCE_EXHAUSTED naming the budget) and
 the isolation property: two tenants' interleaved turns never see each other's (or another user's) data.
 Behind it, the stage services' own door: service identities only (mars.identity), whatever the key."""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -46,6 +48,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
                 "MARS_INGRESS_AUTH_CACHE_TTL_S": str(TTL_S),
                 "MARS_INGRESS_QUOTA_TENANTS": json.dumps(QUOTAS),
                 "MARS_INGRESS_QUOTA_SPEND_CACHE_S": "0",
+                "MARS_INGRESS_QUOTA_BUDGET_CACHE_S": "0",
             }
         },
     )
@@ -262,6 +265,97 @@ def test_daily_spend_limit(stack: LocalStack) -> None:
     assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "daily limit" in (err.details() or "") and "00:00 UTC" in (err.details() or "")
     assert _retry_after_ms(err) > 0
+
+
+def _set_budget(stack: LocalStack, *args: str) -> subprocess.CompletedProcess[str]:
+    run = mars("tenant", "set-budget", *args, "--postgres-dsn", stack.env["MARS_POSTGRES_DSN"])
+    assert run.returncode == 0, run.stdout + run.stderr
+    return run
+
+
+def _limits(reply: svc.TurnReply) -> dict[str, tuple[float, float]]:
+    return {r.budget: (r.limit, r.remaining) for r in reply.rate_limits}
+
+
+def test_a_users_token_budget_refuses_that_user_only(stack: LocalStack) -> None:
+    """`mars tenant set-budget --user`: the turn that spends the budget goes in (debt), the next is
+    RESOURCE_EXHAUSTED naming the budget and when it frees, with the figures in trailing metadata; another
+    user of the tenant is answered; `clear-budget` lets the user in again."""
+    _set_budget(stack, "--tenant", "budgeted", "--user", "ann", "--tokens-per-minute", "1")
+    stub = ingress_stub(stack, "budgeted")
+    first = stub.SendTurn(turn(user="ann"), timeout=60)
+    assert first.text and _limits(first) == {"user_tokens_per_minute": (1.0, 0.0)}
+    assert 59 <= first.rate_limits[0].reset_s <= 60
+    err = refused(stub.SendTurn, turn(user="ann"), timeout=30)
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "user budget of 1 tokens/min reached" in (err.details() or "")
+    assert re.search(r"frees at 20\d\d-\d\d-\d\dT\d\d:\d\d:\d\dZ", err.details() or ""), err.details()
+    trailing = dict(err.trailing_metadata() or ())  # type: ignore[attr-defined]
+    assert trailing["mars-budget"] == "user_tokens_per_minute"
+    assert trailing["mars-ratelimit-limit-tokens"] == "1"
+    assert trailing["mars-ratelimit-remaining-tokens"] == "0"
+    assert 0 < _retry_after_ms(err) <= 60_000 and 0 < float(trailing["mars-ratelimit-reset-tokens"]) <= 60
+    # Streamed turns and Converse are refused alike; another user is not.
+    streamed = turn(user="ann")
+    streamed.options["stream"] = "true"
+    err = refused(lambda: list(stub.Converse(iter([streamed]), timeout=60)))
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "user budget" in (err.details() or "")
+    for _ in range(2):
+        assert stub.SendTurn(turn(user="bob"), timeout=60).text
+    # The answer's own tokens count (the answering call's prompt + answer), not only the text's estimate.
+    counted = "SELECT tokens FROM ingress_turns WHERE turn_id = %s"
+    answered = first.usage.input_tokens + first.usage.output_tokens
+    assert answered > 0
+    wait_for(lambda: query(stack, counted, (first.turn_id,))[0][0] == answered, 30, "the answer's tokens")
+    dsn = stack.env["MARS_POSTGRES_DSN"]
+    listed = mars("tenant", "budgets", "--tenant", "budgeted", "--postgres-dsn", dsn)
+    assert listed.returncode == 0 and "user ann" in listed.stdout and " of 1" in listed.stdout, listed.stdout
+    cleared = mars("tenant", "clear-budget", "--tenant", "budgeted", "--user", "ann", "--postgres-dsn", dsn)
+    assert cleared.returncode == 0, cleared.stdout + cleared.stderr
+    again = stub.SendTurn(turn(user="ann"), timeout=60)
+    assert again.text and not again.rate_limits
+
+
+def test_the_each_user_budget_is_every_users_own(stack: LocalStack) -> None:
+    """--each-user is a budget per user, not one shared by them: one user's spent budget does not refuse
+    another; a user's own limit replaces the default."""
+    _set_budget(stack, "--tenant", "everyone", "--each-user", "--tokens-per-minute", "1")
+    _set_budget(stack, "--tenant", "everyone", "--user", "big", "--tokens-per-minute", "1000000")
+    stub = ingress_stub(stack, "everyone")
+    assert stub.SendTurn(turn(user="cid"), timeout=60).text
+    err = refused(stub.SendTurn, turn(user="cid"), timeout=30)
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "(the tenant's default for each user) of 1 tokens/min" in (err.details() or "")
+    assert stub.SendTurn(turn(user="dee"), timeout=60).text  # dee's own minute
+    for _ in range(2):
+        reply = stub.SendTurn(turn(user="big"), timeout=60)
+        assert _limits(reply)["user_tokens_per_minute"][0] == 1_000_000
+
+
+def test_a_keys_daily_spend_budget_refuses_that_key_only(stack: LocalStack) -> None:
+    key = api_key(stack, "keyed")
+    _set_budget(stack, "--tenant", "keyed", "--key", key[5:13], "--usd-per-day", "1e-12")
+    bad = mars(
+        "tenant", "set-budget", "--tenant", "other", "--key", key[5:13], "--usd-per-day", "1",
+        "--postgres-dsn", stack.env["MARS_POSTGRES_DSN"],
+    )  # fmt: skip
+    assert bad.returncode == 2 and "no API key" in bad.stdout  # another tenant's key
+    stub = ingress_stub(stack, "keyed")
+    first = stub.SendTurn(turn(user="eve"), timeout=60)
+    assert first.cost_usd > 0 and _limits(first)["key_usd_per_day"][1] == 0.0
+    recorded = query(stack, "SELECT key_id FROM ingress_turns WHERE turn_id = %s", (first.turn_id,))
+    assert recorded == [(key[5:13],)]
+    judged = "SELECT 1 FROM ingress_turns WHERE turn_id = %s AND cost_usd > 0"
+    wait_for(lambda: bool(query(stack, judged, (first.turn_id,))), 60, "the judged cost recorded")
+    err = refused(stub.SendTurn, turn(user="fay"), timeout=30)  # any user of the key
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    details = err.details() or ""
+    assert "key budget of $1e-12/day reached" in details and "T00:00:00Z" in details
+    assert dict(err.trailing_metadata())["mars-budget"] == "key_usd_per_day"  # type: ignore[attr-defined]
+    # Another key of the same tenant has its own (no) budget.
+    another_key = mint_key(stack.env["MARS_POSTGRES_DSN"], "keyed").key
+    other = svc_grpc.IngressStub(ingress_channel(stack.addr("ingress"), another_key))
+    assert other.SendTurn(turn(user="eve"), timeout=60).text
 
 
 def test_isolation_between_tenants_and_users(stack: LocalStack) -> None:

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from aiokafka import ConsumerRecord, TopicPartition
 from mars import metrics
+from mars.auth import Principal
 from mars.bus.codec import PoisonEvent, event_key
 from mars.bus.consumer import StageConsumer
 from mars.bus.delivery import Subscription
@@ -27,9 +28,13 @@ from mars.domain.memory_policy import MemoryRecord
 from mars.model_pool import ModelPool, ModelSpec
 from mars.telemetry import setup_telemetry
 from mars.v1 import events_pb2 as ev
+from mars.v1 import services_pb2 as svc
 from mars_dispatch.clients import Completion, GenerationError
 from mars_dispatch.dispatcher import Dispatcher
 from mars_dispatch.settings import DispatchSettings
+from mars_ingress.admission import Admission, TurnFailed
+from mars_ingress.budgets import BudgetRow, Use
+from mars_ingress.settings import IngressSettings
 from mars_judge.service import count_costs
 from mars_memory.write_behind import WriteBehind
 from mars_state.qtm.guard import GuardedEstimator
@@ -353,3 +358,25 @@ def test_the_memory_writers_embedding_backlog_is_a_gauge(reader: InMemoryMetricR
         assert [p.value for _, p in points(reader, "mars.memory.embed_behind")] == [0]
 
     asyncio.run(scenario())
+
+
+class _SpentBudgets:
+    """A budget store whose user has spent a 10-token-per-minute budget (mars_ingress.budget_store's
+    reads, without Postgres)."""
+
+    async def rows(self, tenant: str, user_id: str, key_id: str | None) -> list[BudgetRow]:
+        return [BudgetRow(tenant, user_id=user_id, tokens_per_minute=10)]
+
+    async def uses(self, tenant: str, user: str | None, key: str | None) -> tuple[dict[str, Use], float]:
+        return {"user": Use(recent_tokens=((999.0, 25.0),))}, 1000.0
+
+
+def test_budget_refusals_by_tenant_and_kind_never_the_user_or_key(reader: InMemoryMetricReader) -> None:
+    admission = Admission(IngressSettings(), pool=None)  # type: ignore[arg-type]
+    admission._budgets = _SpentBudgets()  # type: ignore[assignment]
+    principal = Principal(key_id="k1", tenant="acme")
+    request = svc.TurnRequest(user_id="alice", text="hello")
+    with pytest.raises(TurnFailed, match="user budget of 10 tokens/min reached"):
+        asyncio.run(admission.admit(request, principal))
+    refused = [(a, p.value) for a, p in points(reader, "mars.budget.refused")]
+    assert refused == [({"tenant": "acme", "budget": "user_tokens_per_minute"}, 1)]

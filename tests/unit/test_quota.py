@@ -107,3 +107,24 @@ def test_spend_cache_asks_once_per_ttl() -> None:
 
     asyncio.run(run())
     assert asked == ["a", "a"]
+
+
+def test_the_tenants_buckets_are_told_as_requests_and_tokens_left() -> None:
+    """What TurnReply.rate_limits (and the gateway's x-ratelimit-*-requests) say of a tenant's buckets: the
+    capacity, what is left after the turn, and when the bucket is full again; a refusal carries its bucket."""
+    from mars_ingress.admission import quota_failure
+
+    q = Quotas(TenantLimits(turns_per_s=0.5, turn_burst=2, tokens_per_min=600))
+    assert q.headroom("a", now=0.0) == []  # nothing taken yet: no bucket
+    assert q.admit("a", 100, now=0.0) is None
+    turns, tokens = q.headroom("a", now=0.0)
+    assert (turns.name, turns.unit, turns.limit, turns.remaining) == ("tenant_turns_per_s", "requests", 2, 1)
+    assert turns.reset_s == pytest.approx(2.0)  # one turn back at 0.5/s
+    assert (tokens.unit, tokens.limit, tokens.remaining, tokens.reset_s) == ("tokens", 600, 500, 10.0)
+    assert q.admit("a", 100, now=0.0) is None
+    refusal = q.admit("a", 100, now=0.0)
+    assert refusal is not None and refusal.headroom is not None and refusal.headroom.remaining == 0
+    trailing = dict(quota_failure(refusal).trailing)
+    assert trailing["mars-ratelimit-limit-requests"] == "2"
+    assert trailing["mars-ratelimit-remaining-requests"] == "0"
+    assert float(trailing["mars-ratelimit-reset-requests"]) == pytest.approx(4.0)
