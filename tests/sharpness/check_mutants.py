@@ -27,7 +27,7 @@ from mutants import MUTANTS, Mutant
 REPO = Path(__file__).resolve().parents[2]
 #: Built, git-ignored parts a copy uses as they are (linked, not copied): the generated protobuf code is
 #: copied instead, since a mutant never edits it but the copy's imports must find it beside its sources.
-LINKED = ("infra/kafka/target", "load-tests/.venv-litellm", ".cache", ".venv")
+LINKED = ("infra/kafka/target", "load-tests/.venv-litellm", ".cache", ".venv", "infra/k8s/bin")
 GENERATED = "services/mars/v1"
 
 
@@ -91,6 +91,9 @@ def check(mutant: Mutant, workdir: Path, baseline: bool) -> tuple[str, float]:
         shutil.rmtree(clean, ignore_errors=True)
         if code != 0:
             return f"error: the test fails on the unbroken copy too (exit {code})", time.monotonic() - began
+        if " passed" not in (workdir / f"{mutant.name}-clean.log").read_text():
+            # A skipped test (a control plane not built, say) passes too and would prove nothing.
+            return "error: the test did not run on the unbroken copy (skipped)", time.monotonic() - began
     broken = copy_repo(workdir / mutant.name)
     apply(mutant, broken)
     code = run_test(broken, mutant.test, workdir / f"{mutant.name}.log")
