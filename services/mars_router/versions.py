@@ -1,11 +1,12 @@
-"""Which policy version routes a tenant's turns, and which one runs in shadow beside it (issue 47).
+"""Which policy version routes a tenant's turns, which one runs in shadow beside it, and which one routes a
+share of its sessions as a canary (issue 47).
 
 Versions and roles live in router_policy_versions / router_policy_roles (mars_router.policy_admin changes
 them). Every router replica reads a tenant's roles at most once per MARS_ROUTER_POLICY_CONFIG_TTL_S (0.5 s by
 default) and caches them that long, so a promote or a rollback routes every replica's turns within about
-that time plus one read (under a second), at the cost of two small queries per tenant and second. A tenant without a live row routes by the
-implicit version "default": the router's own settings, its matrices under the bare policy id, as before
-versions existed.
+that time plus one read (under a second), at the cost of two small queries per tenant and second. A tenant
+without a live row routes by the implicit version "default": the router's own settings, its matrices under
+the bare policy id, as before versions existed.
 
 A version's matrices are router_arms rows under its own policy id, the scope's id with "#v=<version>" after
 it (`versioned_policy_id`), so a version starts cold, learns apart from the others, and is forgotten with the
@@ -97,8 +98,9 @@ class TenantPolicies:
     live: PolicyConfig | None = None
     shadow_version: str | None = None
     shadow: PolicyConfig | None = None
-    #: Reserved for the canary split (a share of sessions routed by the candidate): read, not yet routed by.
+    #: The canary run's candidate (mars_router.rollouts): it routes a share of the tenant's sessions.
     canary_version: str | None = None
+    canary: PolicyConfig | None = None
 
 
 class PolicyVersions:
@@ -162,4 +164,5 @@ class PolicyVersions:
             shadow[0] if shadow else None,
             shadow[1] if shadow else None,
             canary[0] if canary else None,
+            canary[1] if canary else None,
         )

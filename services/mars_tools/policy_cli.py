@@ -27,6 +27,7 @@ from mars.domain.policy_versions import (
     diff,
     from_router_settings,
 )
+from mars.domain.rollout import RolloutState
 from mars.model_pool import load_pool
 from mars_router import policy_admin as admin
 from mars_router.settings import RouterSettings
@@ -371,6 +372,63 @@ def add_policy_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     psub = policy.add_subparsers(dest="policy_cmd", required=True)
     _add_version_commands(psub)
     _add_role_commands(psub)
+    _add_canary_command(psub)
+
+
+def _add_canary_command(psub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = psub.add_parser(
+        "canary",
+        help="start a canary run of VERSION (a share of sessions routed by it; promoted or rolled back by the "
+        "sequential test), --stop it, or --status",
+        description="The router routes MARS_ROUTER_ROLLOUT_SHARE of TENANT's sessions (a stable hash of the "
+        "session, so a session never changes side) by VERSION, the others by the live version, and adds each "
+        "judged turn to an always-valid sequential test (mars.domain.rollout). The first decision is acted on "
+        "by the router: promote (VERSION becomes live) or roll back (a guardrail or the test), with the "
+        "evidence in the audit row, a row in router_rollouts and a PolicyDecision event on mars.control.",
+    )
+    _common(p)
+    p.add_argument("version", nargs="?", help="the candidate (not the live version)")
+    p.add_argument("--stop", action="store_true", help="stop the open canary run (live stays)")
+    p.add_argument("--status", action="store_true", help="show the tenant's canary runs and their evidence")
+    _change_args(p)
+    p.set_defaults(func=cmd_canary)
+
+
+def _show_rollouts(conn: Any, tenant: str) -> int:
+    runs = admin.rollouts(conn, tenant)
+    if not runs:
+        console.print(f"tenant {escape(tenant)} has had no canary run")
+        return 0
+    table = Table("run", "live", "candidate", "started", "turns", "decision", "rule", "statistic / boundary")
+    for r in runs:
+        evidence = r.evidence or {}
+        stat = f"{evidence.get('statistic', 0.0):.2f} / {evidence.get('boundary', 0.0):.2f}" if evidence else ""
+        table.add_row(
+            str(r.rollout_id),
+            r.live_version,
+            r.candidate_version,
+            f"{r.started_at:%Y-%m-%d %H:%M:%S}",
+            str(r.turns),
+            r.decision or "(open)",
+            r.rule or "",
+            stat,
+        )
+    console.print(table)
+    return 0
+
+
+def cmd_canary(args: argparse.Namespace) -> int:
+    if args.status:
+        return _run(args, lambda conn: _show_rollouts(conn, args.tenant))
+    if bool(args.version) == bool(args.stop):
+        console.print("[red]give a VERSION to start a canary run, --stop to stop it, or --status[/]")
+        return EXIT_BAD_INPUT
+    version = None if args.stop else args.version
+    initial = RolloutState().to_dict()
+    return _run(
+        args,
+        lambda conn: _said(admin.set_canary(conn, args.tenant, version, initial, args.actor, args.reason)),
+    )
 
 
 def _add_version_commands(psub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
