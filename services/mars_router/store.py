@@ -29,7 +29,7 @@ from mars_router.policy_tables import PolicyCorrupt, PolicyRead, PolicyTables, p
 from mars_router.rewards import RewardUpdates
 from mars_router.rollouts import Observed
 from mars_router.settings import RouterSettings
-from mars_router.versions import PolicyVersions, VersionPolicy, build_version
+from mars_router.versions import PolicyVersions, TenantPolicies, VersionPolicy, build_version
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +110,11 @@ class PolicyStore:
 
     async def policies(self, tenant: str) -> tuple[VersionPolicy, VersionPolicy | None]:
         """The tenant's live version and its shadow version (None without one)."""
-        roles = await self.versions.resolve(tenant)
+        return self._live_and_shadow(tenant, await self.versions.resolve(tenant))
+
+    def _live_and_shadow(
+        self, tenant: str, roles: TenantPolicies
+    ) -> tuple[VersionPolicy, VersionPolicy | None]:
         live = self.default_version
         if roles.live is not None:
             live = self._runtime(tenant, roles.live_version, roles.live)
@@ -123,8 +127,8 @@ class PolicyStore:
         """Who decides a turn of the session: the tenant's canary version when it has one and the session is
         in its share (in_canary, salted with the candidate's id: every turn of a session, on every replica,
         gets the same side), else its live version; and its shadow beside either."""
-        live, shadow = await self.policies(tenant)
-        roles = await self.versions.resolve(tenant)
+        roles = await self.versions.resolve(tenant)  # one read of the roles for all three
+        live, shadow = self._live_and_shadow(tenant, roles)
         if roles.canary is None or roles.canary_version is None:
             return Split(live, live, shadow)
         candidate = roles.canary_version

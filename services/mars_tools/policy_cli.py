@@ -305,6 +305,9 @@ def cmd_promote(args: argparse.Namespace) -> int:
             result = comparison(conn, args.tenant, candidate, args.bootstrap, 100_000)
             if result is not None:
                 evidence |= _evidence(result, candidate)
+        runs = admin.rollouts(conn, args.tenant, 1) if args.role == "canary" else []
+        if runs and runs[0].decided_at is None and runs[0].evidence:  # where the open run's test stood
+            evidence |= {"canary_run": runs[0].rollout_id, "rollout": runs[0].evidence}
         return _said(admin.promote(conn, args.tenant, args.role, args.actor, evidence))
 
     return _run(args, action)
@@ -402,7 +405,9 @@ def _show_rollouts(conn: Any, tenant: str) -> int:
     table = Table("run", "live", "candidate", "started", "turns", "decision", "rule", "statistic / boundary")
     for r in runs:
         evidence = r.evidence or {}
-        stat = f"{evidence.get('statistic', 0.0):.2f} / {evidence.get('boundary', 0.0):.2f}" if evidence else ""
+        stat = (
+            f"{evidence.get('statistic', 0.0):.2f} / {evidence.get('boundary', 0.0):.2f}" if evidence else ""
+        )
         table.add_row(
             str(r.rollout_id),
             r.live_version,
