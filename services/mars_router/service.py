@@ -167,7 +167,10 @@ class RouterStage:
                 run.evidence.reason.value,
                 run.turns,
             )
-            await self.publish_decision(run.event())
+            try:
+                await self.publish_decision(run.event())
+            except Exception:  # committed: the row stands, unpublished; the next start publishes it
+                log.exception("canary run %d: decision not published", run.rollout_id)
 
     async def publish_decision(self, event: ev.PolicyDecision) -> None:
         """The decision on mars.control, then marked published. Committed before: a publication that fails

@@ -166,3 +166,41 @@ def test_a_better_canary_is_promoted_and_a_failing_one_rolled_back(postgres: str
     assert [(r.turn.tenant, r.config_version, r.rollout_role) for r in after] == [
         ("cpromote", "v2", "")
     ] * 4 + [("crollback", "v1", "")] * 4
+
+
+class DownProducer(Producer):
+    async def send_raw(self, topic: str, payload: bytes, key: bytes | None) -> None:
+        raise ConnectionError("broker away")
+
+
+def test_a_decision_whose_event_failed_stands_and_is_published_at_the_next_start(postgres: str) -> None:
+    async def scenario() -> tuple[list[Any], list[Any], Producer]:
+        _, stage, pool = await replica(postgres, **ROLLOUT)
+        start(postgres, "cdown", ("small",), PolicyConfig("linucb", ("large",), {"alpha": 0.5}))
+        stage._producer = DownProducer()  # type: ignore[assignment]
+        await run_turns("cdown", [stage], lambda r: ({"small": 0.3, "large": 0.8}[r.chosen_arm], []))
+        with sync_conn(postgres) as conn:
+            before = conn.execute(
+                "SELECT decision, published_at FROM router_rollouts WHERE tenant = 'cdown'"
+            ).fetchall()
+        # The next start: a fresh replica publishes what was decided and never published.
+        _, restarted, pool_b = await replica(postgres, **ROLLOUT)
+        producer = Producer()
+        restarted._producer = producer  # type: ignore[assignment]
+        await restarted.publish_undelivered()
+        await restarted.publish_undelivered()  # published once: marked
+        with sync_conn(postgres) as conn:
+            after = conn.execute(
+                "SELECT decision, published_at IS NOT NULL FROM router_rollouts WHERE tenant = 'cdown'"
+            ).fetchall()
+        await pool.close()
+        await pool_b.close()
+        return before, after, producer
+
+    before, after, producer = asyncio.run(scenario())
+    assert before == [("promote", None)]  # the decision stands though its event failed
+    assert after == [("promote", True)]
+    cdown = [ev.PolicyDecision.FromString(p) for _, p, _ in producer.sent]
+    assert [(e.tenant, e.decision, e.rule) for e in cdown if e.tenant == "cdown"] == [
+        ("cdown", "promote", "reward CS above 0")
+    ]
