@@ -1,10 +1,13 @@
-"""`mars policy create|list|show|diff|activate|shadow|compare|promote|rollback`: the router's policy versions.
+"""`mars policy create|list|show|diff|activate|shadow|compare|promote|rollback|canary`: the router's policy
+versions.
 
 A version is an immutable routing config of a tenant's (algorithm and parameters, feature set, lambda, arms;
 mars.domain.policy_versions), kept by the router in the pipeline's Postgres (MARS_POSTGRES_DSN or
 --postgres-dsn). One version is live per tenant (none: the router's own settings, the implicit "default");
 one may run in shadow beside it, deciding every turn without answering. `compare` judges the shadow from
-the log; `promote` makes it live, `rollback` goes back. Every router replica routes by a change within
+the log; `promote` makes it live, `rollback` goes back. `canary` routes a share of the sessions by a version
+and lets the router promote or roll it back by a sequential test (mars.domain.rollout), with the evidence
+in the audit row. Every router replica routes by a change within
 MARS_ROUTER_POLICY_CONFIG_TTL_S (0.5 s). The operations are mars_router.policy_admin's; this is the terminal.
 """
 
@@ -366,7 +369,7 @@ def _create_args(p: argparse.ArgumentParser) -> None:
 def add_policy_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     policy = sub.add_parser(
         "policy",
-        help="the router's policy versions per tenant: create, shadow, compare, promote, roll back",
+        help="the router's policy versions per tenant: create, shadow, compare, promote, roll back, canary",
         description=__doc__.split("\n\n", 1)[1] if __doc__ else None,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Exit 0 on success, 1 when Postgres failed (or compare has no turns), 2 for bad input "

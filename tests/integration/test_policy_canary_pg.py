@@ -15,7 +15,7 @@ from mars.domain.policy_versions import PolicyConfig
 from mars.domain.rollout import RolloutState
 from mars.v1 import events_pb2 as ev
 from mars_router import policy_admin as admin
-from test_policy_versions_pg import ARMS, replica, sync_conn, view
+from test_policy_versions_pg import ARMS, cli, replica, sync_conn, view
 
 pytestmark = pytest.mark.integration
 ROLLOUT = {
@@ -204,3 +204,43 @@ def test_a_decision_whose_event_failed_stands_and_is_published_at_the_next_start
     assert [(e.tenant, e.decision, e.rule) for e in cdown if e.tenant == "cdown"] == [
         ("cdown", "promote", "reward CS above 0")
     ]
+
+
+def test_the_canary_command_starts_replaces_shows_and_stops_a_run(postgres: str) -> None:
+    async def migrate() -> None:
+        _, _, pool = await replica(postgres, **ROLLOUT)
+        await pool.close()
+
+    asyncio.run(migrate())
+    with sync_conn(postgres) as conn:
+        for arms in (("small",), ("large",), ARMS):
+            admin.create_version(conn, "ccli", PolicyConfig("linucb", tuple(arms)), ARMS)
+        admin.activate(conn, "ccli", "v1")
+    started = cli(postgres, "canary", "ccli", "v2", "--reason", "try large")
+    assert started.returncode == 0, started.stdout + started.stderr
+    assert "canary: canary (none) -> v2" in started.stdout
+    replaced = cli(postgres, "canary", "ccli", "v3")
+    assert replaced.returncode == 0, replaced.stdout + replaced.stderr
+    refused = cli(postgres, "canary", "ccli", "v1")
+    assert (
+        refused.returncode == 2
+        and "v1 is live for tenant ccli; a canary must be another version" in refused.stdout
+    )
+    status = cli(postgres, "canary", "ccli", "--status")
+    assert status.returncode == 0 and "(open)" in status.stdout and "stopped" in status.stdout, status.stdout
+    with sync_conn(postgres) as conn:
+        assert admin.roles(conn, "ccli") == {"live": "v1", "canary": "v3"}
+        runs = admin.rollouts(conn, "ccli")
+        assert [(r.candidate_version, r.decision, r.rule) for r in runs] == [
+            ("v3", None, None),
+            ("v2", "stopped", "replaced by a canary of v3"),
+        ]
+    stopped = cli(postgres, "canary", "ccli", "--stop", "--actor", "ops")
+    assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+    again = cli(postgres, "canary", "ccli", "--stop")
+    assert again.returncode == 2 and "tenant ccli has no canary version" in again.stdout
+    with sync_conn(postgres) as conn:
+        assert admin.roles(conn, "ccli") == {"live": "v1"}
+        assert admin.rollouts(conn, "ccli")[0].decision == "stopped"
+        assert admin.rollouts(conn, "ccli")[0].rule == "stopped by ops"
+        assert [c.action for c in admin.changes(conn, "ccli", 3)] == ["canary", "canary", "canary"]
