@@ -133,9 +133,8 @@ class RewardUpdates:
         `cost_usd` and the judge's `judge_lambda`); the ledger keeps the live policy's reward. A shadow
         decision of the turn learns too when matched (module docstring), in the same transaction.
         """
-        return (await self.apply_judged(turn_id, answered_arm, reward, failed_arms, cost_usd, judge_lambda))[
-            0
-        ]
+        done = await self.apply_judged(turn_id, answered_arm, reward, failed_arms, cost_usd, judge_lambda)
+        return done[0]
 
     async def apply_judged(
         self,
@@ -289,11 +288,8 @@ class RewardUpdates:
             failed = [a for a in dict.fromkeys(failed_arms) if a != arm]
             targets: list[Target] = []
             if self.updates:
-                targets = [
-                    Target(
-                        d.policy_id, arm, version_reward(reward, d.lambda_cost, judge_lambda, cost_usd), d.x
-                    )
-                ]
+                own = version_reward(reward, d.lambda_cost, judge_lambda, cost_usd)
+                targets = [Target(d.policy_id, arm, own, d.x)]
                 targets += [Target(d.policy_id, a, 0.0, d.x) for a in failed]
                 shadow_lam = None if shadow_row is None or shadow_row[3] is None else float(shadow_row[3])
                 observed = {arm: version_reward(reward, shadow_lam, judge_lambda, cost_usd)} | dict.fromkeys(
@@ -309,6 +305,9 @@ class RewardUpdates:
                 return False, None
             run = None
             if d.canary_version and d.tenant:
+                # Failed: the arm its version chose failed (a fallback answered); a turn no arm answered
+                # is never judged.
+                chosen_failed = d.arm in failed_arms
                 turn = JudgedTurn(
                     d.tenant,
                     d.canary_version,
@@ -316,7 +315,7 @@ class RewardUpdates:
                     arm,
                     reward,
                     cost_usd,
-                    d.arm in failed_arms,
+                    chosen_failed,
                     utility,
                 )
                 run = await self.rollouts.observe(conn, turn)

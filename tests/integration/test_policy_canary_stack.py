@@ -20,7 +20,7 @@ import psycopg
 import pytest
 import yaml
 from conftest import ingress_stub, query, read_events, read_topic, start_stack, wait_for
-from mars.config import TOPIC_CONTROL, TOPIC_JUDGED, TOPIC_ROUTED
+from mars.config import TOPIC_CONTROL, TOPIC_DEAD_LETTER, TOPIC_JUDGED, TOPIC_ROUTED
 from mars.domain.policy_versions import PolicyConfig
 from mars.domain.rollout import RolloutState
 from mars.v1 import events_pb2 as ev
@@ -182,6 +182,12 @@ def test_canary_runs_are_promoted_and_rolled_back_on_the_live_stack(canary_stack
         (A, "promote", "reward CS above 0", "v2", "v1"),
         (B, "rollback", "failure guardrail", "v2", "v1"),
     ]
+    # The topic's other readers (every service's forget reader) took them for no forget: none dead-lettered.
+    letters = [
+        ev.DeadLetter.FromString(r.value)
+        for r in read_topic(stack.env["MARS_KAFKA_BOOTSTRAP"], TOPIC_DEAD_LETTER)
+    ]
+    assert not [d for d in letters if d.source_topic == TOPIC_CONTROL]
     for d in decisions:
         assert (
             json.loads(d.evidence_json)["decision"] == d.decision
