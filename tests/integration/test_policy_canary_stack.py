@@ -78,6 +78,10 @@ def start_runs(dsn: str) -> None:
             admin.activate(conn, tenant, "v1", "tests")
             admin.create_version(conn, tenant, canary, arms, note="e2e canary")
             admin.set_canary(conn, tenant, "v2", RolloutState().to_dict(), "tests", "e2e")
+        # B runs a shadow too (uniformly random over the working arms): it decides beside whichever version
+        # routes the turn, never answering.
+        admin.create_version(conn, B, PolicyConfig("epsilon_greedy", (short, long), {"epsilon": 1.0}), arms)
+        admin.set_shadow(conn, B, "v3", "tests", "e2e")
 
 
 def decided(stack: LocalStack, tenant: str) -> bool:
@@ -85,8 +89,9 @@ def decided(stack: LocalStack, tenant: str) -> bool:
     return bool(rows) and all(r[0] for r in rows)
 
 
-def session_turns(stack: LocalStack, tenant: str, session: int, stop: Any) -> list[str]:
-    """A session's turns, one after another, until its tenant's run is decided (or 20 turns)."""
+def session_turns(stack: LocalStack, tenant: str, session: int, stop: Any) -> list[tuple[str, list[str]]]:
+    """A session's turns, one after another, until its tenant's run is decided (or 20 turns): each turn's
+    id and the arms its attempts went to, in order."""
     stub = ingress_stub(stack, tenant)
     turn_ids = []
     for i in range(20):
@@ -102,7 +107,7 @@ def session_turns(stack: LocalStack, tenant: str, session: int, stop: Any) -> li
             ),
             timeout=120,
         )
-        turn_ids.append(reply.turn_id)
+        turn_ids.append((reply.turn_id, [a.arm for a in reply.attempts]))
     return turn_ids
 
 
@@ -118,7 +123,8 @@ def test_canary_runs_are_promoted_and_rolled_back_on_the_live_stack(canary_stack
         }
         turns = {key: f.result() for key, f in futures.items()}
     elapsed = time.monotonic() - started
-    all_turns = [t for ids in turns.values() for t in ids]
+    attempts = {t: arms for ids in turns.values() for t, arms in ids}
+    all_turns = list(attempts)
     wait_for(lambda: decided(stack, A) and decided(stack, B), 90, "both canary runs to decide")
     judged_ids = {
         e.turn.turn_id: e
@@ -162,7 +168,10 @@ def test_canary_runs_are_promoted_and_rolled_back_on_the_live_stack(canary_stack
         assert published and n == evidence["turns_live"] + evidence["turns_candidate"]
         assert min(evidence["turns_live"], evidence["turns_candidate"]) >= 4
     with psycopg.connect(stack.env["MARS_POSTGRES_DSN"], autocommit=True) as conn:
-        assert admin.roles(conn, A) == {"live": "v2"} and admin.roles(conn, B) == {"live": "v1"}
+        assert admin.roles(conn, A) == {"live": "v2"} and admin.roles(conn, B) == {
+            "live": "v1",
+            "shadow": "v3",
+        }
         change_a, change_b = admin.changes(conn, A, 1)[0], admin.changes(conn, B, 1)[0]
     assert (change_a.action, change_a.role, change_a.from_version, change_a.to_version) == (
         "promote",
@@ -212,6 +221,19 @@ def test_canary_runs_are_promoted_and_rolled_back_on_the_live_stack(canary_stack
             (f"user:{tenant}/%#v={version}",),
         )
         assert found == pulls, (tenant, version)
+    # The shadow: on every routed event of B, never the answer (each turn's first attempt is the arm of the
+    # version that decided); it learned exactly its matched judged turns (its arm's reward was observed).
+    for turn_id, e in routed.items():
+        assert attempts[turn_id][0] == e.chosen_arm
+        assert e.shadow_version == ("v3" if e.turn.tenant == B else "")
+    matched = sum(routed[t].shadow_arm in attempts[t] for t, j in judged_ids.items() if j.turn.tenant == B)
+    ((shadow_pulls,),) = query(
+        stack,
+        "SELECT coalesce(sum(pulls), 0) FROM router_arms WHERE policy_id LIKE %s",
+        (f"user:{B}/%#v=v3",),
+    )
+    print(f"{B}'s shadow: {matched} matched judged turns, {shadow_pulls} pulls")
+    assert 0 < shadow_pulls == matched
     # (d) no session split before the decision: each session's canary-run turns all took one side.
     sides: dict[tuple[str, str], set[str]] = defaultdict(set)
     for e in routed.values():
