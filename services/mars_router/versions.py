@@ -3,10 +3,10 @@ share of its sessions as a canary (issue 47).
 
 Versions and roles live in router_policy_versions / router_policy_roles (mars_router.policy_admin changes
 them). Every router replica reads a tenant's roles at most once per MARS_ROUTER_POLICY_CONFIG_TTL_S (0.5 s by
-default) and caches them that long, so a promote or a rollback routes every replica's turns within about
-that time plus one read (under a second), at the cost of two small queries per tenant and second. A tenant
-without a live row routes by the implicit version "default": the router's own settings, its matrices under
-the bare policy id, as before versions existed.
+default) and caches them that long, so a promote or a rollback routes every replica's turns within about that
+time plus one read (under a second), at the cost of two small queries per tenant and second. A tenant without
+a live row routes by the implicit version "default": the router's own settings, its matrices under the bare
+policy id, as before versions existed.
 
 A version's matrices are router_arms rows under its own policy id, the scope's id with "#v=<version>" after
 it (`versioned_policy_id`), so a version starts cold, learns apart from the others, and is forgotten with the
