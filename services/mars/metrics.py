@@ -277,6 +277,7 @@ class Instruments:
             "mars.dispatch.attempts", unit="{attempt}", description="arm attempts by arm and outcome"
         )
         self._add_overload_instruments(meter)
+        self._add_rollout_instruments(meter)
         self.gateway_requests = meter.create_counter(
             "mars.gateway.requests", unit="{request}", description="HTTP gateway requests by route and status"
         )
@@ -285,6 +286,33 @@ class Instruments:
             unit="ms",
             description="the HTTP gateway's own time per request (everything but the ingress call), by route",
             explicit_bucket_boundaries_advisory=DURATION_BUCKETS_MS,
+        )
+
+    def _add_rollout_instruments(self, meter: Meter) -> None:
+        """Canary runs (mars_router.rollouts), per tenant and side ("live" or "canary"): judged turns by
+        arm (the arms' shares), their rewards and costs (the means: sum over turns), and the reward test's
+        statistic with the boundary it is compared with (promote above +boundary, roll back below -)."""
+        self.rollout_turns = meter.create_counter(
+            "mars.rollout.turns",
+            unit="{turn}",
+            description="judged turns of canary runs by tenant, role and arm",
+        )
+        self.rollout_reward = meter.create_up_down_counter(
+            "mars.rollout.reward",
+            unit="{reward}",
+            description="sum of judged rewards in canary runs by tenant and role",
+        )
+        self.rollout_cost = meter.create_counter(
+            "mars.rollout.cost.usd",
+            unit="USD",
+            description="generation cost in canary runs by tenant and role",
+        )
+        self.rollout_statistic = meter.create_gauge(
+            "mars.rollout.statistic", description="a tenant's canary reward test: its standardised statistic"
+        )
+        self.rollout_boundary = meter.create_gauge(
+            "mars.rollout.boundary",
+            description="a tenant's canary reward test: the boundary B(t) at its turns",
         )
 
     def _add_overload_instruments(self, meter: Meter) -> None:
@@ -432,3 +460,19 @@ def record_dispatch_attempt(arm: str, outcome: str) -> None:
     if outcome not in DISPATCH_OUTCOMES:
         outcome = "error"
     _current.dispatch_attempts.add(1, {"arm": arm, "outcome": outcome})
+
+
+#: The sides of a canary run (mars_router.rollouts).
+ROLLOUT_ROLES = ("live", "canary")
+
+
+def record_rollout_turn(tenant: str, role: str, arm: str, reward: float, cost_usd: float) -> None:
+    """A judged turn of a tenant's canary run, on its side (`role`): never a per-user label."""
+    _current.rollout_turns.add(1, {"tenant": tenant, "role": role, "arm": arm})
+    _current.rollout_reward.add(reward, {"tenant": tenant, "role": role})
+    _current.rollout_cost.add(max(0.0, cost_usd), {"tenant": tenant, "role": role})
+
+
+def record_rollout_test(tenant: str, statistic: float, boundary: float) -> None:
+    _current.rollout_statistic.set(statistic, {"tenant": tenant})
+    _current.rollout_boundary.set(boundary, {"tenant": tenant})

@@ -9,7 +9,7 @@ import logging
 from collections.abc import AsyncIterator
 
 import grpc
-from mars.bus.consumer import StageConsumer
+from mars.bus.consumer import StageConsumer, forgets_only
 from mars.bus.delivery import Subscription
 from mars.bus.producer import EventProducer
 from mars.config import (
@@ -170,7 +170,9 @@ async def build(ctx: ServiceContext) -> ServiceParts:
             Subscription(
                 TOPIC_DEAD_LETTER, ev.DeadLetter, servicer.replies.on_dead_letter, requires_envelope=False
             ),
-            Subscription(TOPIC_CONTROL, ev.UserForgotten, servicer.on_forgotten, requires_envelope=False),
+            Subscription(
+                TOPIC_CONTROL, ev.UserForgotten, forgets_only(servicer.on_forgotten), requires_envelope=False
+            ),
         ],
     )
     # ... and one replica of the group records each outcome, so a turn whose replica died still ends

@@ -22,7 +22,27 @@ from psycopg.types.json import Jsonb
 from mars_router.versions import config_of_row
 
 _VERSION_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}\Z")
-_LOCK_SQL = "SELECT pg_advisory_xact_lock(hashtext('router-policy:' || %s))"
+#: Every change of a tenant's roles (and a canary run's decision, mars_router.rollouts) holds this first.
+LOCK_SQL = "SELECT pg_advisory_xact_lock(hashtext('router-policy:' || %s))"
+_LOCK_SQL = LOCK_SQL
+AUDIT_SQL = (
+    "INSERT INTO router_policy_changes (tenant, action, role, from_version, to_version, actor, evidence) "
+    "VALUES (%s, %s, %s, %s, %s, %s, %s) RETURNING change_id, changed_at"
+)
+SET_LIVE_SQL = (
+    "INSERT INTO router_policy_roles (tenant, role, version) VALUES (%s, 'live', %s) "
+    "ON CONFLICT (tenant, role) DO UPDATE SET version = EXCLUDED.version, since = now()"
+)
+#: A version is live or a candidate, never both.
+DROP_CANDIDATE_ROLES_SQL = (
+    "DELETE FROM router_policy_roles WHERE tenant = %s AND role <> 'live' AND version = %s"
+)
+DROP_ROLE_SQL = "DELETE FROM router_policy_roles WHERE tenant = %s AND role = %s"
+#: Ends the tenant's open canary run (an operator's change of its roles: the run's comparison is gone).
+STOP_ROLLOUT_SQL = (
+    "UPDATE router_rollouts SET decision = 'stopped', rule = %s, decided_at = now(), updated_at = now() "
+    "WHERE tenant = %s AND decided_at IS NULL"
+)
 _VERSION_COLUMNS = (
     "version, created_at, algorithm, params, feature_set, lambda_cost, arms, content_hash, note, created_by"
 )
@@ -71,9 +91,7 @@ def _audit(
     evidence: dict[str, Any],
 ) -> Change:
     row = conn.execute(
-        "INSERT INTO router_policy_changes (tenant, action, role, from_version, to_version, actor, evidence) "
-        "VALUES (%s, %s, %s, %s, %s, %s, %s) RETURNING change_id, changed_at",
-        (tenant, action, role, from_version, to_version, actor, Jsonb(evidence)),
+        AUDIT_SQL, (tenant, action, role, from_version, to_version, actor, Jsonb(evidence))
     ).fetchone()
     return Change(int(row[0]), action, role, from_version, to_version, actor, evidence, row[1])
 
@@ -178,19 +196,82 @@ def changes(conn: Any, tenant: str, limit: int = 50) -> list[Change]:
 
 
 def _set_live(conn: Any, tenant: str, version: str) -> None:
+    # The open canary run compared against the live version (or was the candidate being made live):
+    # either way its comparison ends here, as does its split.
+    _stop_canary(conn, tenant, f"live set to {version} by an operator")
     if version == DEFAULT_VERSION:
-        conn.execute("DELETE FROM router_policy_roles WHERE tenant = %s AND role = 'live'", (tenant,))
+        conn.execute(DROP_ROLE_SQL, (tenant, "live"))
         return
-    conn.execute(
-        "INSERT INTO router_policy_roles (tenant, role, version) VALUES (%s, 'live', %s) "
-        "ON CONFLICT (tenant, role) DO UPDATE SET version = EXCLUDED.version, since = now()",
-        (tenant, version),
-    )
-    # A version is live or a candidate, never both.
-    conn.execute(
-        "DELETE FROM router_policy_roles WHERE tenant = %s AND role <> 'live' AND version = %s",
-        (tenant, version),
-    )
+    conn.execute(SET_LIVE_SQL, (tenant, version))
+    conn.execute(DROP_CANDIDATE_ROLES_SQL, (tenant, version))
+
+
+def _stop_canary(conn: Any, tenant: str, why: str) -> None:
+    conn.execute(STOP_ROLLOUT_SQL, (why, tenant))
+    conn.execute(DROP_ROLE_SQL, (tenant, "canary"))
+
+
+def set_canary(
+    conn: Any,
+    tenant: str,
+    version: str | None,
+    initial_state: dict[str, Any],
+    actor: str = "",
+    reason: str = "",
+) -> Change:
+    """Start a canary run of `version` against the live version (None: stop the open run): the router
+    routes a share of the tenant's sessions by it and decides by the sequential test (mars_router.rollouts).
+    `initial_state`: the test's empty state (mars.domain.rollout.RolloutState().to_dict())."""
+    with conn.transaction():
+        conn.execute(_LOCK_SQL, (tenant,))
+        current = roles(conn, tenant)
+        before = current.get("canary")
+        if version is None:
+            if before is None:
+                raise PolicyAdminError(f"tenant {tenant} has no canary version")
+            _stop_canary(conn, tenant, f"stopped by {actor or 'an operator'}")
+        else:
+            get_version(conn, tenant, version)
+            if current["live"] == version:
+                raise PolicyAdminError(
+                    f"{version} is live for tenant {tenant}; a canary must be another version"
+                )
+            _stop_canary(conn, tenant, f"replaced by a canary of {version}")
+            conn.execute(
+                "INSERT INTO router_policy_roles (tenant, role, version) VALUES (%s, 'canary', %s)",
+                (tenant, version),
+            )
+            conn.execute(
+                "INSERT INTO router_rollouts (tenant, live_version, candidate_version, state) "
+                "VALUES (%s, %s, %s, %s)",
+                (tenant, current["live"], version, Jsonb(initial_state)),
+            )
+        return _audit(conn, tenant, "canary", "canary", before, version, actor, {"reason": reason})
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """A canary run (router_rollouts), as `mars policy canary --status` shows it."""
+
+    rollout_id: int
+    live_version: str
+    candidate_version: str
+    started_at: datetime
+    turns: int
+    decision: str | None
+    rule: str | None
+    evidence: dict[str, Any] | None
+    decided_at: datetime | None
+
+
+def rollouts(conn: Any, tenant: str, limit: int = 10) -> list[Rollout]:
+    """The tenant's canary runs, newest first."""
+    rows = conn.execute(
+        "SELECT rollout_id, live_version, candidate_version, started_at, turns, decision, rule, evidence, "
+        "decided_at FROM router_rollouts WHERE tenant = %s ORDER BY rollout_id DESC LIMIT %s",
+        (tenant, limit),
+    ).fetchall()
+    return [Rollout(int(r[0]), r[1], r[2], r[3], int(r[4]), r[5], r[6], r[7], r[8]) for r in rows]
 
 
 def activate(conn: Any, tenant: str, version: str, actor: str = "", reason: str = "") -> Change:
@@ -299,3 +380,22 @@ def logged_comparison(
         for features, arm, p, reward, s_arm, s_p in rows
     ]
     return out, arms
+
+
+async def decide_canary(
+    aconn: Any, tenant: str, live: str, candidate: str, decision: str, evidence: dict[str, Any]
+) -> None:
+    """A canary run's decision made by the router (mars_router.rollouts), in the judged turn's transaction
+    (which holds LOCK_SQL): "promote" makes the candidate live; "rollback" and "undecided" drop the canary
+    role (live stays). The audit row (actor "router", role "canary") carries the evidence. Over an async
+    connection, with the statements the operators' changes use."""
+    if decision == "promote":
+        await aconn.execute(SET_LIVE_SQL, (tenant, candidate))
+        await aconn.execute(DROP_CANDIDATE_ROLES_SQL, (tenant, candidate))
+        action, from_version, to_version = "promote", live, candidate
+    else:
+        await aconn.execute(DROP_ROLE_SQL, (tenant, "canary"))
+        action, from_version, to_version = decision, candidate, live
+    await aconn.execute(
+        AUDIT_SQL, (tenant, action, "canary", from_version, to_version, "router", Jsonb(evidence))
+    )

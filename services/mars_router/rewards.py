@@ -19,17 +19,20 @@ import math
 import random
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 from mars.bus.codec import PoisonEvent
 from mars.domain.bandits import RoutingPolicy
 from mars.domain.linucb import ArmModel, LinUCBPolicy
-from psycopg import AsyncConnection, AsyncCursor
+from psycopg import AsyncConnection, AsyncCursor, AsyncPipeline
 from psycopg_pool import AsyncConnectionPool
 
 from mars_router.policy_tables import dim_of_policy
+from mars_router.rollouts import JudgedTurn, Observed, Rollouts
 from mars_router.settings import RouterSettings
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +65,20 @@ class Target:
         return model.shifted(self.x, self.reward)
 
 
+class Decided(NamedTuple):
+    """A routed turn's decision row, as a reward needs it."""
+
+    policy_id: str
+    arm: str
+    x: np.ndarray
+    #: Its version's cost weight (None: the judge's).
+    lambda_cost: float | None
+    tenant: str
+    config_version: str
+    #: The canary run the turn was part of (mars_router.rollouts), None without one.
+    canary_version: str | None
+
+
 class StaleArm(Exception):
     """An arm row changed between our read and our conditional write (optimistic concurrency)."""
 
@@ -87,6 +104,8 @@ class RewardUpdates:
         self.updates = settings.policy_updates
         #: Optimistic update conflicts retried (a replica wrote an arm between our read and write).
         self.update_conflicts = 0
+        #: The tenants' canary runs: each judged turn of one is added to its test in the reward's transaction.
+        self.rollouts = Rollouts(pool, settings.rollout_config())
 
     async def apply_reward(
         self,
@@ -114,10 +133,25 @@ class RewardUpdates:
         `cost_usd` and the judge's `judge_lambda`); the ledger keeps the live policy's reward. A shadow
         decision of the turn learns too when matched (module docstring), in the same transaction.
         """
+        done = await self.apply_judged(turn_id, answered_arm, reward, failed_arms, cost_usd, judge_lambda)
+        return done[0]
+
+    async def apply_judged(
+        self,
+        turn_id: str,
+        answered_arm: str,
+        reward: float,
+        failed_arms: list[str],
+        cost_usd: float = 0.0,
+        judge_lambda: float = 0.0,
+        utility: float | None = None,
+    ) -> tuple[bool, Observed | None]:
+        """`apply_reward`, and the turn's canary run (if it was part of one) takes it in the same
+        transaction (mars_router.rollouts): what the run saw, and whether this turn decided it."""
         return await self._optimistic(
             turn_id,
             lambda: self._apply_reward_once(
-                turn_id, answered_arm, reward, failed_arms, cost_usd, judge_lambda
+                turn_id, answered_arm, reward, failed_arms, (cost_usd, judge_lambda, utility)
             ),
         )
 
@@ -129,7 +163,7 @@ class RewardUpdates:
             turn_id, lambda: self._apply_correction_once(correction_id, turn_id, arm, delta)
         )
 
-    async def _optimistic(self, turn_id: str, attempt_once: Callable[[], Awaitable[bool]]) -> bool:
+    async def _optimistic(self, turn_id: str, attempt_once: Callable[[], Awaitable[T]]) -> T:
         for attempt in range(self._settings.update_attempts):
             try:
                 return await attempt_once()
@@ -141,19 +175,17 @@ class RewardUpdates:
             f"reward for turn {turn_id}: {self._settings.update_attempts} optimistic update conflicts in a row"
         )
 
-    async def _decision(
-        self, conn: AsyncConnection, turn_id: str, arms: Sequence[str]
-    ) -> tuple[str, str, np.ndarray, float | None]:
-        """(policy_id, chosen arm, x, its version's lambda) of a routed turn, after the checks every reward
-        must pass."""
+    async def _decision(self, conn: AsyncConnection, turn_id: str, arms: Sequence[str]) -> Decided:
+        """A routed turn's decision, after the checks every reward must pass."""
         cur = await conn.execute(
-            "SELECT policy_id, arm, features, lambda_cost FROM router_decisions WHERE turn_id = %s",
+            "SELECT policy_id, arm, features, lambda_cost, tenant, config_version, canary_version "
+            "FROM router_decisions WHERE turn_id = %s",
             (turn_id,),
         )
         decision = await cur.fetchone()
         if decision is None:
             raise PoisonEvent(f"judged turn {turn_id} has no routing decision")
-        policy_id, chosen, features, lambda_cost = decision
+        policy_id, chosen, features, lambda_cost, tenant, config_version, canary = decision
         dim = self._dim_of(str(policy_id))
         if len(features) != dim:
             raise PoisonEvent(f"turn {turn_id} has {len(features)} features, its policy uses {dim}")
@@ -161,7 +193,10 @@ class RewardUpdates:
             if name and name not in self._arms:
                 raise PoisonEvent(f"turn {turn_id} names arm {name!r}, which is not in the pool")
         lam = None if lambda_cost is None else float(lambda_cost)
-        return str(policy_id), str(chosen), np.asarray(features, dtype=np.float64), lam
+        x = np.asarray(features, dtype=np.float64)
+        return Decided(
+            str(policy_id), str(chosen), x, lam, str(tenant or ""), str(config_version or ""), canary
+        )
 
     def _dim_of(self, policy_id: str) -> int:
         """The feature dimension of a policy by its id (this router's, or a version's other feature set)."""
@@ -201,7 +236,7 @@ class RewardUpdates:
         if not math.isfinite(delta) or abs(delta) > self._settings.max_reward - self._settings.min_reward:
             raise PoisonEvent(f"correction {correction_id}: reward delta {delta} is out of range")
         async with self._pool.connection() as conn, conn.transaction():
-            policy_id, _, x, _ = await self._decision(conn, turn_id, [arm])
+            policy_id, _, x, *_ = await self._decision(conn, turn_id, [arm])
             # A correction moves an applied reward: one recorded while the policy was frozen was never
             # applied, so its corrections are recorded only, even once updates are on again.
             cur = await conn.execute("SELECT applied FROM router_ledger WHERE turn_id = %s", (turn_id,))
@@ -232,27 +267,30 @@ class RewardUpdates:
         answered_arm: str,
         reward: float,
         failed_arms: list[str],
-        cost_usd: float,
-        judge_lambda: float,
-    ) -> bool:
+        judged: tuple[float, float, float | None],
+    ) -> tuple[bool, Observed | None]:
+        cost_usd, judge_lambda, utility = judged
         if not math.isfinite(reward) or not self._settings.min_reward <= reward <= self._settings.max_reward:
             raise PoisonEvent(
                 f"reward {reward} for turn {turn_id} is outside "
                 f"[{self._settings.min_reward}, {self._settings.max_reward}]"
             )
         # Four round trips, pipelined: the decision and the shadow's; the ledger row with the arms' reads;
-        # the arms' writes; the commit.
+        # the arms' writes; the commit (and, for a turn of a canary run, the run's row before the writes).
         async with self._pool.connection() as conn, conn.pipeline() as pipeline, conn.transaction():
             shadow_cur = await conn.execute(SHADOW_SQL, (turn_id,))
-            policy_id, chosen, x, lam = await self._decision(conn, turn_id, [answered_arm, *failed_arms])
+            d = await self._decision(conn, turn_id, [answered_arm, *failed_arms])
             shadow_row = await shadow_cur.fetchone()
-            arm = answered_arm or chosen
-            ledger = await self._ledger(conn, turn_id, policy_id, arm, reward, self.updates)
+            if d.canary_version and d.tenant:
+                await self.rollouts.lock(conn, d.tenant)  # before the arms are read (module docstring)
+            arm = answered_arm or d.arm
+            ledger = await self._ledger(conn, turn_id, d.policy_id, arm, reward, self.updates)
             failed = [a for a in dict.fromkeys(failed_arms) if a != arm]
             targets: list[Target] = []
             if self.updates:
-                targets = [Target(policy_id, arm, version_reward(reward, lam, judge_lambda, cost_usd), x)]
-                targets += [Target(policy_id, a, 0.0, x) for a in failed]
+                own = version_reward(reward, d.lambda_cost, judge_lambda, cost_usd)
+                targets = [Target(d.policy_id, arm, own, d.x)]
+                targets += [Target(d.policy_id, a, 0.0, d.x) for a in failed]
                 shadow_lam = None if shadow_row is None or shadow_row[3] is None else float(shadow_row[3])
                 observed = {arm: version_reward(reward, shadow_lam, judge_lambda, cost_usd)} | dict.fromkeys(
                     failed, 0.0
@@ -264,23 +302,50 @@ class RewardUpdates:
             targets.sort(key=lambda t: (t.policy_id, t.arm))
             reads = [await conn.execute(ARM_SQL, (t.policy_id, t.arm)) for t in targets]
             if await ledger.fetchone() is None:
-                return False
-            writes = []
-            for t, read in zip(targets, reads, strict=True):
-                try:
-                    model, version = self._arm_model(t.policy_id, t.arm, await read.fetchone())
-                except PoisonEvent as exc:
-                    if not t.shadow:
-                        raise
-                    log.error("turn %s: shadow update skipped: %s", turn_id, exc)
-                    continue
-                updated = self._update(model, t.x, t.reward)
-                writes.append((t, await self._conditional_write(conn, t.policy_id, t.arm, updated, version)))
-            await pipeline.sync()
-            for t, write in writes:
-                if write.rowcount != 1:
-                    raise StaleArm(f"policy {t.policy_id}, arm {t.arm} changed since it was read")
-        return True
+                return False, None
+            run = None
+            if d.canary_version and d.tenant:
+                # Failed: the arm its version chose failed (a fallback answered); a turn no arm answered
+                # is never judged.
+                chosen_failed = d.arm in failed_arms
+                turn = JudgedTurn(
+                    d.tenant,
+                    d.canary_version,
+                    d.config_version,
+                    arm,
+                    reward,
+                    cost_usd,
+                    chosen_failed,
+                    utility,
+                )
+                run = await self.rollouts.observe(conn, turn)
+            await self._write_targets(conn, pipeline, turn_id, targets, reads)
+        return True, run
+
+    async def _write_targets(
+        self,
+        conn: AsyncConnection,
+        pipeline: AsyncPipeline,
+        turn_id: str,
+        targets: list[Target],
+        reads: list[AsyncCursor[Any]],
+    ) -> None:
+        """Eq. 11 on each target read, written back only if unchanged since (StaleArm otherwise)."""
+        writes = []
+        for t, read in zip(targets, reads, strict=True):
+            try:
+                model, version = self._arm_model(t.policy_id, t.arm, await read.fetchone())
+            except PoisonEvent as exc:
+                if not t.shadow:
+                    raise
+                log.error("turn %s: shadow update skipped: %s", turn_id, exc)
+                continue
+            updated = self._update(model, t.x, t.reward)
+            writes.append((t, await self._conditional_write(conn, t.policy_id, t.arm, updated, version)))
+        await pipeline.sync()
+        for t, write in writes:
+            if write.rowcount != 1:
+                raise StaleArm(f"policy {t.policy_id}, arm {t.arm} changed since it was read")
 
     async def _write_arm(
         self, conn: AsyncConnection, policy_id: str, arm: str, change: Callable[[ArmModel], ArmModel]

@@ -100,4 +100,20 @@ MIGRATIONS = [
     )
     """,
     "CREATE INDEX IF NOT EXISTS router_shadow_decisions_version ON router_shadow_decisions (tenant, version)",
+    # The canary run a decision was part of (NULL: none): its candidate version. The turn was the canary's
+    # when config_version is this, live's otherwise (mars_router.rollouts).
+    "ALTER TABLE router_decisions ADD COLUMN IF NOT EXISTS canary_version TEXT",
+    # Canary runs (mars.domain.rollout): one per `mars policy canary`, its test's state updated in each judged
+    # turn's transaction, decided once (promote, rollback, undecided, or stopped by an operator's change);
+    # published_at: its PolicyDecision event is on mars.control. At most one open run per tenant.
+    """
+    CREATE TABLE IF NOT EXISTS router_rollouts (
+        rollout_id BIGSERIAL PRIMARY KEY, tenant TEXT NOT NULL, live_version TEXT NOT NULL,
+        candidate_version TEXT NOT NULL, started_at TIMESTAMPTZ NOT NULL DEFAULT now(),
+        config JSONB NOT NULL DEFAULT '{}', state JSONB NOT NULL, turns BIGINT NOT NULL DEFAULT 0,
+        decision TEXT, rule TEXT, evidence JSONB, decided_at TIMESTAMPTZ, published_at TIMESTAMPTZ,
+        updated_at TIMESTAMPTZ NOT NULL DEFAULT now()
+    )
+    """,
+    "CREATE UNIQUE INDEX IF NOT EXISTS router_rollouts_open ON router_rollouts (tenant) WHERE decided_at IS NULL",
 ]

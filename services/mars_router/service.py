@@ -13,12 +13,12 @@ import logging
 from typing import Any
 
 import grpc
-from mars import deadline
+from mars import deadline, metrics
 from mars.bus.consumer import StageConsumer
 from mars.bus.delivery import Subscription
 from mars.bus.output import StageOutput
 from mars.bus.producer import EventProducer
-from mars.config import ROUTER_STAGE, TOPIC_JUDGED, TOPIC_ROUTED, TOPIC_VIEW
+from mars.config import ROUTER_STAGE, TOPIC_CONTROL, TOPIC_JUDGED, TOPIC_ROUTED, TOPIC_VIEW
 from mars.domain.bandits import draw_key
 from mars.domain.policy_versions import DEFAULT_VERSION
 from mars.model_pool import ModelPool, load_pool
@@ -53,6 +53,7 @@ class RouterStage:
         self._pool_cfg = pool_cfg
         self._settings = settings
         self._out = StageOutput(pg, producer, STAGE, TOPIC_ROUTED)
+        self._producer = producer
 
     async def on_view(self, event: ev.ViewBuilt) -> None:
         turn = event.turn
@@ -72,12 +73,14 @@ class RouterStage:
         await self._out.emit(await self._route(event), turn)
 
     async def _route(self, event: ev.ViewBuilt) -> ev.Routed:
-        """The turn's decision by the tenant's live policy version, and its shadow version's beside it
-        (recorded and on the event, never answered by)."""
+        """The turn's decision by the tenant's live policy version (or its canary version, for a session in
+        the canary's share), and its shadow version's beside it (recorded and on the event, never answered
+        by)."""
         turn = event.turn
         session_key = f"{turn.tenant}/{turn.user_id}/{turn.session_id}"
         draw = draw_key(turn.user_id, turn.seq)
-        live, shadow = await self._store.policies(turn.tenant)
+        split = await self._store.split(turn.tenant, turn.session_id)
+        live, shadow = split.deciding, split.shadow
         with step("router phases"):  # and the policy, in the same round trip
             phases, policy = await self._store.read_for_turn(
                 turn.tenant, turn.user_id, session_key, turn.turn_id, live
@@ -97,7 +100,15 @@ class RouterStage:
         arm = route.arm
         with step("router record"):
             await self._store.record_decision(
-                turn.turn_id, route.policy_id, arm, x, session_key, turn.tenant, route, shadow_route
+                turn.turn_id,
+                route.policy_id,
+                arm,
+                x,
+                session_key,
+                turn.tenant,
+                route,
+                shadow_route,
+                split.canary_version,
             )
         default = route.config_version == DEFAULT_VERSION
         return ev.Routed(
@@ -120,6 +131,8 @@ class RouterStage:
             cascade_min_logprob=self._cascade_threshold if default else 0.0,
             policy_frozen=not self._store.updates,
             config_version=route.config_version,
+            rollout_role=split.role,
+            canary_version=split.canary_version or "",
             **shadow_fields(shadow_route),
         )
 
@@ -138,14 +151,42 @@ class RouterStage:
                 event.correction_id, event.turn.turn_id, event.arm, event.reward_delta
             )
             return
-        await self._store.apply_reward(
-            event.turn.turn_id,
-            event.arm,
-            event.reward,
-            list(event.failed_arms),
-            event.cost_usd,
-            event.lambda_cost,
-        )
+        _, run = await self._store.apply_judged(event)
+        if run is None:
+            return
+        metrics.record_rollout_turn(run.tenant, run.role, run.arm, run.reward, run.cost_usd)
+        metrics.record_rollout_test(run.tenant, run.evidence.statistic, run.evidence.boundary)
+        if run.decided_at is not None:
+            # This replica routes by the decision at once; the others within their roles' TTL.
+            self._store.versions.invalidate(run.tenant)
+            log.info(
+                "tenant %s: canary %s %s (%s) after %d judged turns",
+                run.tenant,
+                run.candidate_version,
+                run.evidence.decision.value,
+                run.evidence.reason.value,
+                run.turns,
+            )
+            try:
+                await self.publish_decision(run.event())
+            except Exception:  # committed: the row stands, unpublished; the next start publishes it
+                log.exception("canary run %d: decision not published", run.rollout_id)
+
+    async def publish_decision(self, event: ev.PolicyDecision) -> None:
+        """The decision on mars.control, then marked published. Committed before: a publication that fails
+        leaves the decision in router_rollouts (published_at NULL), sent again at the router's next start."""
+        await self._producer.send_raw(TOPIC_CONTROL, event.SerializeToString(), event.tenant.encode())
+        await self._store.rewards.rollouts.mark_published(event.rollout_id)
+
+    async def publish_undelivered(self) -> None:
+        """At start: the decisions a stopped router committed and never published (once; a failure is
+        logged and left for the next start)."""
+        try:
+            for event in await self._store.rewards.rollouts.unpublished():
+                log.info("publishing the undelivered decision of canary run %d", event.rollout_id)
+                await self.publish_decision(event)
+        except Exception:
+            log.exception("undelivered canary decisions not published (tried again at the next start)")
 
 
 def shadow_fields(shadow: ShadowResult | None) -> dict[str, Any]:
@@ -261,6 +302,7 @@ async def build(ctx: ServiceContext) -> ServiceParts:
             )
         ],
         consumers=[routes, updates],
+        background=[stage.publish_undelivered],
     )
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import ClassVar, Literal
 
 from mars.config import ServiceSettings
-from pydantic import Field
+from mars.domain.rollout import RolloutConfig
+from pydantic import Field, model_validator
 
 
 class RouterSettings(ServiceSettings):
@@ -51,3 +52,38 @@ class RouterSettings(ServiceSettings):
     #: reading them again: a `mars policy promote|rollback|activate` routes every replica's turns within
     #: about this many seconds.
     policy_config_ttl_s: float = Field(default=0.5, ge=0.0, le=60.0)
+    #: Canary runs (`mars policy canary`, mars.domain.rollout): the share of a tenant's sessions its canary
+    #: version routes, the reward test's level, the turn cap after which an open test ends undecided, the
+    #: judged turns each side needs before any decision, the effect and reward sd the test is tuned for, and
+    #: the guardrails (their level; the failure-rate excess, the cost ratio and the judge-utility floor past
+    #: which the canary is rolled back at once; a negative utility floor turns that guardrail off).
+    rollout_share: float = Field(default=0.5, gt=0.0, lt=1.0)
+    rollout_alpha: float = Field(default=0.05, gt=0.0, lt=1.0)
+    rollout_cap: int = Field(default=10_000, ge=4)
+    rollout_warmup: int = Field(default=100, ge=2)
+    rollout_expected_effect: float = Field(default=0.05, gt=0.0)
+    rollout_reward_sd: float = Field(default=0.2, gt=0.0)
+    rollout_guardrail_alpha: float = Field(default=0.01, gt=0.0, lt=1.0)
+    rollout_max_failure_excess: float = Field(default=0.02, ge=0.0)
+    rollout_max_cost_ratio: float = Field(default=1.5, gt=0.0)
+    rollout_min_utility: float = 0.4
+
+    @model_validator(mode="after")
+    def _rollout_valid(self) -> RouterSettings:
+        self.rollout_config()  # a bad combination (cap under twice the warm-up) fails at start, with why
+        return self
+
+    def rollout_config(self) -> RolloutConfig:
+        """The canary test's configuration (mars.domain.rollout.RolloutConfig) from these settings."""
+        return RolloutConfig(
+            alpha=self.rollout_alpha,
+            canary_share=self.rollout_share,
+            max_turns=self.rollout_cap,
+            warmup_turns=self.rollout_warmup,
+            expected_effect=self.rollout_expected_effect,
+            reward_sd=self.rollout_reward_sd,
+            guardrail_alpha=self.rollout_guardrail_alpha,
+            max_failure_excess=self.rollout_max_failure_excess,
+            max_cost_ratio=self.rollout_max_cost_ratio,
+            min_utility=self.rollout_min_utility if self.rollout_min_utility >= 0 else None,
+        )

@@ -25,7 +25,8 @@ SPEC = ServiceSpec(
         "GetPolicy": allow("operator", "replay", "deploy"),
         "ResetPolicy": allow("operator"),
     },
-    produces=(TOPIC_ROUTED,),
+    # Control: a canary run's decision (PolicyDecision, mars_router.rollouts).
+    produces=(TOPIC_ROUTED, TOPIC_CONTROL),
     # Control: a forgotten user's rows (each owner deletes its own, mars.forget).
     broadcast_reads=(TOPIC_CONTROL,),
     stages=(ROUTER_STAGE,),

@@ -5,8 +5,9 @@
 (mars.domain.bandits) for a decision, records it, and hands each judged reward to `RewardUpdates`. The
 service module is the transport around it (Kafka stages and the gRPC servicer).
 
-Policy versions (mars_router.versions): a tenant's live version decides, its shadow version (if any)
-decides beside it on the same turn and is recorded, never answered by. A tenant without versions routes by
+Policy versions (mars_router.versions): a tenant's live version decides (or its canary version, for the
+sessions of the canary's share: `split`), its shadow version (if any) decides beside it on the same turn and
+is recorded, never answered by. A tenant without versions routes by
 the router's settings (the implicit version "default"), as before."""
 
 from __future__ import annotations
@@ -20,13 +21,15 @@ from mars.domain.bandits import make_routing_policy, turn_rng, uses_query_featur
 from mars.domain.features import FEATURE_DIM, QUERY_FEATURE_DIM, featurize, phase_of, query_features
 from mars.domain.linucb import ArmModel
 from mars.domain.policy_versions import DEFAULT_VERSION, PolicyConfig
+from mars.domain.rollout import in_canary
 from mars.v1 import events_pb2 as ev
 from psycopg_pool import AsyncConnectionPool
 
 from mars_router.policy_tables import PolicyCorrupt, PolicyRead, PolicyTables, policy_id_for
 from mars_router.rewards import RewardUpdates
+from mars_router.rollouts import Observed
 from mars_router.settings import RouterSettings
-from mars_router.versions import PolicyVersions, VersionPolicy, build_version
+from mars_router.versions import PolicyVersions, TenantPolicies, VersionPolicy, build_version
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +60,18 @@ class ShadowResult:
     score: float
     x: np.ndarray
     lambda_cost: float | None
+
+
+@dataclass(frozen=True)
+class Split:
+    """A turn's versions: the one that decides, the tenant's live and shadow ones, and its canary run's
+    side ("live" or "canary"; "" without a canary) and candidate."""
+
+    deciding: VersionPolicy
+    live: VersionPolicy
+    shadow: VersionPolicy | None
+    role: str = ""
+    canary_version: str | None = None
 
 
 class PolicyStore:
@@ -95,7 +110,11 @@ class PolicyStore:
 
     async def policies(self, tenant: str) -> tuple[VersionPolicy, VersionPolicy | None]:
         """The tenant's live version and its shadow version (None without one)."""
-        roles = await self.versions.resolve(tenant)
+        return self._live_and_shadow(tenant, await self.versions.resolve(tenant))
+
+    def _live_and_shadow(
+        self, tenant: str, roles: TenantPolicies
+    ) -> tuple[VersionPolicy, VersionPolicy | None]:
         live = self.default_version
         if roles.live is not None:
             live = self._runtime(tenant, roles.live_version, roles.live)
@@ -103,6 +122,19 @@ class PolicyStore:
         if roles.shadow is not None and roles.shadow_version is not None:
             shadow = self._runtime(tenant, roles.shadow_version, roles.shadow)
         return live, shadow
+
+    async def split(self, tenant: str, session_id: str) -> Split:
+        """Who decides a turn of the session: the tenant's canary version when it has one and the session is
+        in its share (in_canary, salted with the candidate's id: every turn of a session, on every replica,
+        gets the same side), else its live version; and its shadow beside either."""
+        roles = await self.versions.resolve(tenant)  # one read of the roles for all three
+        live, shadow = self._live_and_shadow(tenant, roles)
+        if roles.canary is None or roles.canary_version is None:
+            return Split(live, live, shadow)
+        candidate = roles.canary_version
+        if in_canary(tenant, session_id, self._settings.rollout_share, salt=candidate):
+            return Split(self._runtime(tenant, candidate, roles.canary), live, shadow, "canary", candidate)
+        return Split(live, live, shadow, "live", candidate)
 
     def _runtime(self, tenant: str, version: str, config: PolicyConfig) -> VersionPolicy:
         """A stored version's runtime, built once (versions are immutable)."""
@@ -254,14 +286,17 @@ class PolicyStore:
         tenant: str | None = None,
         route: RouteResult | None = None,
         shadow: ShadowResult | None = None,
+        canary_version: str | None = None,
     ) -> None:
-        """The turn's decision (with the version that made it and its propensity, from `route`) and the
-        shadow's beside it, in one transaction: once recorded, a redelivered view records nothing new."""
+        """The turn's decision (with the version that made it and its propensity, from `route`, and the
+        canary run it was part of) and the shadow's beside it, in one transaction: once recorded, a
+        redelivered view records nothing new."""
         version = route.config_version if route else DEFAULT_VERSION
         async with self._pool.connection() as conn, conn.pipeline(), conn.transaction():
             await conn.execute(
                 "INSERT INTO router_decisions (turn_id, policy_id, arm, features, session_key, tenant, "
-                "config_version, propensity, lambda_cost) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s) "
+                "config_version, propensity, lambda_cost, canary_version) "
+                "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s) "
                 "ON CONFLICT DO NOTHING",
                 (
                     turn_id,
@@ -273,6 +308,7 @@ class PolicyStore:
                     version,
                     route.propensity if route else None,
                     route.lambda_cost if route else None,
+                    canary_version,
                 ),
             )
             if shadow is not None and tenant is not None:
@@ -309,6 +345,18 @@ class PolicyStore:
         """A judged reward, applied once per turn_id (RewardUpdates.apply_reward); False on a repeat."""
         return await self.rewards.apply_reward(
             turn_id, answered_arm, reward, failed_arms, cost_usd, judge_lambda
+        )
+
+    async def apply_judged(self, event: ev.Judged) -> tuple[bool, Observed | None]:
+        """A judged turn's reward (apply_reward), and its canary run's step (mars_router.rollouts)."""
+        return await self.rewards.apply_judged(
+            event.turn.turn_id,
+            event.arm,
+            event.reward,
+            list(event.failed_arms),
+            event.cost_usd,
+            event.lambda_cost,
+            event.utility,
         )
 
     async def apply_correction(self, correction_id: str, turn_id: str, arm: str, delta: float) -> bool:

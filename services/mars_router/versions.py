@@ -1,4 +1,5 @@
-"""Which policy version routes a tenant's turns, and which one runs in shadow beside it (issue 47).
+"""Which policy version routes a tenant's turns, which one runs in shadow beside it, and which one routes a
+share of its sessions as a canary (issue 47).
 
 Versions and roles live in router_policy_versions / router_policy_roles (mars_router.policy_admin changes
 them). Every router replica reads a tenant's roles at most once per MARS_ROUTER_POLICY_CONFIG_TTL_S (0.5 s by
@@ -97,8 +98,9 @@ class TenantPolicies:
     live: PolicyConfig | None = None
     shadow_version: str | None = None
     shadow: PolicyConfig | None = None
-    #: Reserved for the canary split (a share of sessions routed by the candidate): read, not yet routed by.
+    #: The canary run's candidate (mars_router.rollouts): it routes a share of the tenant's sessions.
     canary_version: str | None = None
+    canary: PolicyConfig | None = None
 
 
 class PolicyVersions:
@@ -162,4 +164,5 @@ class PolicyVersions:
             shadow[0] if shadow else None,
             shadow[1] if shadow else None,
             canary[0] if canary else None,
+            canary[1] if canary else None,
         )

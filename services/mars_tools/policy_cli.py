@@ -1,10 +1,13 @@
-"""`mars policy create|list|show|diff|activate|shadow|compare|promote|rollback`: the router's policy versions.
+"""`mars policy create|list|show|diff|activate|shadow|compare|promote|rollback|canary`: the router's policy
+versions.
 
 A version is an immutable routing config of a tenant's (algorithm and parameters, feature set, lambda, arms;
 mars.domain.policy_versions), kept by the router in the pipeline's Postgres (MARS_POSTGRES_DSN or
 --postgres-dsn). One version is live per tenant (none: the router's own settings, the implicit "default");
 one may run in shadow beside it, deciding every turn without answering. `compare` judges the shadow from
-the log; `promote` makes it live, `rollback` goes back. Every router replica routes by a change within
+the log; `promote` makes it live, `rollback` goes back. `canary` routes a share of the sessions by a version
+and lets the router promote or roll it back by a sequential test (mars.domain.rollout), with the evidence
+in the audit row. Every router replica routes by a change within
 MARS_ROUTER_POLICY_CONFIG_TTL_S (0.5 s). The operations are mars_router.policy_admin's; this is the terminal.
 """
 
@@ -27,6 +30,7 @@ from mars.domain.policy_versions import (
     diff,
     from_router_settings,
 )
+from mars.domain.rollout import RolloutState
 from mars.model_pool import load_pool
 from mars_router import policy_admin as admin
 from mars_router.settings import RouterSettings
@@ -304,6 +308,9 @@ def cmd_promote(args: argparse.Namespace) -> int:
             result = comparison(conn, args.tenant, candidate, args.bootstrap, 100_000)
             if result is not None:
                 evidence |= _evidence(result, candidate)
+        runs = admin.rollouts(conn, args.tenant, 1) if args.role == "canary" else []
+        if runs and runs[0].decided_at is None and runs[0].evidence:  # where the open run's test stood
+            evidence |= {"canary_run": runs[0].rollout_id, "rollout": runs[0].evidence}
         return _said(admin.promote(conn, args.tenant, args.role, args.actor, evidence))
 
     return _run(args, action)
@@ -362,7 +369,7 @@ def _create_args(p: argparse.ArgumentParser) -> None:
 def add_policy_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     policy = sub.add_parser(
         "policy",
-        help="the router's policy versions per tenant: create, shadow, compare, promote, roll back",
+        help="the router's policy versions per tenant: create, shadow, compare, promote, roll back, canary",
         description=__doc__.split("\n\n", 1)[1] if __doc__ else None,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Exit 0 on success, 1 when Postgres failed (or compare has no turns), 2 for bad input "
@@ -371,6 +378,65 @@ def add_policy_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     psub = policy.add_subparsers(dest="policy_cmd", required=True)
     _add_version_commands(psub)
     _add_role_commands(psub)
+    _add_canary_command(psub)
+
+
+def _add_canary_command(psub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = psub.add_parser(
+        "canary",
+        help="start a canary run of VERSION (a share of sessions routed by it; promoted or rolled back by the "
+        "sequential test), --stop it, or --status",
+        description="The router routes MARS_ROUTER_ROLLOUT_SHARE of TENANT's sessions (a stable hash of the "
+        "session, so a session never changes side) by VERSION, the others by the live version, and adds each "
+        "judged turn to an always-valid sequential test (mars.domain.rollout). The first decision is acted on "
+        "by the router: promote (VERSION becomes live) or roll back (a guardrail or the test), with the "
+        "evidence in the audit row, a row in router_rollouts and a PolicyDecision event on mars.control.",
+    )
+    _common(p)
+    p.add_argument("version", nargs="?", help="the candidate (not the live version)")
+    p.add_argument("--stop", action="store_true", help="stop the open canary run (live stays)")
+    p.add_argument("--status", action="store_true", help="show the tenant's canary runs and their evidence")
+    _change_args(p)
+    p.set_defaults(func=cmd_canary)
+
+
+def _show_rollouts(conn: Any, tenant: str) -> int:
+    runs = admin.rollouts(conn, tenant)
+    if not runs:
+        console.print(f"tenant {escape(tenant)} has had no canary run")
+        return 0
+    table = Table("run", "live", "candidate", "started", "turns", "decision", "rule", "statistic / boundary")
+    for r in runs:
+        evidence = r.evidence or {}
+        stat = (
+            f"{evidence.get('statistic', 0.0):.2f} / {evidence.get('boundary', 0.0):.2f}" if evidence else ""
+        )
+        table.add_row(
+            str(r.rollout_id),
+            r.live_version,
+            r.candidate_version,
+            f"{r.started_at:%Y-%m-%d %H:%M:%S}",
+            str(r.turns),
+            r.decision or "(open)",
+            r.rule or "",
+            stat,
+        )
+    console.print(table)
+    return 0
+
+
+def cmd_canary(args: argparse.Namespace) -> int:
+    if args.status:
+        return _run(args, lambda conn: _show_rollouts(conn, args.tenant))
+    if bool(args.version) == bool(args.stop):
+        console.print("[red]give a VERSION to start a canary run, --stop to stop it, or --status[/]")
+        return EXIT_BAD_INPUT
+    version = None if args.stop else args.version
+    initial = RolloutState().to_dict()
+    return _run(
+        args,
+        lambda conn: _said(admin.set_canary(conn, args.tenant, version, initial, args.actor, args.reason)),
+    )
 
 
 def _add_version_commands(psub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

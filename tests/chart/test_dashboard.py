@@ -26,6 +26,13 @@ TOPICS: dict[str, set[str]] = {
     "cost per tenant and component": {"mars_cost_usd_USD_total"},
     "circuit breaker states": {"mars_circuit_state"},
     "QTM and judge outcomes": {"mars_qtm_outcomes_total", "mars_judge_outcomes_total"},
+    "canary runs: reward, cost and arm shares per role, the test's statistic and boundary": {
+        "mars_rollout_turns_total",
+        "mars_rollout_reward",
+        "mars_rollout_cost_usd_USD_total",
+        "mars_rollout_statistic",
+        "mars_rollout_boundary",
+    },
 }
 FORBIDDEN_LABELS = {"user", "user_id", "session", "session_id", "turn", "turn_id"}
 _METRIC = re.compile(r"\bmars_[A-Za-z0-9_]+\b")
@@ -154,3 +161,32 @@ def test_no_per_user_label_on_the_dashboard(dashboard: dict[str, Any]) -> None:
         used |= set(re.findall(r"\w+", clause))
     used |= set(re.findall(r"\{\{\s*(\w+)\s*\}\}", text))
     assert used and not used & FORBIDDEN_LABELS, sorted(used)
+
+
+def test_the_canary_panels_name_the_series_the_router_serves(
+    dashboard: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The rollout series on the dashboard are exactly those mars.metrics serves (through the Prometheus
+    exporter the services use), broken down by tenant and role, never by user."""
+    from mars import metrics
+    from opentelemetry.exporter.prometheus import PrometheusMetricReader
+    from opentelemetry.sdk.metrics import MeterProvider
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    monkeypatch.setattr(metrics, "_current", metrics.instruments())
+    registry = CollectorRegistry()
+    reader = PrometheusMetricReader()
+    provider = MeterProvider(metric_readers=[reader])
+    metrics.bind(provider)
+    try:
+        metrics.record_rollout_turn("t", "canary", "arm-a", -0.25, 0.001)
+        metrics.record_rollout_test("t", 1.5, 4.0)
+        registry.register(reader._collector)
+        served = set(re.findall(r"^(mars_rollout_\w+?)(?:\{| )", generate_latest(registry).decode(), re.M))
+    finally:
+        provider.shutdown()
+    named = {m for e in exprs(dashboard) for m in _METRIC.findall(e) if m.startswith("mars_rollout_")}
+    assert named == served, (sorted(named), sorted(served))
+    canary = [e for e in exprs(dashboard) if "mars_rollout_" in e]
+    assert all(re.search(r"by \([^)]*\btenant\b", e) for e in canary), canary
+    assert any(re.search(r"by \([^)]*\brole\b", e) for e in canary)

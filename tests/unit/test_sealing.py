@@ -47,7 +47,8 @@ def test_every_string_field_of_every_turn_event_is_classified() -> None:
         "policy", "arm", "chosen_arm", "policy_id", "fallback_order", "previous_arm", "model", "error",
         "packed_block_ids", "judge", "failed_arms", "judge_fallback_reason", "correction_id",
         "reward_source", "record_id", "thread_id", "source_topic", "reason", "consumer", "forget_id", "outcome",
-        "text_embedder", "config_version", "shadow_version", "shadow_arm",
+        "text_embedder", "config_version", "shadow_version", "shadow_arm", "rollout_role", "canary_version",
+        "live_version", "candidate_version", "decision", "rule", "evidence_json",
     }  # fmt: skip
     seen: set[str] = set()
 

@@ -341,6 +341,20 @@ class _FreshOffsets(ConsumerRebalanceListener):  # type: ignore[misc]
         await self._consumer._partitions_assigned(set(assigned))
 
 
+def forgets_only(
+    on_forgotten: Callable[[ev.UserForgotten], Awaitable[None]],
+) -> Callable[[ev.UserForgotten], Awaitable[None]]:
+    """`on_forgotten` for the UserForgotten events of mars.control only: the topic's other control events
+    (a PolicyDecision, whose field numbers lie past UserForgotten's) decode as an empty UserForgotten,
+    which names no user and is skipped."""
+
+    async def handle(event: ev.UserForgotten) -> None:
+        if event.user_id or event.forget_id:
+            await on_forgotten(event)
+
+    return handle
+
+
 def control_reader(
     settings: ServiceSettings,
     producer: EventProducer,
@@ -354,5 +368,5 @@ def control_reader(
         producer,
         spec,
         f"{spec.name}-control",
-        [Subscription(TOPIC_CONTROL, ev.UserForgotten, on_forgotten, requires_envelope=False)],
+        [Subscription(TOPIC_CONTROL, ev.UserForgotten, forgets_only(on_forgotten), requires_envelope=False)],
     )
