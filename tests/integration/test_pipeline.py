@@ -79,7 +79,7 @@ def conversation(stack: LocalStack) -> dict[str, list[svc.TurnReply]]:
                         session_id=session,
                         text=text,
                         # A capped view keeps SmolLM2's prefill short; views and routing come before packing.
-                        options={"max_tokens": "32", "view_tokens": "192"},
+                        options={"max_tokens": "16", "view_tokens": "192"},
                     )
                     replies[user].append(stub.SendTurn(req, timeout=180))
         except BaseException as exc:
