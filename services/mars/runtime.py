@@ -230,6 +230,10 @@ async def serve(spec: ServiceSpec, settings: ServiceSettings, build: Builder) ->
     began = time.monotonic()
     await grpc_parts.stop()
     phases.append(("grpc", time.monotonic()))
+    if phases[-1][1] - began > 1.0:
+        # Calls still open held the stop (up to STOP_GRACE_S): said now, since a stop killed later never
+        # logs its phases (seen in full suite runs, not alone).
+        log.warning("%s: calls in flight held the gRPC stop for %.1fs", name, phases[-1][1] - began)
     # The consumers stop together: each may wait out its handlers and its last commit, and one after another
     # those waits added up past the supervisor's stop timeout.
     await asyncio.gather(*(consumer.stop() for consumer in parts.consumers))
