@@ -211,6 +211,13 @@ def _stop_canary(conn: Any, tenant: str, why: str) -> None:
     conn.execute(DROP_ROLE_SQL, (tenant, "canary"))
 
 
+def _check_beside_live(conn: Any, tenant: str, current: dict[str, str], version: str, role: str) -> None:
+    """A shadow or canary version must exist and must not be the live one."""
+    get_version(conn, tenant, version)
+    if current["live"] == version:
+        raise PolicyAdminError(f"{version} is live for tenant {tenant}; a {role} must be another version")
+
+
 def set_canary(
     conn: Any,
     tenant: str,
@@ -231,11 +238,7 @@ def set_canary(
                 raise PolicyAdminError(f"tenant {tenant} has no canary version")
             _stop_canary(conn, tenant, f"stopped by {actor or 'an operator'}")
         else:
-            get_version(conn, tenant, version)
-            if current["live"] == version:
-                raise PolicyAdminError(
-                    f"{version} is live for tenant {tenant}; a canary must be another version"
-                )
+            _check_beside_live(conn, tenant, current, version, "canary")
             _stop_canary(conn, tenant, f"replaced by a canary of {version}")
             conn.execute(
                 "INSERT INTO router_policy_roles (tenant, role, version) VALUES (%s, 'canary', %s)",
@@ -298,11 +301,7 @@ def set_shadow(conn: Any, tenant: str, version: str | None, actor: str = "", rea
                 raise PolicyAdminError(f"tenant {tenant} has no shadow version")
             conn.execute("DELETE FROM router_policy_roles WHERE tenant = %s AND role = 'shadow'", (tenant,))
         else:
-            get_version(conn, tenant, version)
-            if current["live"] == version:
-                raise PolicyAdminError(
-                    f"{version} is live for tenant {tenant}; a shadow must be another version"
-                )
+            _check_beside_live(conn, tenant, current, version, "shadow")
             conn.execute(
                 "INSERT INTO router_policy_roles (tenant, role, version) VALUES (%s, 'shadow', %s) "
                 "ON CONFLICT (tenant, role) DO UPDATE SET version = EXCLUDED.version, since = now()",

@@ -156,8 +156,7 @@ def evaluate(
     known = [s for s in steps if s.propensity > 0]
     if not known:
         raise ValueError("no logged step has a known propensity: nothing to estimate from")
-    xs = np.array([s.x for s in known])
-    pi = np.array([target(x) for x in xs])  # (n, arms)
+    pi = np.array([target(np.asarray(s.x)) for s in known])  # (n, arms)
     return _evaluate_arrays(known, pi, n_arms, bootstrap, seed, ridge, skipped=len(steps) - len(known))
 
 
