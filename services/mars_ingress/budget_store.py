@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from mars.auth import ID_PATTERN
+from mars.ttl_cache import TtlCache
 
 from mars_ingress.budgets import ANY, WINDOW_S, BudgetRow, Scope, Use, scope_name
 
@@ -77,22 +78,19 @@ class BudgetStore:
         self, pool: AsyncConnectionPool, ttl_s: float, clock: Callable[[], float] = time.monotonic
     ) -> None:
         self._pool = pool
-        self._ttl_s = ttl_s
         self._clock = clock
-        self._cache: dict[tuple[str, str, str], tuple[float, list[BudgetRow]]] = {}
-        self._tenants: dict[str, tuple[float, bool]] = {}
+        self._cache: TtlCache[tuple[str, str, str], list[BudgetRow]] = TtlCache(ttl_s, CACHE_ENTRIES)
+        self._tenants: TtlCache[str, bool] = TtlCache(ttl_s, CACHE_ENTRIES)
 
     async def _has_budgets(self, tenant: str, now: float) -> bool:
-        hit = self._tenants.get(tenant)
-        if hit is not None and hit[0] > now:
-            return hit[1]
+        hit = self._tenants.get(tenant, now)
+        if hit is not None:
+            return hit
         async with self._pool.connection() as conn:
             cur = await conn.execute(HAS_BUDGETS_SQL, (tenant,))
             row = await cur.fetchone()
         found = bool(row and row[0])
-        if len(self._tenants) >= CACHE_ENTRIES:
-            self._tenants.clear()
-        self._tenants[tenant] = (now + self._ttl_s, found)
+        self._tenants.put(tenant, found, now)
         return found
 
     async def rows(self, tenant: str, user_id: str, key_id: str | None) -> list[BudgetRow]:
@@ -100,22 +98,18 @@ class BudgetStore:
         if not await self._has_budgets(tenant, now):
             return []
         entry = (tenant, user_id, key_id or ANY)
-        hit = self._cache.get(entry)
-        if hit is not None and hit[0] > now:
-            return hit[1]
+        hit = self._cache.get(entry, now)
+        if hit is not None:
+            return hit
         async with self._pool.connection() as conn:
             cur = await conn.execute(APPLICABLE_SQL, {"tenant": tenant, "user": user_id, "key": key_id or ""})
             rows = [row_from(r) for r in await cur.fetchall()]
-        if len(self._cache) >= CACHE_ENTRIES:
-            self._cache = {k: v for k, v in self._cache.items() if v[0] > now}
-            if len(self._cache) >= CACHE_ENTRIES:
-                self._cache.clear()
-        self._cache[entry] = (now + self._ttl_s, rows)
+        self._cache.put(entry, rows, now)
         return rows
 
     def forget_user(self, tenant: str, user_id: str) -> None:
         """A forgotten user's rows are gone: not served from the cache either."""
-        self._cache = {k: v for k, v in self._cache.items() if k[:2] != (tenant, user_id)}
+        self._cache.drop(lambda k: k[:2] == (tenant, user_id))
 
     async def uses(
         self, tenant: str, user_id: str | None, key_id: str | None

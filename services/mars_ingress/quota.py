@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from mars.ttl_cache import TtlCache
 from pydantic import BaseModel, Field
 
 
@@ -213,17 +214,16 @@ class SpendCache:
         self, fetch: Callable[[str], Awaitable[float]], ttl_s: float, clock: Callable[[], float]
     ) -> None:
         self._fetch = fetch
-        self._ttl_s = ttl_s
         self._clock = clock
-        self._cache: dict[str, tuple[float, float]] = {}
+        self._cache: TtlCache[str, float] = TtlCache(ttl_s)
 
     async def spent(self, tenant: str) -> float:
         now = self._clock()
-        hit = self._cache.get(tenant)
-        if hit is not None and hit[0] > now:
-            return hit[1]
+        hit = self._cache.get(tenant, now)
+        if hit is not None:
+            return hit
         value = await self._fetch(tenant)
-        self._cache[tenant] = (now + self._ttl_s, value)
+        self._cache.put(tenant, value, now)
         return value
 
 

@@ -22,6 +22,7 @@ from typing import Any
 
 from mars.domain.bandits import RoutingPolicy
 from mars.domain.policy_versions import DEFAULT_VERSION, PolicyConfig, PolicyConfigError
+from mars.ttl_cache import TtlCache
 from psycopg_pool import AsyncConnectionPool
 
 from mars_router.policy_tables import PolicyTables, policy_id_for
@@ -114,10 +115,9 @@ class PolicyVersions:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._pool = pool
-        self._ttl_s = ttl_s
         self._known_arms = list(known_arms)
         self._clock = clock
-        self._cache: dict[str, tuple[float, TenantPolicies]] = {}
+        self._cache: TtlCache[str, TenantPolicies] = TtlCache(ttl_s)
         #: Reads of the roles table (for tests and metrics: one per tenant per TTL at most).
         self.reads = 0
 
@@ -125,21 +125,19 @@ class PolicyVersions:
         if tenant is None:
             self._cache.clear()
         else:
-            self._cache.pop(tenant, None)
+            self._cache.pop(tenant)
 
     async def resolve(self, tenant: str) -> TenantPolicies:
         now = self._clock()
-        cached = self._cache.get(tenant)
-        if cached is not None and cached[0] > now:
-            return cached[1]
+        cached = self._cache.get(tenant, now)
+        if cached is not None:
+            return cached
         async with self._pool.connection() as conn:
             cur = await conn.execute(ROLES_SQL, (tenant,))
             rows = await cur.fetchall()
         self.reads += 1
         resolved = self._of_rows(tenant, rows)
-        if len(self._cache) > 10_000:
-            self._cache.clear()
-        self._cache[tenant] = (now + self._ttl_s, resolved)
+        self._cache.put(tenant, resolved, now)
         return resolved
 
     def _of_rows(self, tenant: str, rows: Sequence[Sequence[Any]]) -> TenantPolicies:
