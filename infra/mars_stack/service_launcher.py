@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -102,6 +103,7 @@ class ServiceLauncher:
                 [sys.executable, "-m", f"mars_{service}"],
                 env=self._process_env(name, service),
                 service=service,
+                dump_signal=signal.SIGUSR1,
             )
             for name, service in self.service_procs()
         ]

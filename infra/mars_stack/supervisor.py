@@ -45,6 +45,9 @@ class Proc:
     stop_signal: int = signal.SIGTERM
     #: Run before each start again (Postgres as root: reopen the folders above its data).
     before_restart: Callable[[], None] | None = None
+    #: What makes it log where it is (a MARS service: SIGUSR1, every task's stack), sent before a stop that
+    #: outlived its timeout is killed, so the kill says what held it.
+    dump_signal: int | None = None
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,7 @@ class Supervisor:
         *,
         stop_signal: int = signal.SIGTERM,
         before_restart: Callable[[], None] | None = None,
+        dump_signal: int | None = None,
         **kw: Any,
     ) -> Proc:
         """Start `cmd` in a session of its own (`kw` goes to Popen, e.g. `user`)."""
@@ -104,6 +108,7 @@ class Supervisor:
             service=service or name,
             stop_signal=stop_signal,
             before_restart=before_restart,
+            dump_signal=dump_signal,
         )
         with self._lock:
             self.procs.append(proc)
@@ -196,10 +201,32 @@ class Supervisor:
             try:
                 proc.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                # Worth knowing: a stop that never ends costs every stack's teardown the whole timeout.
-                log.warning("%s did not stop within %.0f s of its stop signal: killed", proc.name, timeout_s)
+                # Worth knowing: a stop that never ends costs every stack's teardown the whole timeout. What
+                # held it is in the log's last lines, after the process is asked where it is.
+                where = self._where(proc)
+                log.warning(
+                    "%s did not stop within %.0f s of its stop signal: killed; its log's end:\n%s",
+                    proc.name,
+                    timeout_s,
+                    where,
+                )
                 proc.popen.kill()
                 proc.popen.wait()
+
+    @staticmethod
+    def _where(proc: Proc, lines: int = 200) -> str:
+        """The process's log from its last "stopping" line on (at most `lines`), after its dump signal (if it
+        has one) had a moment to add where it is."""
+        if proc.dump_signal is not None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.popen.send_signal(proc.dump_signal)
+            time.sleep(1.0)
+        try:
+            text = proc.log.read_text(errors="replace").splitlines()
+        except OSError as exc:
+            return f"(log unreadable: {exc})"
+        begun = max((i for i, line in enumerate(text) if line.rstrip().endswith(" stopping")), default=0)
+        return "\n".join(text[begun:][-lines:])
 
     # --- chaos: what the tools and tests do to a process ------------------------------------------
 

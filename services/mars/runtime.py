@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import io
 import logging
 import os
 import signal
@@ -321,10 +322,20 @@ async def _set_health(servicer: health.aio.HealthServicer, names: Sequence[str],
         await servicer.set(svc, status)
 
 
+def _log_tasks(name: str) -> None:
+    """SIGUSR1: log every task's stack. The local supervisor asks this of a stop that outlived its timeout
+    before it kills it, so the kill says which await held the stop."""
+    for task in asyncio.all_tasks():
+        out = io.StringIO()
+        task.print_stack(limit=12, file=out)
+        log.warning("%s: task %s at\n%s", name, task.get_name(), out.getvalue())
+
+
 async def _until_stopped(name: str, parts: ServiceParts) -> bool:
     """Wait for SIGTERM/SIGINT or a consumer that stopped for good; True for the latter (a crash)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGUSR1, _log_tasks, name)
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     stop_task = asyncio.create_task(stop.wait())

@@ -8,27 +8,22 @@ from __future__ import annotations
 import json
 import re
 import socket
-import time
 from collections import defaultdict
 from collections.abc import Iterator
 from typing import Any
 
 import grpc
 import httpx
-import psycopg
 import pytest
 import yaml
-from conftest import REPO, api_key, ingress_stub, query, start_stack, wait_for
+from conftest import REPO, api_key, ingress_stub, start_stack, wait_for
 from mars import topology
-from mars.domain.policy_versions import PolicyConfig
-from mars.domain.rollout import RolloutState
 from mars.topology import STAGE_GROUPS
 from mars.v1 import services_pb2 as svc
 from mars.v1 import services_pb2_grpc as svc_grpc
 from mars_ingress.client import ingress_channel
-from mars_router import policy_admin
-from mars_router.settings import RouterSettings
 from mars_stack import LocalStack
+from mars_stack.canary import rollout_turns, start_canary_run
 from prometheus_client.parser import text_string_to_metric_families
 
 pytestmark = pytest.mark.integration
@@ -80,28 +75,11 @@ def metrics_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Lo
         s.stop()
 
 
-def start_canary_run(stack: LocalStack, tenant: str) -> None:
-    """A canary run for `tenant` (a live and a candidate version over the whole pool), so its judged turns
-    feed the router's canary series (mars.rollout.*) that the dashboard's canary panels query. Too few
-    turns follow for the run to decide (the default warm-up), so routing stays as it was."""
-    pool = yaml.safe_load((REPO / "config" / "models.standin.yaml").read_text())
-    arms = [m["name"] for m in pool["models"]]
-    with psycopg.connect(stack.env["MARS_POSTGRES_DSN"], autocommit=True) as conn:
-        live = policy_admin.create_version(conn, tenant, PolicyConfig("linucb", tuple(arms)), arms)
-        policy_admin.activate(conn, tenant, live.version, "tests")
-        candidate = policy_admin.create_version(
-            conn, tenant, PolicyConfig("epsilon_greedy", tuple(arms), {"epsilon": 0.1}), arms
-        )
-        policy_admin.set_canary(conn, tenant, candidate.version, RolloutState().to_dict(), "tests")
-    # The router may hold the tenant's roles from earlier turns (the burst's) for its roles TTL
-    # (MARS_ROUTER_POLICY_CONFIG_TTL_S, 0.5 s): the turns that follow must see the run.
-    time.sleep(2 * RouterSettings.model_fields["policy_config_ttl_s"].default)
-
-
 @pytest.fixture(scope="module")
 def turns(metrics_stack: tuple[LocalStack, dict[str, int]]) -> list[svc.TurnReply]:
     stack, _ = metrics_stack
-    start_canary_run(stack, TENANT)
+    pool = yaml.safe_load((REPO / "config" / "models.standin.yaml").read_text())
+    start_canary_run(stack.env["MARS_POSTGRES_DSN"], TENANT, [m["name"] for m in pool["models"]])
     stub = ingress_stub(stack, TENANT)
     replies = []
     for user in USERS:
@@ -118,8 +96,7 @@ def turns(metrics_stack: tuple[LocalStack, dict[str, int]]) -> list[svc.TurnRepl
                 )
             )
     wait_for(
-        lambda: query(stack, "SELECT coalesce(sum(turns), 0) FROM router_rollouts WHERE tenant = %s", (TENANT,))
-        == [(len(replies),)],
+        lambda: rollout_turns(stack.env["MARS_POSTGRES_DSN"], TENANT) == len(replies),
         what="the canary run's test to hold every judged turn",
     )
     return replies
