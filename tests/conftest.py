@@ -17,10 +17,13 @@ _KILLED: list[str] = []
 
 
 class _KilledAtStop(logging.Handler):
-    """Collects the supervisor's word that a process outlived its stop signal and was killed."""
+    """Collects the supervisor's word that a process outlived its stop signal and was killed, while a local
+    stack stops (a test of the supervisor's own kill is not one)."""
+
+    stopping = False
 
     def emit(self, record: logging.LogRecord) -> None:
-        if "did not stop" in record.getMessage():
+        if self.stopping and "did not stop" in record.getMessage():
             _KILLED.append(record.getMessage())
 
 
@@ -45,14 +48,17 @@ def _count_stack_starts() -> Any:
         _STARTS[_kind(self)] += 1
         return start(self, *args, **kwargs)
 
+    killed = _KilledAtStop(logging.WARNING)
+
     def timed(self: Any) -> None:
         began = time.monotonic()
+        killed.stopping = True
         try:
             stop(self)
         finally:
+            killed.stopping = False
             _STOP_S.append(time.monotonic() - began)
 
-    killed = _KilledAtStop(logging.WARNING)
     supervisor_log = logging.getLogger("mars_stack.supervisor")
     supervisor_log.addHandler(killed)
     LocalStack.start = counted  # type: ignore[method-assign]

@@ -103,7 +103,7 @@ class ServiceLauncher:
                 [sys.executable, "-m", f"mars_{service}"],
                 env=self._process_env(name, service),
                 service=service,
-                dump_signal=signal.SIGUSR1,
+                dump_signals=(signal.SIGUSR1, signal.SIGUSR2),
             )
             for name, service in self.service_procs()
         ]

@@ -45,9 +45,9 @@ class Proc:
     stop_signal: int = signal.SIGTERM
     #: Run before each start again (Postgres as root: reopen the folders above its data).
     before_restart: Callable[[], None] | None = None
-    #: What makes it log where it is (a MARS service: SIGUSR1, every task's stack), sent before a stop that
-    #: outlived its timeout is killed, so the kill says what held it.
-    dump_signal: int | None = None
+    #: What makes it log where it is (a MARS service: SIGUSR1, every task's stack; SIGUSR2, every thread's),
+    #: sent before a stop that outlived its timeout is killed, so the kill says what held it.
+    dump_signals: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -81,7 +81,7 @@ class Supervisor:
         *,
         stop_signal: int = signal.SIGTERM,
         before_restart: Callable[[], None] | None = None,
-        dump_signal: int | None = None,
+        dump_signals: tuple[int, ...] = (),
         **kw: Any,
     ) -> Proc:
         """Start `cmd` in a session of its own (`kw` goes to Popen, e.g. `user`)."""
@@ -108,7 +108,7 @@ class Supervisor:
             service=service or name,
             stop_signal=stop_signal,
             before_restart=before_restart,
-            dump_signal=dump_signal,
+            dump_signals=dump_signals,
         )
         with self._lock:
             self.procs.append(proc)
@@ -215,12 +215,12 @@ class Supervisor:
 
     @staticmethod
     def _where(proc: Proc, lines: int = 200) -> str:
-        """The process's log from its last "stopping" line on (at most `lines`), after its dump signal (if it
-        has one) had a moment to add where it is."""
-        if proc.dump_signal is not None:
+        """The process's log from its last "stopping" line on (at most `lines`), after its dump signals (if it
+        has any) had a moment to add where it is."""
+        for sig in proc.dump_signals:
             with contextlib.suppress(ProcessLookupError):
-                proc.popen.send_signal(proc.dump_signal)
-            time.sleep(1.0)
+                proc.popen.send_signal(sig)
+            time.sleep(0.5)
         try:
             text = proc.log.read_text(errors="replace").splitlines()
         except OSError as exc:

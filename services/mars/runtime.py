@@ -4,6 +4,7 @@ health and reflection, stage consumers, and a clean stop on SIGTERM/SIGINT."""
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import functools
 import io
 import logging
@@ -236,17 +237,25 @@ async def serve(spec: ServiceSpec, settings: ServiceSettings, build: Builder) ->
         # logs its phases (seen in full suite runs, not alone).
         log.warning("%s: calls in flight held the gRPC stop for %.1fs", name, phases[-1][1] - began)
     # The consumers stop together: each may wait out its handlers and its last commit, and one after another
-    # those waits added up past the supervisor's stop timeout.
-    await asyncio.gather(*(consumer.stop() for consumer in parts.consumers))
+    # those waits added up past the supervisor's stop timeout. Every phase from here on has a bound: a phase
+    # that outlives it (a group leave stuck in a rebalance, a pool waiting on a connection) is logged by name
+    # and left behind, since the process exits next and the broker and Postgres clean up after it.
+    await _bounded(name, "consumers", asyncio.gather(*(c.stop() for c in parts.consumers)), CONSUMERS_STOP_S)
     phases.append(("consumers", time.monotonic()))
     for hook in parts.on_stop:
-        await hook()
+        await _bounded(name, "hooks", hook(), PHASE_STOP_S)
     phases.append(("hooks", time.monotonic()))
-    await ctx.producer.stop()
+    await _bounded(name, "producer", ctx.producer.stop(), PHASE_STOP_S)
     phases.append(("producer", time.monotonic()))
-    await ctx.pool.close()
+    await _bounded(name, "postgres", ctx.pool.close(), PHASE_STOP_S)
     phases.append(("postgres", time.monotonic()))
-    telemetry.shutdown()
+    # Flushing spans and a last metric snapshot blocks (an exporter's timeout): on a daemon thread, waited on
+    # for at most PHASE_STOP_S.
+    flusher = threading.Thread(target=telemetry.shutdown, name="telemetry-shutdown", daemon=True)
+    flusher.start()
+    await asyncio.to_thread(flusher.join, PHASE_STOP_S)
+    if flusher.is_alive():
+        log.warning("%s: the telemetry flush outlived %.0fs: left behind", name, PHASE_STOP_S)
     phases.append(("telemetry", time.monotonic()))
     spent, last = [], began
     for phase, at in phases:
@@ -322,9 +331,17 @@ async def _set_health(servicer: health.aio.HealthServicer, names: Sequence[str],
         await servicer.set(svc, status)
 
 
+async def _bounded(name: str, phase: str, work: Awaitable[Any], timeout_s: float) -> None:
+    """Await one stop phase for at most `timeout_s`; past that it is cancelled and logged by name."""
+    try:
+        await asyncio.wait_for(work, timeout_s)
+    except TimeoutError:
+        log.warning("%s: the %s stop outlived %.0fs: left behind", name, phase, timeout_s)
+
+
 def _log_tasks(name: str) -> None:
-    """SIGUSR1: log every task's stack. The local supervisor asks this of a stop that outlived its timeout
-    before it kills it, so the kill says which await held the stop."""
+    """SIGUSR1: log every task's stack. The local supervisor asks this (and SIGUSR2's thread stacks) of a stop
+    that outlived its timeout before it kills it, so the kill says which await held the stop."""
     for task in asyncio.all_tasks():
         out = io.StringIO()
         task.print_stack(limit=12, file=out)
@@ -336,6 +353,8 @@ async def _until_stopped(name: str, parts: ServiceParts) -> bool:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGUSR1, _log_tasks, name)
+    # SIGUSR2: every thread's stack, written by the interpreter itself, which works when the loop is blocked.
+    faulthandler.register(signal.SIGUSR2, all_threads=True)
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     stop_task = asyncio.create_task(stop.wait())
@@ -352,6 +371,11 @@ STOP_DEADLINE_S = 20.0
 #: How long calls in flight may take to finish once a stop began (a turn under load takes seconds); within
 #: STOP_DEADLINE_S, which the chart's terminationGracePeriodSeconds exceeds.
 STOP_GRACE_S = 12.0
+#: Bounds of the stop's phases after the gRPC stop, so that grace plus these stays within STOP_DEADLINE_S and
+#: a local supervisor's 15 s: the consumers' (each waits up to REVOKE_WAIT_S for its handlers, then commits
+#: and leaves the group), and each later phase's (hooks, producer, Postgres pool, telemetry flush).
+CONSUMERS_STOP_S = 6.0
+PHASE_STOP_S = 2.0
 
 
 def grpc_server(

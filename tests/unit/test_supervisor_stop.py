@@ -40,7 +40,7 @@ def test_a_hanging_stop_is_killed_and_the_warning_says_which_await_held_it(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     supervisor = Supervisor(tmp_path)
-    proc = supervisor.spawn("hanging", [sys.executable, "-c", HANGING], dump_signal=signal.SIGUSR1)
+    proc = supervisor.spawn("hanging", [sys.executable, "-c", HANGING], dump_signals=(signal.SIGUSR1,))
     deadline = time.monotonic() + 30
     while "ready" not in proc.log.read_text() and time.monotonic() < deadline:
         time.sleep(0.05)
