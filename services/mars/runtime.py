@@ -225,9 +225,18 @@ async def serve(spec: ServiceSpec, settings: ServiceSettings, build: Builder) ->
     await _set_health(
         grpc_parts.health_servicer, grpc_parts.names, health_pb2.HealthCheckResponse.NOT_SERVING
     )
+    await _stop_in_phases(name, ctx, parts, grpc_parts, telemetry)
+    if crashed:
+        raise SystemExit(1)
+
+
+async def _stop_in_phases(
+    name: str, ctx: ServiceContext, parts: ServiceParts, grpc_parts: _Serving, telemetry: Any
+) -> None:
+    """Stop what `serve` started, phase by phase, each timed and logged: a stop that nears the deadline
+    says where its time went."""
     # Calls in flight finish before the consumers stop: the ingress's waiting turns get their answers from
     # its consumer, so stopping that first would fail every turn in flight on a rolling update.
-    # Each phase is timed and logged: a stop that nears the deadline says where its time went.
     phases: list[tuple[str, float]] = []
     began = time.monotonic()
     await grpc_parts.stop()
@@ -262,8 +271,6 @@ async def serve(spec: ServiceSpec, settings: ServiceSettings, build: Builder) ->
         spent.append(f"{phase} {at - last:.2f}")
         last = at
     log.info("%s stopped in %.2fs (%s)", name, last - began, ", ".join(spent))
-    if crashed:
-        raise SystemExit(1)
 
 
 async def _open_context(spec: ServiceSpec, settings: ServiceSettings, master: Any) -> ServiceContext:
