@@ -4,9 +4,9 @@ health and reflection, stage consumers, and a clean stop on SIGTERM/SIGINT."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import faulthandler
 import functools
-import io
 import logging
 import os
 import signal
@@ -339,20 +339,38 @@ async def _set_health(servicer: health.aio.HealthServicer, names: Sequence[str],
 
 
 async def _bounded(name: str, phase: str, work: Awaitable[Any], timeout_s: float) -> None:
-    """Await one stop phase for at most `timeout_s`; past that it is cancelled and logged by name."""
-    try:
-        await asyncio.wait_for(work, timeout_s)
-    except TimeoutError:
+    """Await one stop phase for at most `timeout_s`; past that it is logged by name, with every task's stack
+    (which await held it), and cancelled."""
+    task = asyncio.ensure_future(work)
+    done, _ = await asyncio.wait({task}, timeout=timeout_s)
+    if not done:
         log.warning("%s: the %s stop outlived %.0fs: left behind", name, phase, timeout_s)
+        _log_tasks(name)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await asyncio.wait_for(task, 0.5)
+    elif task.exception() is not None:
+        log.warning("%s: the %s stop failed: %r", name, phase, task.exception())
 
 
 def _log_tasks(name: str) -> None:
-    """SIGUSR1: log every task's stack. The local supervisor asks this (and SIGUSR2's thread stacks) of a stop
-    that outlived its timeout before it kills it, so the kill says which await held the stop."""
+    """SIGUSR1: log every task's await chain, innermost last (a suspended task's own stack shows only its
+    outermost frame). The local supervisor asks this (and SIGUSR2's thread stacks) of a stop that outlived
+    its timeout before it kills it, and a stop phase that outlives its bound logs it too, so either says
+    which await held the stop."""
     for task in asyncio.all_tasks():
-        out = io.StringIO()
-        task.print_stack(limit=12, file=out)
-        log.warning("%s: task %s at\n%s", name, task.get_name(), out.getvalue())
+        lines = []
+        coro: Any = task.get_coro()
+        while coro is not None:
+            frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+            if frame is None:
+                lines.append(f"  awaiting {coro!r}"[:300])
+                break
+            lines.append(
+                f'  File "{frame.f_code.co_filename}", line {frame.f_lineno}, in {frame.f_code.co_name}'
+            )
+            coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+        log.warning("%s: task %s at\n%s", name, task.get_name(), "\n".join(lines))
 
 
 async def _until_stopped(name: str, parts: ServiceParts) -> bool:

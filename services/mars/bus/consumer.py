@@ -75,6 +75,8 @@ class StageConsumer:
     COMMIT_EVERY_S = 0.5
     #: How long a rebalance waits for the revoked partitions' records before cancelling them.
     REVOKE_WAIT_S = 5.0
+    #: How long a stop waits for aiokafka's own stop (leaving the group, closing the broker connections).
+    CLOSE_WAIT_S = 3.0
 
     def __init__(
         self,
@@ -195,7 +197,18 @@ class StageConsumer:
         if not self._broadcast:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._commit_finished(), timeout=self.REVOKE_WAIT_S)
-        await self._consumer.stop()
+        # aiokafka's stop leaves the group, then waits for each broker connection to close; over TLS that
+        # close waits for the broker's close_notify, which now and then never comes (the transport's own
+        # timeout is 30 s: seen holding a stack's stop past its supervisor's 15 s). Past CLOSE_WAIT_S the
+        # sockets are left to the process's exit: the group is left and the offsets committed by then.
+        try:
+            await asyncio.wait_for(self._consumer.stop(), timeout=self.CLOSE_WAIT_S)
+        except TimeoutError:
+            log.info(
+                "%s: the broker connections did not close within %.0fs: left to the exit",
+                self._group_id,
+                self.CLOSE_WAIT_S,
+            )
         self._lag = {}
 
     @property
