@@ -396,10 +396,12 @@ STOP_DEADLINE_S = 20.0
 #: How long calls in flight may take to finish once a stop began (a turn under load takes seconds); within
 #: STOP_DEADLINE_S, which the chart's terminationGracePeriodSeconds exceeds.
 STOP_GRACE_S = 12.0
-#: Bounds of the stop's phases after the gRPC stop, so that grace plus these stays within STOP_DEADLINE_S and
-#: a local supervisor's 15 s: the consumers' (each waits up to REVOKE_WAIT_S for its handlers, then commits
-#: and leaves the group), and each later phase's (hooks, producer, Postgres pool, telemetry flush).
-CONSUMERS_STOP_S = 6.0
+#: Bounds of the stop's phases after the gRPC stop: the consumers' (each waits up to REVOKE_WAIT_S for its
+#: handlers, commits, and leaves its group, which on a rolling update waits for the rebalance in progress:
+#: cut short, the group waits out the session timeout and the partitions stall, which failed turns in the
+#: Kubernetes upgrade run), and each later phase's (hooks, producer, Postgres pool, telemetry flush). The
+#: watchdog (STOP_DEADLINE_S) bounds the whole.
+CONSUMERS_STOP_S = 14.0
 PHASE_STOP_S = 2.0
 
 
