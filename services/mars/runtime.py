@@ -4,7 +4,6 @@ health and reflection, stage consumers, and a clean stop on SIGTERM/SIGINT."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import faulthandler
 import functools
 import logging
@@ -246,25 +245,17 @@ async def _stop_in_phases(
         # logs its phases (seen in full suite runs, not alone).
         log.warning("%s: calls in flight held the gRPC stop for %.1fs", name, phases[-1][1] - began)
     # The consumers stop together: each may wait out its handlers and its last commit, and one after another
-    # those waits added up past the supervisor's stop timeout. Every phase from here on has a bound: a phase
-    # that outlives it (a group leave stuck in a rebalance, a pool waiting on a connection) is logged by name
-    # and left behind, since the process exits next and the broker and Postgres clean up after it.
-    await _bounded(name, "consumers", asyncio.gather(*(c.stop() for c in parts.consumers)), CONSUMERS_STOP_S)
+    # those waits added up past the supervisor's stop timeout.
+    await asyncio.gather(*(consumer.stop() for consumer in parts.consumers))
     phases.append(("consumers", time.monotonic()))
     for hook in parts.on_stop:
-        await _bounded(name, "hooks", hook(), PHASE_STOP_S)
+        await hook()
     phases.append(("hooks", time.monotonic()))
-    await _bounded(name, "producer", ctx.producer.stop(), PHASE_STOP_S)
+    await ctx.producer.stop()
     phases.append(("producer", time.monotonic()))
-    await _bounded(name, "postgres", ctx.pool.close(), PHASE_STOP_S)
+    await ctx.pool.close()
     phases.append(("postgres", time.monotonic()))
-    # Flushing spans and a last metric snapshot blocks (an exporter's timeout): on a daemon thread, waited on
-    # for at most PHASE_STOP_S.
-    flusher = threading.Thread(target=telemetry.shutdown, name="telemetry-shutdown", daemon=True)
-    flusher.start()
-    await asyncio.to_thread(flusher.join, PHASE_STOP_S)
-    if flusher.is_alive():
-        log.warning("%s: the telemetry flush outlived %.0fs: left behind", name, PHASE_STOP_S)
+    telemetry.shutdown()
     phases.append(("telemetry", time.monotonic()))
     spent, last = [], began
     for phase, at in phases:
@@ -338,26 +329,10 @@ async def _set_health(servicer: health.aio.HealthServicer, names: Sequence[str],
         await servicer.set(svc, status)
 
 
-async def _bounded(name: str, phase: str, work: Awaitable[Any], timeout_s: float) -> None:
-    """Await one stop phase for at most `timeout_s`; past that it is logged by name, with every task's stack
-    (which await held it), and cancelled."""
-    task = asyncio.ensure_future(work)
-    done, _ = await asyncio.wait({task}, timeout=timeout_s)
-    if not done:
-        log.warning("%s: the %s stop outlived %.0fs: left behind", name, phase, timeout_s)
-        _log_tasks(name)
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await asyncio.wait_for(task, 0.5)
-    elif task.exception() is not None:
-        log.warning("%s: the %s stop failed: %r", name, phase, task.exception())
-
-
 def _log_tasks(name: str) -> None:
     """SIGUSR1: log every task's await chain, innermost last (a suspended task's own stack shows only its
     outermost frame). The local supervisor asks this (and SIGUSR2's thread stacks) of a stop that outlived
-    its timeout before it kills it, and a stop phase that outlives its bound logs it too, so either says
-    which await held the stop."""
+    its timeout before it kills it, so the kill says which await held the stop."""
     for task in asyncio.all_tasks():
         lines = []
         coro: Any = task.get_coro()
@@ -396,13 +371,6 @@ STOP_DEADLINE_S = 20.0
 #: How long calls in flight may take to finish once a stop began (a turn under load takes seconds); within
 #: STOP_DEADLINE_S, which the chart's terminationGracePeriodSeconds exceeds.
 STOP_GRACE_S = 12.0
-#: Bounds of the stop's phases after the gRPC stop: the consumers' (each waits up to REVOKE_WAIT_S for its
-#: handlers, commits, and leaves its group, which on a rolling update waits for the rebalance in progress:
-#: cut short, the group waits out the session timeout and the partitions stall, which failed turns in the
-#: Kubernetes upgrade run), and each later phase's (hooks, producer, Postgres pool, telemetry flush). The
-#: watchdog (STOP_DEADLINE_S) bounds the whole.
-CONSUMERS_STOP_S = 14.0
-PHASE_STOP_S = 2.0
 
 
 def grpc_server(

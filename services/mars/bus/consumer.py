@@ -75,8 +75,6 @@ class StageConsumer:
     COMMIT_EVERY_S = 0.5
     #: How long a rebalance waits for the revoked partitions' records before cancelling them.
     REVOKE_WAIT_S = 5.0
-    #: How long a stop waits for aiokafka's stop once the group is left (closing the broker connections).
-    CLOSE_WAIT_S = 3.0
 
     def __init__(
         self,
@@ -197,23 +195,7 @@ class StageConsumer:
         if not self._broadcast:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._commit_finished(), timeout=self.REVOKE_WAIT_S)
-        # aiokafka's stop leaves the group (waiting, on a rolling update, for the rebalance in progress: cut
-        # short, the group would wait out the session timeout and stall the partitions), then waits for each
-        # broker connection to close. Over TLS that close waits for the broker's close_notify, which now and
-        # then never comes (the transport's own timeout is 30 s: seen holding a stack's stop past its
-        # supervisor's 15 s). So the group is left first, unbounded here (the runtime bounds the whole stop),
-        # and only the rest gets CLOSE_WAIT_S, after which the sockets are left to the process's exit.
-        coordinator = getattr(self._consumer, "_coordinator", None)
-        if coordinator is not None:
-            await coordinator.close()  # aiokafka's stop calls it again: a no-op once closed
-        try:
-            await asyncio.wait_for(self._consumer.stop(), timeout=self.CLOSE_WAIT_S)
-        except TimeoutError:
-            log.info(
-                "%s: the broker connections did not close within %.0fs: left to the exit",
-                self._group_id,
-                self.CLOSE_WAIT_S,
-            )
+        await self._consumer.stop()
         self._lag = {}
 
     @property
