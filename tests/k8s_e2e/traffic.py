@@ -8,13 +8,21 @@ twice (a duplicate) from two turns; the users' earlier sessions still feed each 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 import time
 import uuid
 from collections import Counter
 from dataclasses import dataclass, field
 
-from mars.config import TOPIC_GENERATED, TOPIC_RECEIVED
+from mars.config import (
+    TOPIC_GENERATED,
+    TOPIC_MEMORY_COMMITTED,
+    TOPIC_RECEIVED,
+    TOPIC_ROUTED,
+    TOPIC_STATE,
+    TOPIC_VIEW,
+)
 
 USERS = 10
 
@@ -45,13 +53,17 @@ class RunCounts:
     p99_ms: float = 0.0
     seconds: float = 0.0
     errors: dict[str, int] = field(default_factory=dict)
+    #: Where the slow turns waited, from the log's timestamps (slow_hops).
+    slow: str = ""
 
     def line(self) -> str:
         errors = f" errors {self.errors}" if self.errors else ""
+        slow = f"\n  slow turns: {self.slow}" if self.slow else ""
         return (
             f"{self.name}: {self.seconds:.0f} s, sent {self.sent}, answered {self.answered}, failed {self.failed}, "
             f"lost {self.lost}, duplicated {self.duplicated}, p50 {self.p50_ms:.0f} ms, p99 {self.p99_ms:.0f} ms"
             + errors
+            + slow
         )
 
 
@@ -163,7 +175,65 @@ def count(name: str, loop: OpenLoop, bootstrap: str, settle_s: float = 60.0) -> 
     lost = {t for t in received if t not in answered}
     lost |= {c.turn_id for c in calls if c.code == "OK" and c.turn_id not in answered}
     counts.lost = len(lost)
+    counts.slow = slow_hops(bootstrap, users)
     return counts
+
+
+#: The pipeline's hops in order, by the topic each one ends on.
+HOPS = (TOPIC_RECEIVED, TOPIC_STATE, TOPIC_VIEW, TOPIC_ROUTED, TOPIC_GENERATED)
+SLOW_S = 3.0
+
+
+def slow_hops(bootstrap: str, users: set[str]) -> str:
+    """Where the turns that took over SLOW_S (received to generated, in the log) waited, so a failed run says
+    which stage stalled and when. A view waits (bounded) for the user's turn n-1 to be committed to memory
+    (read-your-writes), so one stalled turn makes its user's next ones slow too: a slow turn whose view came
+    within 1 s after turn n-1's commit is counted as waiting on n-1; the others are the roots, each with
+    the hop that held it longest."""
+    from mars.v1 import events_pb2 as ev
+    from mars_tools.replay.readers import read_topics
+
+    first: dict[str, dict[str, int]] = {}
+    seqs: dict[str, tuple[str, int]] = {}
+    committed: dict[tuple[str, int], int] = {}
+
+    async def read() -> None:
+        async for record in read_topics(bootstrap, (*HOPS, TOPIC_MEMORY_COMMITTED)):
+            turn = ev.TurnReceived.FromString(record.value).turn  # field 1 is the envelope in each
+            if turn.user_id not in users:
+                continue
+            if record.topic == TOPIC_MEMORY_COMMITTED:
+                committed.setdefault((turn.user_id, turn.seq), record.timestamp_ms)
+            else:
+                first.setdefault(turn.turn_id, {}).setdefault(record.topic, record.timestamp_ms)
+                seqs[turn.turn_id] = (turn.user_id, turn.seq)
+
+    asyncio.run(read())
+    roots: Counter[str] = Counter()
+    longest: dict[str, int] = {}
+    window: list[int] = []
+    on_previous = 0
+    for turn_id, at in first.items():
+        if not all(t in at for t in HOPS) or at[TOPIC_GENERATED] - at[TOPIC_RECEIVED] <= SLOW_S * 1000:
+            continue
+        window.append(at[TOPIC_RECEIVED])
+        waits = {b.rsplit(".", 1)[-1]: at[b] - at[a] for a, b in itertools.pairwise(HOPS)}
+        for hop, ms in waits.items():
+            longest[hop] = max(longest.get(hop, 0), ms)
+        user, seq = seqs[turn_id]
+        previous = committed.get((user, seq - 1))
+        if previous is not None and at[TOPIC_STATE] < previous <= at[TOPIC_VIEW] <= previous + 1000:
+            on_previous += 1
+            continue
+        roots[max(waits, key=lambda h: waits[h])] += 1
+    if not window:
+        return ""
+    per_10s = Counter(time.strftime("%H:%M:%S", time.gmtime(t // 10_000 * 10)) for t in sorted(window))
+    return (
+        f"{len(window)} over {SLOW_S:.0f} s, {on_previous} of them waiting on the user's turn n-1; "
+        f"the others held longest by {dict(roots)}; longest wait per hop (ms) {longest}; "
+        f"received per 10 s (UTC) {dict(sorted(per_10s.items()))}"
+    )
 
 
 def _read_log(bootstrap: str, users: set[str]) -> tuple[dict[str, str], dict[str, list[str]]]:
