@@ -394,10 +394,12 @@ def grpc_server(
     options: list[tuple[str, int]] = []
     if settings.grpc_max_connection_age_s > 0:
         age_ms = int(settings.grpc_max_connection_age_s * 1000)
-        # A connection's calls in flight get STOP_GRACE_S after its GOAWAY, as at a stop.
+        # A connection's calls in flight may finish after its GOAWAY: the longest call the service allows
+        # (the ingress: a turn's timeout), at least STOP_GRACE_S. The GOAWAY only moves new calls to a new
+        # connection; a stop still bounds the calls in flight by STOP_GRACE_S.
         options += [
             ("grpc.max_connection_age_ms", age_ms),
-            ("grpc.max_connection_age_grace_ms", int(STOP_GRACE_S * 1000)),
+            ("grpc.max_connection_age_grace_ms", int(connection_age_grace_s(settings) * 1000)),
         ]
     server = grpc.aio.server(
         interceptors=[
@@ -412,6 +414,11 @@ def grpc_server(
     if settings.grpc_reflection or len(internal) < len(names):
         reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     return server, health_servicer
+
+
+def connection_age_grace_s(settings: ServiceSettings) -> float:
+    """How long a connection's calls in flight go on after its max-age GOAWAY."""
+    return max(STOP_GRACE_S, settings.longest_call_s())
 
 
 def _exit_now(name: str) -> None:

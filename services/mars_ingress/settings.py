@@ -86,3 +86,8 @@ class IngressSettings(ServiceSettings):
     admission_stall_s: float = Field(default=2.0, gt=0)
     #: Tenants' weights in the fair shares, as JSON ({"acme": 2}); unnamed tenants weigh 1.
     admission_tenant_weights: dict[str, float] = Field(default_factory=dict)
+
+    def longest_call_s(self) -> float:
+        # A turn may wait turn_timeout_s for its answer; a connection's max-age GOAWAY must not cut it
+        # (with the stop's 12 s, every turn over ~15 s failed "UNAVAILABLE: max connection age").
+        return self.turn_timeout_s + 5.0
