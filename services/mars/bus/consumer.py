@@ -73,7 +73,8 @@ class StageConsumer:
     #: Records fetched and not finished, at most (fetching pauses above it).
     MAX_IN_FLIGHT = 1000
     COMMIT_EVERY_S = 0.5
-    #: How long a rebalance waits for the revoked partitions' records before cancelling them.
+    #: How long a rebalance (or a stop) waits for the revoked partitions' records before cancelling them,
+    #: unless the stage says otherwise (revoke_wait_s).
     REVOKE_WAIT_S = 5.0
 
     def __init__(
@@ -83,8 +84,10 @@ class StageConsumer:
         spec: ServiceSpec,
         reader: ConsumerGroup | str,
         subscriptions: list[Subscription],
+        revoke_wait_s: float | None = None,
     ) -> None:
         broadcast = isinstance(reader, str)
+        self._revoke_wait_s = self.REVOKE_WAIT_S if revoke_wait_s is None else revoke_wait_s
         if isinstance(reader, ConsumerGroup):
             check_group(spec, reader, subscriptions)
             group_id = reader.name
@@ -189,7 +192,7 @@ class StageConsumer:
                 pass
         tasks = list(self._chains.values())
         if tasks:
-            _, pending = await asyncio.wait(tasks, timeout=self.REVOKE_WAIT_S)
+            _, pending = await asyncio.wait(tasks, timeout=self._revoke_wait_s)
             for task in pending:
                 task.cancel()
         if not self._broadcast:
@@ -316,7 +319,7 @@ class StageConsumer:
         their next owner starts after what was done here."""
         tasks = [t for (tp, _), t in self._chains.items() if tp in revoked]
         if tasks:
-            _, pending = await asyncio.wait(tasks, timeout=self.REVOKE_WAIT_S)
+            _, pending = await asyncio.wait(tasks, timeout=self._revoke_wait_s)
             for task in pending:
                 task.cancel()  # redelivered to the next owner: handlers are idempotent by turn_id
         if not self._broadcast:

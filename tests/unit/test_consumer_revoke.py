@@ -1,0 +1,61 @@
+"""A rebalance waits for the revoked partitions' records only as long as the stage allows, then cancels
+them (their next owner redoes them): the pure part of StageConsumer that the k8s e2e rolling updates rely on
+(the memory view group's 1 s instead of the consumers' 5 s)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from aiokafka import TopicPartition
+from mars.bus.consumer import StageConsumer
+from mars_memory.service import VIEW_REVOKE_WAIT_S
+
+
+def bare_consumer(revoke_wait_s: float) -> StageConsumer:
+    """A StageConsumer with only what _partitions_revoked reads: no broker, a broadcast reader (no commit)."""
+    consumer = StageConsumer.__new__(StageConsumer)
+    consumer._revoke_wait_s = revoke_wait_s
+    consumer._broadcast = True
+    consumer._chains = {}
+    consumer._tracks = {}
+    return consumer
+
+
+def test_a_record_held_past_the_stages_wait_is_cancelled_and_one_of_another_partition_is_not() -> None:
+    async def run() -> tuple[float, asyncio.Task[None], bool]:
+        consumer = bare_consumer(0.2)
+        revoked, kept = TopicPartition("mars.turn.state", 0), TopicPartition("mars.turn.state", 1)
+        held = asyncio.create_task(asyncio.sleep(60))  # a view waiting for the user's turn n-1
+        other = asyncio.create_task(asyncio.sleep(60))
+        consumer._chains = {(revoked, b"u1"): held, (kept, b"u2"): other}
+        began = time.monotonic()
+        await consumer._partitions_revoked({revoked})
+        spent = time.monotonic() - began
+        await asyncio.sleep(0)
+        other_untouched = not other.done()
+        other.cancel()
+        return spent, held, other_untouched
+
+    spent, held, other_untouched = asyncio.run(run())
+    assert held.cancelled()
+    assert spent < StageConsumer.REVOKE_WAIT_S / 2, spent
+    assert spent >= 0.2 - 0.05, spent  # it did wait for the record first
+    assert other_untouched, "a record of a partition not revoked was cancelled"
+
+
+def test_a_record_that_finishes_within_the_wait_is_not_cancelled() -> None:
+    async def run() -> asyncio.Task[None]:
+        consumer = bare_consumer(2.0)
+        tp = TopicPartition("mars.turn.state", 0)
+        quick = asyncio.create_task(asyncio.sleep(0.05))
+        consumer._chains = {(tp, b"u1"): quick}
+        await consumer._partitions_revoked({tp})
+        return quick
+
+    quick = asyncio.run(run())
+    assert quick.done() and not quick.cancelled()
+
+
+def test_the_memory_view_group_waits_less_than_the_default() -> None:
+    assert 0 < VIEW_REVOKE_WAIT_S < StageConsumer.REVOKE_WAIT_S
