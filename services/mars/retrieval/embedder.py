@@ -344,9 +344,66 @@ def _describe_local_model(path: str) -> tuple[int, int | None] | None:
         return None
 
 
+class FastTokenizer:
+    """A model folder's `tokenizer.json` run by the `tokenizers` library directly, called as transformers'
+    fast tokenizer is called here (a batch, padded to its longest text, truncated to `max_length`, numpy
+    arrays out), giving the same ids (tests/unit/test_fast_tokenizer.py). Loading it imports neither
+    transformers nor torch, which transformers imports whenever it is installed: ~4 s of CPU at every start
+    of the memory and state services."""
+
+    def __init__(self, tokenizer_json: str, pad_token: str) -> None:
+        from tokenizers import Tokenizer
+
+        self._tokenizer = Tokenizer.from_file(tokenizer_json)
+        pad_id = self._tokenizer.token_to_id(pad_token)
+        if pad_id is None:
+            raise ValueError(f"the pad token {pad_token!r} is not in {tokenizer_json}")
+        self._pad = (pad_id, pad_token)
+        self._max_length: int | None = None
+
+    def __call__(
+        self,
+        texts: list[str],
+        padding: bool = True,
+        truncation: bool = True,
+        max_length: int | None = None,
+        return_tensors: str = "np",
+    ) -> dict[str, np.ndarray]:
+        if not (padding and truncation and max_length and return_tensors == "np"):
+            raise ValueError("FastTokenizer pads to the longest text and truncates to max_length, into numpy")
+        if max_length != self._max_length:
+            # As transformers sets them on each call (its tokenizer.json's own settings are overridden).
+            self._tokenizer.enable_truncation(
+                max_length, stride=0, strategy="longest_first", direction="right"
+            )
+            self._tokenizer.enable_padding(
+                direction="right", pad_id=self._pad[0], pad_type_id=0, pad_token=self._pad[1]
+            )
+            self._max_length = max_length
+        encodings = self._tokenizer.encode_batch(texts, add_special_tokens=True)
+        return {
+            "input_ids": np.array([e.ids for e in encodings], dtype=np.int64),
+            "attention_mask": np.array([e.attention_mask for e in encodings], dtype=np.int64),
+            "token_type_ids": np.array([e.type_ids for e in encodings], dtype=np.int64),
+        }
+
+
 def _load_tokenizer(path: str) -> Any:
-    """The model folder's tokenizer, as sentence-transformers loads it (transformers' AutoTokenizer), without
-    torch. transformers reads this environment variable at import, so it is set first."""
+    """The model folder's tokenizer, as sentence-transformers loads it (transformers' AutoTokenizer): read
+    from its tokenizer.json by the `tokenizers` library alone where the folder's tokenizer config asks
+    nothing of transformers that the file does not hold (FastTokenizer), else through transformers."""
+    import json
+    from pathlib import Path
+
+    folder = Path(path)
+    try:
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+        fast = json.loads((folder / "tokenizer.json").read_text())
+    except (OSError, ValueError):
+        config, fast = {}, {}
+    if config and fast and _tokenizer_json_is_whole(config, fast):
+        return FastTokenizer(str(folder / "tokenizer.json"), str(config.get("pad_token", "[PAD]")))
+    # transformers reads these environment variables at import, so they are set first.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     from transformers import AutoTokenizer
@@ -354,8 +411,29 @@ def _load_tokenizer(path: str) -> Any:
     return AutoTokenizer.from_pretrained(path)
 
 
+def _tokenizer_json_is_whole(config: dict[str, Any], fast: dict[str, Any]) -> bool:
+    """The tokenizer.json alone tokenizes as transformers would: a BERT-style config whose normalizer options
+    (which BertTokenizerFast rebuilds the normalizer from when they differ) agree with the file's normalizer,
+    and a pad token of the config's (a plain string)."""
+    if config.get("tokenizer_class") not in ("BertTokenizer", "BertTokenizerFast"):
+        return False
+    normalizer = fast.get("normalizer") or {}
+    if normalizer.get("type") != "BertNormalizer" or not isinstance(config.get("pad_token", "[PAD]"), str):
+        return False
+    return (
+        bool(config.get("do_lower_case", True)) == bool(normalizer.get("lowercase"))
+        and config.get("strip_accents") == normalizer.get("strip_accents")
+        and bool(config.get("tokenize_chinese_chars", True)) == bool(normalizer.get("handle_chinese_chars"))
+    )
+
+
 def _cuda_available() -> bool:
-    """torch sees a CUDA device; False where torch is not installed (the CPU service image has none)."""
+    """torch sees a CUDA device; False where torch is not installed (the CPU service image has none), and
+    False without asking torch where no GPU driver's device is present (importing torch costs ~2 s of CPU at
+    every service start)."""
+    gpu_nodes = ("/dev/nvidiactl", "/proc/driver/nvidia/version", "/dev/kfd", "/dev/dxg")
+    if not any(os.path.exists(node) for node in gpu_nodes):
+        return False
     try:
         import torch
     except ImportError:
