@@ -434,13 +434,6 @@ class ServiceSettings(CallerSettings):
     #: stopping has lost every client before its SIGTERM (the chart keeps it below shutdown.preStopSeconds);
     #: 0 keeps connections for as long as the client does.
     grpc_max_connection_age_s: float = Field(default=0.0, ge=0.0)
-
-    def longest_call_s(self) -> float:
-        """How long one call to this service may rightly last (0: no longer than a stop's grace). A
-        connection's calls in flight get at least this long after its max-age GOAWAY: the GOAWAY is there
-        to spread connections, never to cut a call short."""
-        return 0.0
-
     #: A plaintext port serving grpc.health.v1 only, for probes that cannot speak TLS (Kubernetes' native
     #: gRPC probes); 0 serves none (health is on the main port too).
     health_port: int = Field(default=0, ge=0, le=65535)
@@ -503,6 +496,12 @@ class ServiceSettings(CallerSettings):
         if problems:
             raise ValueError("Kafka security settings: " + "; ".join(problems))
         return self
+
+    def longest_call_s(self) -> float:
+        """How long one call to this service may rightly last (0: no longer than a stop's grace). A
+        connection's calls in flight get at least this long after its max-age GOAWAY: the GOAWAY is there
+        to spread connections, never to cut a call short."""
+        return 0.0
 
     @property
     def topics(self) -> Topics:

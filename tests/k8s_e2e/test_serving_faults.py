@@ -98,8 +98,8 @@ def counted(serving: serving_cluster.ServingCluster, load: OpenLoop, name: str) 
     return counts
 
 
-def assert_zero(counts: RunCounts, floor: ReadyFloor, rate: float = RATE) -> None:
-    assert counts.sent >= rate * RUN_S * 0.9, counts
+def assert_zero(counts: RunCounts, floor: ReadyFloor) -> None:
+    assert counts.sent >= counts.rate * RUN_S * 0.9, counts
     assert (counts.failed, counts.lost, counts.duplicated) == (0, 0, 0), counts
     assert all(n >= 1 for n in floor.floor.values()), floor.floor
 
@@ -154,8 +154,7 @@ def test_helm_upgrade_rolling_every_deployment_fails_no_turn(
     after = pod_templates(serving)
     assert all(after[c] != before[c] for c in COMPONENTS), (before, after)
     assert identity_cas(serving) and not identity_cas(serving) & REVOKED, "the revoked CA is still trusted"
-    counts = counted(serving, load, "helm upgrade (every Deployment rolls, identities revoked)")
-    assert_zero(counts, floor, ROLLING_RATE)
+    assert_zero(counted(serving, load, "helm upgrade (every Deployment rolls, identities revoked)"), floor)
 
 
 def test_helm_rollback_fails_no_turn(serving: serving_cluster.ServingCluster, api_key: str) -> None:
@@ -171,7 +170,7 @@ def test_helm_rollback_fails_no_turn(serving: serving_cluster.ServingCluster, ap
     assert all(pod_templates(serving)[c] != before[c] for c in COMPONENTS)
     # The rollback restores revision 1's manifest, which holds no identity Secret: the revocation stays.
     assert REVOKED and not identity_cas(serving) & REVOKED, "the rollback brought a revoked CA back"
-    assert_zero(counted(serving, load, "helm rollback"), floor, ROLLING_RATE)
+    assert_zero(counted(serving, load, "helm rollback"), floor)
 
 
 def container_pid(serving: serving_cluster.ServingCluster, pod: Any) -> int:

@@ -44,6 +44,8 @@ class RunCounts:
     """One fault run as the client and the log saw it."""
 
     name: str
+    #: Turns per second the client sent.
+    rate: float = 0.0
     sent: int = 0
     answered: int = 0
     failed: int = 0
@@ -153,7 +155,9 @@ def count(name: str, loop: OpenLoop, bootstrap: str, settle_s: float = 60.0) -> 
     accepted but never answered OK is lost, a session with two accepted turns or a turn answered twice is
     duplicated). The log is read until every accepted turn has its answer or `settle_s` passes."""
     calls = loop.calls
-    counts = RunCounts(name, sent=len(calls), seconds=max((c.sent_s for c in calls), default=0.0))
+    counts = RunCounts(
+        name, rate=loop.rate, sent=len(calls), seconds=max((c.sent_s for c in calls), default=0.0)
+    )
     ok = sorted(c.latency_s for c in calls if c.code == "OK")
     counts.answered = len(ok)
     counts.failed = counts.sent - counts.answered

@@ -84,10 +84,10 @@ class StageConsumer:
         spec: ServiceSpec,
         reader: ConsumerGroup | str,
         subscriptions: list[Subscription],
-        revoke_wait_s: float | None = None,
+        revoke_wait_s: float = REVOKE_WAIT_S,
     ) -> None:
         broadcast = isinstance(reader, str)
-        self._revoke_wait_s = self.REVOKE_WAIT_S if revoke_wait_s is None else revoke_wait_s
+        self._revoke_wait_s = revoke_wait_s
         if isinstance(reader, ConsumerGroup):
             check_group(spec, reader, subscriptions)
             group_id = reader.name
