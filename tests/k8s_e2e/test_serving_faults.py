@@ -43,7 +43,7 @@ RATE = 5.0
 #: rollout (vmstat 5 s samples: 0% idle), and memory's view stage fell up to 39 s behind
 #: (traffic.slow_hops), two thirds of the way to the client's 60 s deadline. That is the node's capacity,
 #: not the rollout's; these runs send fewer turns. At 3/s the view stage still fell 9 to 28 s behind, and in
-#: one run of four a stopping ingress pod cut 5 calls past its stop's 12 s grace ("Cancelling all calls").
+#: one of three runs a stopping ingress pod cut 5 calls past its stop's 12 s grace ("Cancelling all calls").
 ROLLING_RATE = 2.0
 RUN_S = 60.0
 
