@@ -281,15 +281,21 @@ class Admission:
         except AuthError as exc:
             raise auth_failure(exc) from None
 
-    async def admit(self, req: svc.TurnRequest, principal: Principal | None) -> Admitted:
-        """Scope, validation, budgets and quotas of one turn; fills the tenant (and a user-scoped key's user)
-        from the key into `req`. Budgets first: a turn they refuse takes nothing from the tenant's buckets."""
+    def check(self, req: svc.TurnRequest, principal: Principal | None) -> dict[str, str]:
+        """Scope and validation of one turn, with nothing read or taken; fills the tenant (and a user-scoped
+        key's user) from the key into `req`, and returns the turn's options."""
         if principal is not None:
             try:
                 req.tenant, req.user_id = auth.authorize(principal, req.tenant, req.user_id)
             except AuthError as exc:
                 raise auth_failure(exc) from None
-        options = validate_turn(req, self._settings.max_text_chars)
+        return validate_turn(req, self._settings.max_text_chars)
+
+    async def admit(
+        self, req: svc.TurnRequest, principal: Principal | None, options: dict[str, str]
+    ) -> Admitted:
+        """Budgets and quotas of a turn that passed `check` (its `options`). Budgets first: a turn they refuse
+        takes nothing from the tenant's buckets."""
         text_tokens = self._count_tokens(req.text)
         key_id = principal.key_id if principal is not None else None
         standings = await self._check_budgets(req, key_id, principal)

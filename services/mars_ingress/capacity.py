@@ -1,7 +1,7 @@
 """The ingress's load shedding: each turn takes a slot of the adaptive concurrency limit
-(mars.domain.concurrency) after its key and quotas pass, and gives it back with what the turn taught about
-capacity. A turn beyond the limit gets RESOURCE_EXHAUSTED at once, with `retry-after-ms`, instead of
-queueing in the pipeline until its deadline."""
+(mars.domain.concurrency) once its key, scope and fields pass and before its budgets and quotas are read or
+charged, and gives it back with what the turn taught about capacity. A turn beyond the limit gets
+RESOURCE_EXHAUSTED at once, with `retry-after-ms`, instead of queueing in the pipeline until its deadline."""
 
 from __future__ import annotations
 

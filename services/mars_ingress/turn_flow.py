@@ -157,14 +157,18 @@ class TurnFlow:
         caller_remaining_s: float | None = None,
         limits: list[svc.RateLimit] | None = None,
     ) -> svc.TurnReply:
-        admitted = await self._admission.admit(req, principal)
-        if limits is not None and admitted.limited:
-            limits.extend(admitted.rate_limits(admitted.text_tokens, 0.0))
+        options = self._admission.check(req, principal)
+        # The slot before the budgets and quotas: a turn shed at capacity reads no budget and takes nothing
+        # from its tenant's buckets, so a client that sends it again is charged once, when it gets in (a
+        # quota taken by each shed attempt drained a tenant's turns per second under overload).
         slot = self._capacity.enter(req.tenant, principal.tenant if principal is not None else "")
         pipeline_ms: float | None = None
         turn_ms: float | None = None
         failure: BaseException | None = None
         try:
+            admitted = await self._admission.admit(req, principal, options)
+            if limits is not None and admitted.limited:
+                limits.extend(admitted.rate_limits(admitted.text_tokens, 0.0))
             reply = await self._admitted(req, metadata, admitted, tokens, caller_remaining_s)
             # The turn's time in MARS: what the model calls took is not the pipeline's capacity.
             turn_ms = reply.latency_ms

@@ -48,6 +48,10 @@ SHEDDING = {
     "MARS_INGRESS_ADMISSION_RETRY_AFTER_MS": "700",
 }
 BURST = 12
+#: A tenant whose turn quota is one burst of BURST turns, refilled at one turn per 1000 s: what a shed turn
+#: would take from it shows as turns refused for quota later.
+CAPPED = "capped"
+SHEDDING["MARS_INGRESS_QUOTA_TENANTS"] = json.dumps({CAPPED: {"turns_per_s": 0.001, "turn_burst": BURST}})
 DASHBOARD = REPO / "charts" / "mars" / "dashboards" / "mars.json"
 
 
@@ -117,9 +121,11 @@ def burst(metrics_stack: tuple[LocalStack, dict[str, int]]) -> dict[str, list[An
     return _send_burst(stubs)
 
 
-def _send_burst(stubs: dict[str, svc_grpc.IngressStub]) -> dict[str, list[Any]]:
-    calls = [(TENANT, i) for i in range(BURST)]
-    calls.insert(BURST // 2, ("quiet", 0))
+def _send_burst(stubs: dict[str, svc_grpc.IngressStub], tenant: str = TENANT) -> dict[str, list[Any]]:
+    """BURST turns of `tenant` at once, with one turn of "quiet" among them when `stubs` has it."""
+    calls = [(tenant, i) for i in range(BURST)]
+    if "quiet" in stubs:
+        calls.insert(BURST // 2, ("quiet", 0))
     futures = [
         (
             tenant,
@@ -170,6 +176,38 @@ def test_a_client_that_retries_on_the_pushback_gets_the_whole_burst_answered(
     assert all(isinstance(r, svc.TurnReply) for replies in again.values() for r in replies), again
     # Answered because gRPC sent shed turns again after the 700 ms pushback, not because none was shed.
     assert total(scrape(ports["ingress"]), "mars_admission_shed_total", tenant=TENANT) > shed_before
+
+
+def test_a_turn_shed_at_capacity_takes_nothing_from_its_tenants_quota(
+    metrics_stack: tuple[LocalStack, dict[str, int]],
+) -> None:
+    """A burst of BURST turns over the limit of 2, then turns one by one: the tenant's quota of BURST turns
+    is charged for the turns let in only, so exactly BURST turns in all are answered before the first
+    refusal for quota (charged at the door, each shed turn would have drained it with the burst)."""
+    stack, _ = metrics_stack
+    stub = svc_grpc.IngressStub(
+        ingress_channel(stack.addr("ingress"), api_key(stack, CAPPED), [("grpc.enable_retries", 0)])
+    )
+    shed = [r for r in _send_burst({CAPPED: stub}, CAPPED)[CAPPED] if isinstance(r, grpc.RpcError)]
+    assert shed, "a burst of 12 over a limit of 2 has turns shed"
+    assert all("at capacity" in (r.details() or "") for r in shed), [r.details() for r in shed]
+    answered = BURST - len(shed)
+    outcome: grpc.RpcError | None = None
+    for i in range(BURST + 1):  # one by one, so none is shed: at most BURST - answered get in
+        try:
+            stub.SendTurn(
+                svc.TurnRequest(
+                    tenant=CAPPED, user_id="u-capped", session_id="c", text=f"After the burst {i}."
+                ),
+                timeout=120,
+            )
+        except grpc.RpcError as exc:
+            outcome = exc
+            break
+        answered += 1
+    assert outcome is not None and outcome.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "over its quota" in (outcome.details() or ""), outcome.details()
+    assert answered == BURST
 
 
 def scrape(port: int) -> list[Sample]:

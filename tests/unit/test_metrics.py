@@ -377,6 +377,6 @@ def test_budget_refusals_by_tenant_and_kind_never_the_user_or_key(reader: InMemo
     principal = Principal(key_id="k1", tenant="acme")
     request = svc.TurnRequest(user_id="alice", text="hello")
     with pytest.raises(TurnFailed, match="user budget of 10 tokens/min reached"):
-        asyncio.run(admission.admit(request, principal))
+        asyncio.run(admission.admit(request, principal, admission.check(request, principal)))
     refused = [(a, p.value) for a, p in points(reader, "mars.budget.refused")]
     assert refused == [({"tenant": "acme", "budget": "user_tokens_per_minute"}, 1)]
