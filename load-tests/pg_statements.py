@@ -71,12 +71,12 @@ def per_turn(dsn: str, turns: int) -> dict[str, Any]:
     by_owner: Counter[str] = Counter()
     for query, calls in rows:
         by_owner[owner_of(str(query), owners)] += int(calls)
-    top = sorted(rows, key=lambda r: -int(r[1]))[:12]
+    top = sorted(rows, key=lambda r: -int(r[1]))[:40]
     n = max(1, turns)
     return {
         "total": sum(by_owner.values()) / n,
         "by_owner": {o: c / n for o, c in by_owner.most_common()},
-        "top": [(" ".join(str(q).split())[:110], int(c) / n) for q, c in top],
+        "top": [(" ".join(str(q).split())[:160], int(c) / n) for q, c in top],
     }
 
 
