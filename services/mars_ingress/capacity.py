@@ -14,6 +14,8 @@ from mars.domain.concurrency import (
     AdaptiveLimit,
     ConcurrencyLimit,
     FairAdmission,
+    GradientLimit,
+    GradientSettings,
     LimitSettings,
     ThroughputLimit,
     ThroughputSettings,
@@ -41,6 +43,16 @@ def _limit(settings: IngressSettings) -> ConcurrencyLimit:
                 min_limit=settings.admission_min_limit,
                 max_limit=settings.admission_max_limit,
                 gain=settings.admission_gain,
+            )
+        )
+    if settings.admission_algorithm == "gradient":
+        return GradientLimit(
+            GradientSettings(
+                initial=settings.admission_initial_limit,
+                min_limit=settings.admission_min_limit,
+                max_limit=settings.admission_max_limit,
+                tolerance=settings.admission_tolerance,
+                window=settings.admission_window,
             )
         )
     return AdaptiveLimit(

@@ -66,8 +66,9 @@ class IngressSettings(ServiceSettings):
     #: and is reported (mars.admission.limit), and nothing is shed.
     admission_limit: bool = False
     #: latency: AIMD on the time in MARS against its no-load value (MARS_INGRESS_ADMISSION_TOLERANCE); throughput:
-    #: gain x the best answer rate x the shortest turn time (MARS_INGRESS_ADMISSION_GAIN; mars.domain.concurrency).
-    admission_algorithm: Literal["latency", "throughput"] = "latency"
+    #: gain x the best answer rate x the shortest turn time (MARS_INGRESS_ADMISSION_GAIN); gradient: the time in
+    #: MARS against its level while the limit did not bind (same tolerance and window; mars.domain.concurrency).
+    admission_algorithm: Literal["latency", "throughput", "gradient"] = "latency"
     admission_gain: float = Field(default=1.5, ge=1.0)
     admission_initial_limit: int = Field(default=16, ge=1)
     admission_min_limit: int = Field(default=2, ge=1)

@@ -9,6 +9,8 @@ import pytest
 from mars.domain.concurrency import (
     AdaptiveLimit,
     FairAdmission,
+    GradientLimit,
+    GradientSettings,
     LimitSettings,
     ThroughputLimit,
     ThroughputSettings,
@@ -293,3 +295,66 @@ def test_fair_admission_gives_a_throughput_limit_the_turns_whole_time() -> None:
 def test_throughput_settings_refuse_nonsense(bad: dict[str, Any]) -> None:
     with pytest.raises(ValueError):
         ThroughputSettings(**bad)
+
+
+def _gradient_window(limit: GradientLimit, ms: float, inflight: int) -> None:
+    for _ in range(limit.settings.window):
+        limit.on_sample(ms, inflight)
+
+
+def test_a_gradient_limit_takes_a_sustained_level_without_a_queue_as_its_reference_and_does_not_shed_at_it() -> (
+    None
+):
+    gradient = GradientLimit(GradientSettings(initial=16, window=4, long_windows=4))
+    adaptive = AdaptiveLimit(LimitSettings(initial=16, window=4))
+    for limit in (gradient, adaptive):
+        for _ in range(4):
+            limit.on_sample(50.0, 2)  # light load: the limit does not bind
+        for _ in range(40 * 4):  # a moderate load, three times as slow (contention, not a queue)
+            limit.on_sample(150.0, 4)
+    assert gradient.long_ms is not None and math.isclose(gradient.long_ms, 150.0, rel_tol=0.01)
+    assert gradient.limit == 16
+    assert adaptive.limit == adaptive.settings.min_limit  # anchored on the 50 ms: it sheds at this load
+    for _ in range(5):  # the same level with the limit binding: it grows
+        _gradient_window(gradient, 150.0, inflight=16)
+    assert gradient.limit > 16
+
+
+def test_a_gradient_limit_shrinks_under_a_queue_and_its_reference_does_not_follow_the_queue_up() -> None:
+    limit = GradientLimit(GradientSettings(initial=32, window=4, long_windows=4, tolerance=2.0))
+    for _ in range(5):
+        _gradient_window(limit, 100.0, inflight=4)
+    before = limit.limit
+    for _ in range(30):  # overload: the limit binds and turns take 5x the reference
+        _gradient_window(limit, 500.0, inflight=limit.limit)
+    assert limit.long_ms is not None and math.isclose(limit.long_ms, 100.0, rel_tol=0.01)
+    assert limit.limit < before / 2
+    assert limit.limit >= limit.settings.min_limit
+
+
+def test_a_gradient_reference_far_above_the_load_decays_to_it_quickly_and_drops_back_off() -> None:
+    limit = GradientLimit(GradientSettings(initial=8, window=4, long_windows=100))
+    _gradient_window(limit, 400.0, inflight=1)
+    for _ in range(30):  # the load fell: the reference must not stay at 400 for 100 windows
+        _gradient_window(limit, 50.0, inflight=1)
+    assert limit.long_ms is not None and limit.long_ms < 110.0
+    limit.on_drop()
+    assert limit.limit == int(8 * limit.settings.backoff)
+    limit.on_sample(float("nan"), 8)
+    limit.on_sample(-1.0, 8)
+    assert limit.limit == int(8 * limit.settings.backoff)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"tolerance": 1.0},
+        {"min_limit": 5, "initial": 4},
+        {"long_windows": 0},
+        {"smoothing": 0.0},
+        {"backoff": 1.0},
+    ],
+)
+def test_gradient_settings_refuse_what_cannot_work(kwargs: dict[str, float]) -> None:
+    with pytest.raises(ValueError):
+        GradientSettings(**kwargs)  # type: ignore[arg-type]

@@ -251,8 +251,101 @@ class ThroughputLimit:
         self._limit = max(float(s.min_limit), self._limit * s.backoff)
 
 
+@dataclass(frozen=True)
+class GradientSettings:
+    """The constants of `GradientLimit` (MARS_INGRESS_ADMISSION_* at the ingress)."""
+
+    initial: int = 16
+    min_limit: int = 2
+    max_limit: int = 256
+    #: A window's median time in MARS above tolerance x the long-term time shrinks the limit.
+    tolerance: float = 2.0
+    #: Completed turns per decision.
+    window: int = 16
+    #: Windows the long-term time averages over (an exponential mean): the level it follows, slowly.
+    long_windows: int = 30
+    #: The share of each decision's new limit taken (the rest is the old one): a damped step.
+    smoothing: float = 0.2
+    #: The limit's factor after a turn that ran out of time.
+    backoff: float = 0.9
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_limit <= self.initial <= self.max_limit:
+            raise ValueError("need 1 <= min_limit <= initial <= max_limit")
+        if self.tolerance <= 1.0:
+            raise ValueError("tolerance must be above 1")
+        if self.window < 1 or self.long_windows < 1:
+            raise ValueError("window and long_windows must be >= 1")
+        if not 0.0 < self.smoothing <= 1.0 or not 0.0 < self.backoff < 1.0:
+            raise ValueError("smoothing must be in (0, 1] and backoff in (0, 1)")
+
+
+class GradientLimit:
+    """A latency limit anchored on the time turns take under the load of the last minute or so, not on the
+    no-load time (Netflix concurrency-limits' Gradient2Limit). `AdaptiveLimit` compares each window with the
+    fastest window of two minutes; where the stages share a few cores, turns at a moderate load already take
+    twice that (CPU contention, not queueing), so it shed below capacity. Here the reference is an
+    exponential mean, over `long_windows`, of the medians of the windows in which the limit did not bind
+    (fewer than half its slots taken): the time turns take at the present load without a queue at the door.
+    While the limit binds, a window above tolerance x the reference shrinks it by the ratio (at most by
+    half), and any other grows it by a queue allowance (the square root of the limit), each step damped by
+    `smoothing`. A reference far above the recent windows (the load fell) decays toward them quickly."""
+
+    def __init__(self, settings: GradientSettings | None = None) -> None:
+        self.settings = settings or GradientSettings()
+        self._limit = float(self.settings.initial)
+        self._long_ms: float | None = None
+        self._samples: list[float] = []
+        self._peak_inflight = 0
+
+    @property
+    def limit(self) -> int:
+        return int(self._limit)
+
+    @property
+    def long_ms(self) -> float | None:
+        """The reference time (None before the first window)."""
+        return self._long_ms
+
+    def on_sample(self, pipeline_ms: float, inflight: int, turn_ms: float | None = None) -> None:
+        """A turn finished after `pipeline_ms` in MARS, with `inflight` turns in flight as it finished."""
+        if not math.isfinite(pipeline_ms) or pipeline_ms < 0:
+            return
+        self._samples.append(pipeline_ms)
+        self._peak_inflight = max(self._peak_inflight, inflight)
+        if len(self._samples) < self.settings.window:
+            return
+        short = max(1e-3, statistics.median(self._samples))
+        peak = self._peak_inflight
+        self._samples.clear()
+        self._peak_inflight = 0
+        s = self.settings
+        binding = peak >= self._limit / 2
+        if self._long_ms is None or not binding:
+            # The reference follows the windows the limit did not hold back only: under overload it stays
+            # at the last level turns had without a queue at the door, so the admitted turns' time is held
+            # within `tolerance` of it instead of creeping up with the queue.
+            long = (
+                short if self._long_ms is None else self._long_ms + (short - self._long_ms) / s.long_windows
+            )
+            if long > 2 * short:
+                long = max(short, 0.9 * long)  # the load fell: do not hold the old level as the reference
+            self._long_ms = long
+        if not binding:
+            return  # a limit with half its slots free says nothing about more or fewer
+        gradient = max(0.5, min(1.0, s.tolerance * self._long_ms / short))
+        target = self._limit * gradient + math.sqrt(self._limit)
+        stepped = self._limit * (1 - s.smoothing) + target * s.smoothing
+        self._limit = min(float(s.max_limit), max(float(s.min_limit), stepped))
+
+    def on_drop(self) -> None:
+        """A turn ran out of time in the pipeline: back off at once."""
+        s = self.settings
+        self._limit = max(float(s.min_limit), self._limit * s.backoff)
+
+
 class ConcurrencyLimit(Protocol):
-    """What `FairAdmission` needs of a limit (`AdaptiveLimit`, `ThroughputLimit`)."""
+    """What `FairAdmission` needs of a limit (`AdaptiveLimit`, `ThroughputLimit`, `GradientLimit`)."""
 
     @property
     def limit(self) -> int: ...
