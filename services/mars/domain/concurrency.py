@@ -36,6 +36,14 @@ from dataclasses import dataclass
 from typing import Protocol
 
 
+def _check_bounds(initial: int, min_limit: int, max_limit: int, backoff: float) -> None:
+    """What every limit's settings need: 1 <= min_limit <= initial <= max_limit, and a backoff in (0, 1)."""
+    if not 1 <= min_limit <= initial <= max_limit:
+        raise ValueError("need 1 <= min_limit <= initial <= max_limit")
+    if not 0.0 < backoff < 1.0:
+        raise ValueError("backoff must be in (0, 1)")
+
+
 @dataclass(frozen=True)
 class LimitSettings:
     """The limiter's constants; the ingress reads them from its settings (MARS_ADMISSION_*)."""
@@ -58,12 +66,9 @@ class LimitSettings:
     noload_window_s: float = 120.0
 
     def __post_init__(self) -> None:
-        if not 1 <= self.min_limit <= self.initial <= self.max_limit:
-            raise ValueError("need 1 <= min_limit <= initial <= max_limit")
+        _check_bounds(self.initial, self.min_limit, self.max_limit, self.backoff)
         if self.tolerance <= 1.0:
             raise ValueError("tolerance must be above 1")
-        if not 0.0 < self.backoff < 1.0:
-            raise ValueError("backoff must be in (0, 1)")
         if self.grow_below is not None and not 1.0 < self.grow_below <= self.tolerance:
             raise ValueError("grow_below must be above 1 and at most the tolerance")
         if self.window < 1 or self.noload_window_s <= 0:
@@ -169,14 +174,11 @@ class ThroughputSettings:
     backoff: float = 0.9
 
     def __post_init__(self) -> None:
-        if not 1 <= self.min_limit <= self.initial <= self.max_limit:
-            raise ValueError("need 1 <= min_limit <= initial <= max_limit")
+        _check_bounds(self.initial, self.min_limit, self.max_limit, self.backoff)
         if self.gain < 1.0:
             raise ValueError("gain must be at least 1")
         if min(self.bucket_s, self.rate_window_s, self.time_window_s) <= 0:
             raise ValueError("bucket_s, rate_window_s and time_window_s must be above 0")
-        if not 0.0 < self.backoff < 1.0:
-            raise ValueError("backoff must be in (0, 1)")
 
 
 class ThroughputLimit:
@@ -270,14 +272,13 @@ class GradientSettings:
     backoff: float = 0.9
 
     def __post_init__(self) -> None:
-        if not 1 <= self.min_limit <= self.initial <= self.max_limit:
-            raise ValueError("need 1 <= min_limit <= initial <= max_limit")
+        _check_bounds(self.initial, self.min_limit, self.max_limit, self.backoff)
         if self.tolerance <= 1.0:
             raise ValueError("tolerance must be above 1")
         if self.window < 1 or self.long_windows < 1:
             raise ValueError("window and long_windows must be >= 1")
-        if not 0.0 < self.smoothing <= 1.0 or not 0.0 < self.backoff < 1.0:
-            raise ValueError("smoothing must be in (0, 1] and backoff in (0, 1)")
+        if not 0.0 < self.smoothing <= 1.0:
+            raise ValueError("smoothing must be in (0, 1]")
 
 
 class GradientLimit:
