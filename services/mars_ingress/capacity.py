@@ -36,30 +36,22 @@ class Slot:
 
 def _limit(settings: IngressSettings) -> ConcurrencyLimit:
     """The limit MARS_INGRESS_ADMISSION_ALGORITHM names, from its MARS_ADMISSION_* settings."""
+    bounds = {
+        "initial": settings.admission_initial_limit,
+        "min_limit": settings.admission_min_limit,
+        "max_limit": settings.admission_max_limit,
+    }
     if settings.admission_algorithm == "throughput":
-        return ThroughputLimit(
-            ThroughputSettings(
-                initial=settings.admission_initial_limit,
-                min_limit=settings.admission_min_limit,
-                max_limit=settings.admission_max_limit,
-                gain=settings.admission_gain,
-            )
-        )
+        return ThroughputLimit(ThroughputSettings(**bounds, gain=settings.admission_gain))
     if settings.admission_algorithm == "gradient":
         return GradientLimit(
             GradientSettings(
-                initial=settings.admission_initial_limit,
-                min_limit=settings.admission_min_limit,
-                max_limit=settings.admission_max_limit,
-                tolerance=settings.admission_tolerance,
-                window=settings.admission_window,
+                **bounds, tolerance=settings.admission_tolerance, window=settings.admission_window
             )
         )
     return AdaptiveLimit(
         LimitSettings(
-            initial=settings.admission_initial_limit,
-            min_limit=settings.admission_min_limit,
-            max_limit=settings.admission_max_limit,
+            **bounds,
             tolerance=settings.admission_tolerance,
             grow_below=settings.admission_grow_below,
             window=settings.admission_window,

@@ -44,6 +44,11 @@ def _check_bounds(initial: int, min_limit: int, max_limit: int, backoff: float) 
         raise ValueError("backoff must be in (0, 1)")
 
 
+def _backed_off(limit: float, min_limit: int, backoff: float) -> float:
+    """A limit after a turn that ran out of time: `backoff` times it, never below `min_limit`."""
+    return max(float(min_limit), limit * backoff)
+
+
 @dataclass(frozen=True)
 class LimitSettings:
     """The limiter's constants; the ingress reads them from its settings (MARS_ADMISSION_*)."""
@@ -151,8 +156,7 @@ class AdaptiveLimit:
 
     def on_drop(self) -> None:
         """A turn ran out of time in the pipeline: back off at once."""
-        s = self.settings
-        self._limit = max(float(s.min_limit), self._limit * s.backoff)
+        self._limit = _backed_off(self._limit, self.settings.min_limit, self.settings.backoff)
 
 
 @dataclass(frozen=True)
@@ -249,8 +253,7 @@ class ThroughputLimit:
 
     def on_drop(self) -> None:
         """A turn ran out of time in the pipeline: back off at once."""
-        s = self.settings
-        self._limit = max(float(s.min_limit), self._limit * s.backoff)
+        self._limit = _backed_off(self._limit, self.settings.min_limit, self.settings.backoff)
 
 
 @dataclass(frozen=True)
@@ -341,8 +344,7 @@ class GradientLimit:
 
     def on_drop(self) -> None:
         """A turn ran out of time in the pipeline: back off at once."""
-        s = self.settings
-        self._limit = max(float(s.min_limit), self._limit * s.backoff)
+        self._limit = _backed_off(self._limit, self.settings.min_limit, self.settings.backoff)
 
 
 class ConcurrencyLimit(Protocol):
