@@ -5,6 +5,7 @@ every topic. `choose_broker` picks Kafka wherever Java >= 17 is found and Tansu 
 from __future__ import annotations
 
 import base64
+import functools
 import re
 import secrets
 import shutil
@@ -15,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mars_stack.certs import write_private
+from mars_stack.kafka_cds import ScratchBroker, archive_options
+from mars_stack.readiness import free_port
 from mars_stack.settings import launcher_settings
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -37,16 +40,26 @@ def kafka_version() -> str:
     return match.group(1)
 
 
+@functools.cache
+def java_version_text(java: str) -> str | None:
+    """What `java -version` prints (None where it cannot run): asked once per process and binary, for the
+    broker choice and the class archive's build (mars_stack.kafka_cds)."""
+    try:
+        out = subprocess.run([java, "-version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stderr + out.stdout
+
+
 def java_major(java: str | None = None) -> int | None:
     """The major version of `java` on PATH (or MARS_JAVA), None when there is none."""
     java = java or launcher_settings().java or shutil.which("java")
     if not java:
         return None
-    try:
-        out = subprocess.run([java, "-version"], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
+    text = java_version_text(java)
+    if text is None:
         return None
-    match = re.search(r'version "(\d+)(?:\.(\d+))?', out.stderr + out.stdout)
+    match = re.search(r'version "(\d+)(?:\.(\d+))?', text)
     if match is None:
         return None
     major = int(match.group(1))
@@ -272,6 +285,15 @@ def parse_server_properties(text: str) -> dict[str, str]:
     return pairs
 
 
+def scratch_broker() -> ScratchBroker:
+    """A plaintext broker on free ports, to make the class archive with (mars_stack.kafka_cds)."""
+    return ScratchBroker(
+        properties=lambda folder: server_properties(folder, free_port(), free_port(), 1),
+        log4j_config=LOG4J_CONFIG,
+        cluster_id=cluster_id(),
+    )
+
+
 def prepare(
     workdir: Path,
     port: int,
@@ -298,10 +320,20 @@ def prepare(
             log_dir, port, controller_port, partitions, sasl_port, sasl_users, extra, host, security
         ).encode(),
     )
+    heap = launcher.kafka_heap
+    jvm_opts = " ".join(LOCAL_JVM_OPTS) if launcher.kafka_jvm_opts is None else launcher.kafka_jvm_opts
+    shared = (
+        archive_options(
+            java, java_version_text(java) or "", libs, kafka_version(), jvm_opts.split(), scratch_broker()
+        )
+        if launcher.kafka_class_archive
+        else []
+    )
     if not (log_dir / "meta.properties").exists():
         done = subprocess.run(
             [
                 java,
+                *shared,
                 "-cp",
                 classpath,
                 "kafka.tools.StorageTool",
@@ -318,13 +350,12 @@ def prepare(
             raise KafkaUnavailable(
                 f"formatting the Kafka log dir failed:\n{(done.stdout + done.stderr)[-3000:]}"
             )
-    heap = launcher.kafka_heap
-    jvm_opts = " ".join(LOCAL_JVM_OPTS) if launcher.kafka_jvm_opts is None else launcher.kafka_jvm_opts
     return [
         java,
         f"-Xmx{heap}",
         f"-Xms{heap}",
         *jvm_opts.split(),
+        *shared,
         "-Djava.awt.headless=true",
         f"-Dlog4j2.configurationFile={LOG4J_CONFIG}",
         "-cp",

@@ -18,6 +18,9 @@ class LauncherSettings(BaseSettings):
     #: The local broker's JVM heap, and its other JVM options (default: mars_stack.kafka.LOCAL_JVM_OPTS).
     kafka_heap: str = "512m"
     kafka_jvm_opts: str | None = None
+    #: Start the local broker (and its storage tool) from a class-data-sharing archive of its classes, made
+    #: once beside the jars (mars_stack.kafka_cds); false: every start reads the jars.
+    kafka_class_archive: bool = True
     #: Extra server.properties of the local broker, comma-separated key=value pairs that override the
     #: defaults (e.g. num.io.threads=2,num.network.threads=1): to measure a broker setting under load.
     kafka_server_properties: str = ""
