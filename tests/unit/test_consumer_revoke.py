@@ -59,3 +59,31 @@ def test_a_record_that_finishes_within_the_wait_is_not_cancelled() -> None:
 
 def test_the_memory_view_group_waits_less_than_the_default() -> None:
     assert 0 < VIEW_REVOKE_WAIT_S < StageConsumer.REVOKE_WAIT_S
+
+
+class _HangingClose:
+    """aiokafka's consumer whose stop never returns: its TLS connections never report their close."""
+
+    def __init__(self) -> None:
+        self.stopping = asyncio.Event()
+
+    async def stop(self) -> None:
+        self.stopping.set()
+        await asyncio.sleep(3600)
+
+
+def test_a_stop_whose_connection_close_hangs_returns_after_the_close_wait() -> None:
+    async def run() -> tuple[float, _HangingClose]:
+        consumer = bare_consumer(0.2)
+        consumer._task, consumer._group_id = None, "mars-router"
+        consumer._lag = {("g", "t"): 1}
+        hanging = _HangingClose()
+        consumer._consumer = hanging  # type: ignore[assignment]
+        consumer.CLOSE_WAIT_S = 0.3  # type: ignore[misc]
+        began = time.monotonic()
+        await consumer.stop()
+        return time.monotonic() - began, hanging
+
+    spent, hanging = asyncio.run(run())
+    assert hanging.stopping.is_set()  # aiokafka's stop was asked for (it leaves the group first)
+    assert 0.3 - 0.05 <= spent < 2.0, spent
