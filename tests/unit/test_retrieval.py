@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -260,3 +262,21 @@ def test_onnx_embedder_loads_an_export_without_torch(
     assert light.dim == 384
     assert np.all(np.sum(embedder.encode(texts) * light.encode(texts), axis=1) > 0.9999)
     assert module.OnnxEmbedder(cache_dir=str(tmp_path), precision="int8").encode(texts).shape == (3, 384)
+
+
+def test_a_missing_embedding_model_fails_at_once_without_importing_torch(tmp_path: Path) -> None:
+    """A model path that does not exist is refused before torch and sentence-transformers load (seconds of
+    CPU at a service start that then serves lexical-only views)."""
+    script = (
+        "import sys\n"
+        "from mars.retrieval.embedder import load_embedder\n"
+        "try:\n"
+        f"    load_embedder({str(tmp_path / 'missing-model')!r}, cache_dir={str(tmp_path)!r})\n"
+        "except FileNotFoundError as exc:\n"
+        "    print('refused:', exc)\n"
+        "print('torch imported:', 'torch' in sys.modules)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert f"refused: no embedding model at {tmp_path / 'missing-model'}" in run.stdout
+    assert "torch imported: False" in run.stdout

@@ -37,6 +37,10 @@ class SentenceTransformerEmbedder:
         threads: int | None = None,
         max_seq_length: int | None = None,
     ) -> None:
+        path = model or default_model_path()
+        if not os.path.exists(path):
+            # Checked before torch is imported (seconds of CPU): nothing is fetched from a hub either way.
+            raise FileNotFoundError(f"no embedding model at {path} (a local sentence-transformers folder)")
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
         import torch
@@ -45,7 +49,7 @@ class SentenceTransformerEmbedder:
         if threads:
             torch.set_num_threads(threads)
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        self._model = SentenceTransformer(model or default_model_path(), device=self.device)
+        self._model = SentenceTransformer(path, device=self.device)
         if max_seq_length:
             # Attention cost grows with length; queries gain little past the first ~128 word pieces.
             self._model.max_seq_length = max_seq_length

@@ -35,8 +35,6 @@ import numpy as np
 from mars.domain.state_rules import cue_flags, estimate_state
 from mars.domain.text import overlap, tokenize
 from mars.llm_json import JsonReply
-from scipy.optimize import minimize
-from scipy.sparse import csr_matrix
 
 from mars_state.qtm.labelled import CONTEXT_TURNS, FIELDS, state_labels
 
@@ -176,6 +174,10 @@ class SoftmaxHead:
         counts = y.sum(axis=0)
         class_weight = np.where(counts > 0, (n / (k * np.maximum(counts, 1.0))) ** balance, 0.0)
         sample_weight = (y * class_weight).sum(axis=1, keepdims=True)
+        # Training only: scipy costs the state service half a second of CPU at every start if imported above.
+        from scipy.optimize import minimize
+        from scipy.sparse import csr_matrix
+
         rows = csr_matrix(x)  # the n-gram buckets are mostly zero: ~7x fewer multiplications
         rows_t = rows.T.tocsr()
 
