@@ -7,9 +7,9 @@ import os
 # exec now and then (Postgres restarts dying with SIGSEGV, no log line): the launcher needs none of them.
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
-from mars_stack.broker import stack_kafka_options
+from mars_stack.broker import stack_broker_kind, stack_kafka_options
 from mars_stack.readiness import StackError
 from mars_stack.stack import LocalStack
 from mars_stack.stack_settings import StackSettings
 
-__all__ = ["LocalStack", "StackError", "StackSettings", "stack_kafka_options"]
+__all__ = ["LocalStack", "StackError", "StackSettings", "stack_broker_kind", "stack_kafka_options"]

@@ -236,6 +236,13 @@ def stack_kafka_options(bootstrap: str, principal: str = "operator") -> dict[str
     return broker.client_options(principal) if broker is not None else {"bootstrap_servers": bootstrap}
 
 
+def stack_broker_kind(bootstrap: str) -> str:
+    """What runs at `bootstrap` when a stack of this process started it: "kafka" (whose end offsets a reader
+    can trust), "tansu" (whose end offsets have been seen wrong), or "" for a broker no stack here runs."""
+    broker = _RUNNING.get(bootstrap)
+    return broker.kind if broker is not None else ""
+
+
 def _kafka_ready(options: dict[str, Any]) -> bool:
     """The broker answers metadata requests (its port opens a moment before it can serve)."""
     import asyncio

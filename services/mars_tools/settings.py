@@ -16,6 +16,9 @@ class ToolSettings(CallerSettings):
     kafka_bootstrap: str = ""
     #: The pipeline's topic prefix ("" for none).
     topic_prefix: str = ""
+    #: Whether the broker's end offsets can be trusted (`mars replay --until end`); the local stack writes
+    #: false on Tansu, whose end offsets have been seen wrong.
+    kafka_trust_end_offsets: bool = True
     #: The pipeline's Postgres; "": none (commands that could mint a key there send --api-key instead).
     postgres_dsn: str = ""
     #: The model pool YAML; "": the command's own default.

@@ -58,7 +58,11 @@ def cmd_export(args: argparse.Namespace) -> int:
         # The records' text is sealed only where the stack seals it: the owner's alone either way.
         with open_private(args.out) as fh:
             async for record in read_topics(
-                args.bootstrap, since_ms=args.since_ms, idle_s=args.idle_s, prefix=args.topic_prefix
+                args.bootstrap,
+                since_ms=args.since_ms,
+                idle_s=args.idle_s,
+                prefix=args.topic_prefix,
+                until_end=args.until == "end",
             ):
                 fh.write(record.to_json() + "\n")
                 counts[record.topic] += 1
@@ -85,7 +89,20 @@ def add_replay_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
             "come from the MARS_KAFKA_SECURITY_PROTOCOL/SASL_*/SSL_* variables",
         )
         p.add_argument("--since-ms", type=int, help="start at this Unix time in ms (default: the beginning)")
-        p.add_argument("--idle-s", type=float, default=2.0, help="stop after the log is quiet this long")
+        p.add_argument(
+            "--until",
+            choices=("end", "quiet"),
+            default="end" if defaults.kafka_trust_end_offsets else "quiet",
+            help="where reading the topics stops: end, at each partition's end as the command starts (the "
+            "log as of now: a turn still in flight is read in part); quiet, once the log has been quiet "
+            "for --idle-s (default: end, quiet where MARS_KAFKA_TRUST_END_OFFSETS=false, as on Tansu)",
+        )
+        p.add_argument(
+            "--idle-s",
+            type=float,
+            default=2.0,
+            help="with --until quiet: stop after the log is quiet this long",
+        )
         p.add_argument(
             "--topic-prefix",
             type=topic_prefix_arg,

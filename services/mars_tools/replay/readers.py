@@ -28,12 +28,14 @@ async def read_topics(
     on_record: Callable[[], None] = lambda: None,
     prefix: str = "",
     kafka: dict[str, Any] | None = None,
+    until_end: bool = False,
 ) -> AsyncGenerator[RawRecord, None]:
     """Every record of `topics` (base names) of the run with topic prefix `prefix`, from the beginning (or
-    from `since_ms`), until the log has been quiet for `idle_s`. Records carry the base topic name, so
-    traces and exported files read the same whatever the prefix. End offsets are not trusted (seen wrong
-    on the embedded broker); quiet time is. `kafka`: client options; default `bootstrap` with the security
-    settings of the MARS_* environment (SASL, TLS)."""
+    from `since_ms`), until the log has been quiet for `idle_s`, or with `until_end` up to the end offsets
+    the broker reports as the read begins (the log as of now; on a broker whose end offsets can be trusted,
+    which Tansu's cannot). Records carry the base topic name, so traces and exported files read the same
+    whatever the prefix. `kafka`: client options; default `bootstrap` with the security settings of the
+    MARS_* environment (SASL, TLS)."""
     names = Topics(prefix)
     consumer = AIOKafkaConsumer(
         **(kafka if kafka is not None else env_kafka_options(bootstrap)),
@@ -61,8 +63,9 @@ async def read_topics(
                     await consumer.seek_to_end(tp)
                 else:
                     consumer.seek(tp, found.offset)
+        ends = await consumer.end_offsets(tps) if until_end else None
         last = time.monotonic()
-        while time.monotonic() - last < idle_s:
+        while await behind_end(consumer, ends) if ends is not None else time.monotonic() - last < idle_s:
             batch = await consumer.getmany(timeout_ms=200, max_records=5000)
             for tp, records in batch.items():
                 for r in records:
@@ -72,6 +75,14 @@ async def read_topics(
                 last = time.monotonic()
     finally:
         await consumer.stop()
+
+
+async def behind_end(consumer: AIOKafkaConsumer, ends: dict[TopicPartition, int]) -> bool:
+    """Whether the consumer has some partition not yet read up to its end offset in `ends`."""
+    for tp, end in ends.items():
+        if await consumer.position(tp) < end:
+            return True
+    return False
 
 
 def load_traces(args: argparse.Namespace, console: Console) -> tuple[TraceBuilder, int]:
@@ -104,6 +115,7 @@ def load_traces(args: argparse.Namespace, console: Console) -> tuple[TraceBuilde
                     idle_s=args.idle_s,
                     on_record=tick,
                     prefix=args.topic_prefix,
+                    until_end=args.until == "end",
                 ):
                     builder.add(record)
 
