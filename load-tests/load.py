@@ -475,6 +475,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--no-floor", action="store_true", help="skip measuring the floor parts")
     parser.add_argument(
+        "--floor-count",
+        type=int,
+        default=200,
+        help="samples of each floor part (default 200; the test suite's short run takes fewer)",
+    )
+    parser.add_argument(
         "--window-s",
         type=float,
         default=0.0,
@@ -514,6 +520,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("rates and --seconds must be positive")
     if not 0 < args.trace_sample <= 1:
         parser.error(f"--trace-sample is a share of turns in (0, 1], got {args.trace_sample:g}")
+    if args.floor_count < 1:
+        parser.error(f"--floor-count must be at least 1, got {args.floor_count}")
     if args.kafka_security == "both":
         return compare_kafka_security(argv if argv is not None else sys.argv[1:], args)
     if args.profile_rate is None:
@@ -581,7 +589,7 @@ def main(argv: list[str] | None = None) -> int:
                 "[load] measuring the floor (bare hop, embedding, search, Postgres transaction)", flush=True
             )
             out["floor"] = decompose.measure_floor(
-                stack.env["MARS_KAFKA_BOOTSTRAP"], stack.env, stack.env["MARS_POSTGRES_DSN"]
+                stack.env["MARS_KAFKA_BOOTSTRAP"], stack.env, stack.env["MARS_POSTGRES_DSN"], args.floor_count
             )
         if trace_dir is not None:
             time.sleep(1.5)  # the services write spans in batches every 0.5 s
