@@ -39,8 +39,18 @@ class DemoRow:
     error: str | None
 
 
-def play(target: str, tenant: str = "demo", max_tokens: int = 64, api_key: str = "") -> list[DemoRow]:
-    """Send the demo turns as `tenant` with `api_key` (the local stack's: MARS_API_KEY in stack.env)."""
+def play(
+    target: str,
+    tenant: str = "demo",
+    max_tokens: int = 64,
+    api_key: str = "",
+    view_tokens: int | None = None,
+) -> list[DemoRow]:
+    """Send the demo turns as `tenant` with `api_key` (the local stack's: MARS_API_KEY in stack.env);
+    `view_tokens` caps the memory packed into each prompt (the turn option), for a short prefill."""
+    options = {"max_tokens": str(max_tokens)}
+    if view_tokens is not None:
+        options["view_tokens"] = str(view_tokens)
     rows = []
     with ingress_channel(target, api_key) as channel:
         stub = svc_grpc.IngressStub(channel)
@@ -50,7 +60,7 @@ def play(target: str, tenant: str = "demo", max_tokens: int = 64, api_key: str =
                 user_id=user,
                 session_id=session,
                 text=text,
-                options={"max_tokens": str(max_tokens)},
+                options=options,
             )
             try:
                 rows.append(DemoRow(user, session, text, stub.SendTurn(req, timeout=300), None))

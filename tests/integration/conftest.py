@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import subprocess
 import sys
 import time
@@ -18,13 +19,16 @@ import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from google.protobuf.message import Message
 from mars.auth import mint_key
+from mars.config import JUDGE_STAGE
 from mars.data_keys import Forgotten
 from mars.v1 import events_pb2 as ev
 from mars.v1 import services_pb2_grpc as svc_grpc
 from mars_ingress.client import ingress_channel
-from mars_stack import LocalStack, StackSettings, stack_kafka_options
+from mars_stack import LocalStack, StackSettings, stack_broker_kind, stack_kafka_options
 from mars_stack.kafka import choose_broker
+from mars_stack.readiness import free_port
 from mars_tools.replay.presets import check as check_settings
+from mars_tools.replay.readers import behind_end
 
 M = TypeVar("M", bound=Message)
 HERE = Path(__file__).parent
@@ -71,15 +75,111 @@ def start_stack(
     return LocalStack(settings).start()
 
 
-@pytest.fixture(scope="session")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
+#: Stacks that adjacent modules share, by the name of the fixture that hands them out: started by the first
+#: test that needs one, stopped right after the last test of the run that uses it (`_LAST_USER`). A
+#: session-scoped fixture would keep it up to the end of the run, idle but not free: its broker and services
+#: took about a sixth of a core, on 2 cores, from every module after its last user.
+_SHARED: dict[str, LocalStack] = {}
+_LAST_USER: dict[str, str] = {}
+
+
+def shared_stack(start: Callable[[Path], LocalStack]) -> Any:
+    """A module-scoped fixture named as `start` that hands out one stack, made by `start(workdir)` for the
+    first module that asks and stopped after the run's last test that uses it."""
+    name = start.__name__
+    _LAST_USER[name] = ""
+
+    @pytest.fixture(scope="module", name=name)
+    def fixture(tmp_path_factory: pytest.TempPathFactory) -> LocalStack:
+        if name not in _SHARED:
+            _SHARED[name] = start(tmp_path_factory.mktemp(name))
+        return _SHARED[name]
+
+    fixture.__doc__ = start.__doc__
+    return fixture
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Which test is each shared stack's last user in this run (its order, after any selection)."""
+    for item in session.items:
+        for name in _LAST_USER:
+            if name in getattr(item, "fixturenames", ()):
+                _LAST_USER[name] = item.nodeid
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """After a test's own teardown: stop each shared stack whose last user it was."""
+    for name in list(_SHARED):
+        if nextitem is None or _LAST_USER.get(name) == item.nodeid:
+            _SHARED.pop(name).stop()
+
+
+@shared_stack
+def smollm2_stack(tmp: Path) -> LocalStack:
     """The SmolLM2 stack of test_pipeline and test_pipeline_features (adjacent by name), started once: each
     module talks as tenants and users of its own and reads back only its own turns' events and rows."""
-    s = start_stack(tmp_path_factory.mktemp("e2e"), "models.test.yaml")
-    try:
-        yield s
-    finally:
-        s.stop()
+    return start_stack(tmp, "models.test.yaml")
+
+
+#: The front door's stack (test_gateway, test_ingress_security): the key cache's TTL, and the quotas of the
+#: tenants those modules hold to them (one turn then a long wait; slow turns; tokens; spend; history).
+AUTH_CACHE_TTL_S = 1.0
+GATEWAY_QUOTA_TENANT = "gw-quota"
+FRONT_DOOR_QUOTAS = {
+    GATEWAY_QUOTA_TENANT: {"turns_per_s": 0.001, "turn_burst": 1},
+    "limited": {"turns_per_s": 0.05, "turn_burst": 2},
+    "wordy": {"tokens_per_min": 60},
+    "spender": {"usd_per_day": 1e-12},
+    "historian": {"tokens_per_min": 60},
+}
+GATEWAY_METRICS_PORT = free_port()
+
+
+@shared_stack
+def front_door_stack(tmp: Path) -> LocalStack:
+    """The stand-in stack with the gateway in front, shared by test_gateway and test_ingress_security
+    (adjacent by name): each module holds its own tenants and users, and reads back only its own rows."""
+    return start_stack(
+        tmp,
+        "models.standin-test.yaml",  # the stand-in LLM: the protocols are under test, not the words
+        llm="standin",
+        service_env={
+            "judge": {"MARS_JUDGE_FEEDBACK_MODE": "replace"},
+            "ingress": {
+                "MARS_INGRESS_AUTH_CACHE_TTL_S": str(AUTH_CACHE_TTL_S),
+                "MARS_INGRESS_QUOTA_TENANTS": json.dumps(FRONT_DOOR_QUOTAS),
+                "MARS_INGRESS_QUOTA_SPEND_CACHE_S": "0",
+                "MARS_INGRESS_QUOTA_BUDGET_CACHE_S": "0",
+            },
+            "gateway": {"MARS_GATEWAY_METRICS_PORT": str(GATEWAY_METRICS_PORT)},
+        },
+        gateway=True,
+    )
+
+
+#: The judge's per-tenant feedback settings of test_feedback's tenants (the stack it shares with test_eval).
+FEEDBACK_MODES = {"fb-replace": "replace", "fb-blend": "blend"}
+FEEDBACK_BLEND_WEIGHT = 0.25
+FEEDBACK_LAMBDAS = {"fb-blend": 0.5}
+
+
+@shared_stack
+def standin_stack(tmp: Path) -> LocalStack:
+    """A stand-in stack with short answers, shared by test_eval and test_feedback (adjacent by name): no test
+    there reads the answers' words; the judge's feedback settings are those of test_feedback's tenants
+    alone, and each module reads back only its own tenants' turns."""
+    judge = {
+        "MARS_JUDGE_FEEDBACK_TENANT_MODES": json.dumps(FEEDBACK_MODES),
+        "MARS_JUDGE_FEEDBACK_BLEND_WEIGHT": str(FEEDBACK_BLEND_WEIGHT),
+        "MARS_JUDGE_LAMBDA_TENANTS": json.dumps(FEEDBACK_LAMBDAS),
+    }
+    return start_stack(
+        tmp,
+        "models.standin-test.yaml",
+        llm="standin",
+        service_env={"dispatch": {"MARS_DISPATCH_DEFAULT_MAX_TOKENS": "8"}, "judge": judge},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -119,17 +219,17 @@ def ingress_stub(
 
 
 def read_topic(bootstrap: str, topic: str, idle_s: float = 1.5) -> list[Any]:
-    """All records of a topic from the beginning, read until it has been idle for `idle_s`.
-
-    Offsets are not compared with end offsets, which have been seen wrong on the embedded broker.
-    """
+    """All records of a topic from the beginning: on Apache Kafka, up to the end offsets it reports when the
+    read begins (every record acknowledged before the call); elsewhere (Tansu, whose end offsets have been
+    seen wrong) until the topic has been idle for `idle_s`."""
+    to_end = stack_broker_kind(bootstrap) == "kafka"
 
     async def _read() -> list[Any]:
         consumer = AIOKafkaConsumer(
             **stack_kafka_options(bootstrap), enable_auto_commit=False, fetch_max_wait_ms=50
         )
-        await consumer.start()
         try:
+            await consumer.start()  # inside: a start that fails (a broker restarting) still closes it
             parts = consumer.partitions_for_topic(topic)
             if not parts:
                 await consumer._client.force_metadata_update()
@@ -138,6 +238,16 @@ def read_topic(bootstrap: str, topic: str, idle_s: float = 1.5) -> list[Any]:
             consumer.assign(tps)
             await consumer.seek_to_beginning(*tps)
             out: list[Any] = []
+            if to_end:
+                ends = await consumer.end_offsets(tps)
+                deadline = time.monotonic() + 60
+                while await behind_end(consumer, ends):
+                    if time.monotonic() > deadline:
+                        raise AssertionError(f"{topic}: not read to its end offsets {ends} within 60 s")
+                    batch = await consumer.getmany(*tps, timeout_ms=200)
+                    for records in batch.values():
+                        out.extend(records)
+                return out
             last = time.monotonic()
             while time.monotonic() - last < idle_s:
                 batch = await consumer.getmany(timeout_ms=200)
@@ -193,6 +303,18 @@ def produce_raw(bootstrap: str, topic: str, payload: bytes, key: bytes, principa
 def query(stack: LocalStack, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
     with psycopg.connect(stack.env["MARS_POSTGRES_DSN"]) as conn:
         return list(conn.execute(sql, params).fetchall())  # type: ignore[arg-type]
+
+
+def wait_judged(stack: LocalStack, turn_ids: list[str], timeout_s: float = 90.0) -> None:
+    """Until every turn's Judged event, a trace's last, is on the log: the judge writes its ledger row
+    (stage_emitted) only after the broker acknowledged the event. A read to the end offsets after this
+    (`mars replay --until end`) finds every turn complete."""
+    sql = "SELECT count(*) FROM stage_emitted WHERE stage = %s AND turn_id = ANY(%s)"
+    wait_for(
+        lambda: int(query(stack, sql, (JUDGE_STAGE, turn_ids))[0][0]) == len(turn_ids),
+        timeout_s,
+        f"the Judged events of {len(turn_ids)} turns",
+    )
 
 
 def wait_for(check: Callable[[], bool], timeout_s: float = 60.0, what: str = "condition") -> None:

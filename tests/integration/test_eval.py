@@ -8,28 +8,19 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import start_stack
 from mars_stack import LocalStack
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
-def eval_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
-    s = start_stack(
-        tmp_path_factory.mktemp("eval"),
-        "models.standin-test.yaml",  # the stand-in LLM: no test here reads the answers' words
-        llm="standin",
-        service_env={"dispatch": {"MARS_DISPATCH_DEFAULT_MAX_TOKENS": "8"}},
-    )
-    try:
-        yield s
-    finally:
-        s.stop()
+def eval_stack(standin_stack: LocalStack) -> LocalStack:
+    """The stand-in stack shared with test_feedback (conftest.standin_stack): no test here reads the answers'
+    words; its tenants (ev1, ev2) are its own."""
+    return standin_stack
 
 
 def mars(*args: str, stack: LocalStack | None = None) -> subprocess.CompletedProcess[str]:

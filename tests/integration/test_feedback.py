@@ -4,36 +4,24 @@ not the caller's is refused."""
 
 from __future__ import annotations
 
-import json
 import time
-from collections.abc import Iterator
 
 import grpc
 import pytest
-from conftest import ingress_stub, query, start_stack, wait_for
+from conftest import FEEDBACK_MODES, ingress_stub, query, wait_for
 from mars.v1 import services_pb2 as svc
 from mars_stack import LocalStack
 
 pytestmark = pytest.mark.integration
 
-MODES = {"fb-replace": "replace", "fb-blend": "blend"}
+MODES = FEEDBACK_MODES
 
 
 @pytest.fixture(scope="module")
-def fb_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
-    env = {
-        "MARS_JUDGE_FEEDBACK_TENANT_MODES": json.dumps(MODES),
-        "MARS_JUDGE_FEEDBACK_BLEND_WEIGHT": "0.25",
-        "MARS_JUDGE_LAMBDA_TENANTS": json.dumps({"fb-blend": 0.5}),
-    }
-    # The stand-in LLM: the rewards, not the answers' words, are under test.
-    s = start_stack(
-        tmp_path_factory.mktemp("feedback"), "models.standin-test.yaml", llm="standin", service_env={"judge": env}
-    )
-    try:
-        yield s
-    finally:
-        s.stop()
+def fb_stack(standin_stack: LocalStack) -> LocalStack:
+    """The stand-in stack shared with test_eval (conftest.standin_stack): the rewards, not the answers' words,
+    are under test; the judge's feedback modes (MODES), blend weight (0.25) and fb-blend's lambda (0.5)."""
+    return standin_stack
 
 
 def _turn(stack: LocalStack, tenant: str, user: str) -> str:

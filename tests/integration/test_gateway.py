@@ -10,7 +10,6 @@ import re
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,45 +17,34 @@ import httpx
 import openai
 import psycopg
 import pytest
-from conftest import api_key, query, read_events, start_stack, wait_for
+from conftest import (
+    GATEWAY_METRICS_PORT,
+    GATEWAY_QUOTA_TENANT,
+    api_key,
+    query,
+    read_events,
+    wait_for,
+)
 from mars.config import TOPIC_VIEW
 from mars.v1 import events_pb2 as ev
 from mars_ingress import budget_store
 from mars_stack import LocalStack
-from mars_stack.readiness import free_port
 
 pytestmark = pytest.mark.integration
 
 TENANT = "gw"
-QUOTA_TENANT = "gw-quota"
+QUOTA_TENANT = GATEWAY_QUOTA_TENANT
 ARMS = {"broken-endpoint", "standin-short", "standin-long"}
 
 
-METRICS_PORT = free_port()
-QUOTAS = {QUOTA_TENANT: {"turns_per_s": 0.001, "turn_burst": 1}}
+METRICS_PORT = GATEWAY_METRICS_PORT
 
 
 @pytest.fixture(scope="module")
-def gw_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
-    s = start_stack(
-        tmp_path_factory.mktemp("gateway"),
-        "models.standin-test.yaml",  # the stand-in LLM: the gateway's protocol is under test, not the words
-        llm="standin",
-        service_env={
-            "judge": {"MARS_JUDGE_FEEDBACK_MODE": "replace"},
-            # One turn, then 429 for a long while: the quota test and the fuzzing tenant.
-            "ingress": {
-                "MARS_INGRESS_QUOTA_TENANTS": json.dumps(QUOTAS),
-                "MARS_INGRESS_QUOTA_BUDGET_CACHE_S": "0",
-            },
-            "gateway": {"MARS_GATEWAY_METRICS_PORT": str(METRICS_PORT)},
-        },
-        gateway=True,
-    )
-    try:
-        yield s
-    finally:
-        s.stop()
+def gw_stack(front_door_stack: LocalStack) -> LocalStack:
+    """The stand-in stack with the gateway, shared with test_ingress_security (conftest.front_door_stack):
+    one turn then 429 for a long while for QUOTA_TENANT (the quota test and the fuzzing tenant)."""
+    return front_door_stack
 
 
 def url(stack: LocalStack) -> str:

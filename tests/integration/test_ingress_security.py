@@ -7,7 +7,6 @@ Behind it, the stage services' own door: service identities only (mars.identity)
 
 from __future__ import annotations
 
-import json
 import re
 import subprocess
 import sys
@@ -17,7 +16,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from conftest import REPO, api_key, ingress_stub, query, start_stack, wait_for
+from conftest import AUTH_CACHE_TTL_S, REPO, api_key, ingress_stub, query, wait_for
 from mars.auth import mint_key
 from mars.identity import CallerIdentity
 from mars.v1 import events_pb2 as ev
@@ -28,34 +27,14 @@ from mars_stack import LocalStack
 
 pytestmark = pytest.mark.integration
 
-TTL_S = 1.0
-QUOTAS = {
-    "limited": {"turns_per_s": 0.05, "turn_burst": 2},
-    "wordy": {"tokens_per_min": 60},
-    "spender": {"usd_per_day": 1e-12},
-    "historian": {"tokens_per_min": 60},
-}
+TTL_S = AUTH_CACHE_TTL_S
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
-    s = start_stack(
-        tmp_path_factory.mktemp("security"),
-        str(REPO / "config" / "models.standin.yaml"),
-        llm="standin",
-        service_env={
-            "ingress": {
-                "MARS_INGRESS_AUTH_CACHE_TTL_S": str(TTL_S),
-                "MARS_INGRESS_QUOTA_TENANTS": json.dumps(QUOTAS),
-                "MARS_INGRESS_QUOTA_SPEND_CACHE_S": "0",
-                "MARS_INGRESS_QUOTA_BUDGET_CACHE_S": "0",
-            }
-        },
-    )
-    try:
-        yield s
-    finally:
-        s.stop()
+def stack(front_door_stack: LocalStack) -> LocalStack:
+    """The stand-in stack shared with test_gateway (conftest.front_door_stack): the key cache's TTL is
+    TTL_S, and the tenants limited, wordy, spender and historian have quotas."""
+    return front_door_stack
 
 
 def turn(user: str = "u1", text: str = "What is a good name for a cat?", tenant: str = "") -> svc.TurnRequest:

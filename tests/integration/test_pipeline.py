@@ -28,6 +28,13 @@ from mars_stack import LocalStack
 
 pytestmark = pytest.mark.integration
 
+
+@pytest.fixture(scope="module")
+def stack(smollm2_stack: LocalStack) -> LocalStack:
+    """The SmolLM2 stack this module shares with its neighbour (conftest.smollm2_stack)."""
+    return smollm2_stack
+
+
 TENANT = "e2e"
 # Each user talks about a subject marked by a codeword nobody else uses, so leaks are visible in text.
 SCRIPTS = {
@@ -79,7 +86,7 @@ def conversation(stack: LocalStack) -> dict[str, list[svc.TurnReply]]:
                         session_id=session,
                         text=text,
                         # A capped view keeps SmolLM2's prefill short; views and routing come before packing.
-                        options={"max_tokens": "16", "view_tokens": "192"},
+                        options={"max_tokens": "8", "view_tokens": "64"},
                     )
                     replies[user].append(stub.SendTurn(req, timeout=180))
         except BaseException as exc:
@@ -757,7 +764,15 @@ def test_demo_states_read_as_a_reader_would(stack: LocalStack) -> None:
     itinerary, the unrelated question starts a new topic, the return to Kyoto searches all of memory."""
     from mars_tools.demo import DEMO, play
 
-    rows = play(stack.addr("ingress"), tenant="e2e-demo", max_tokens=8, api_key=api_key(stack, "e2e-demo"))
+    # The states are the controller's, read before any prompt is packed: a capped view keeps SmolLM2's
+    # prefill (about 6 ms a token here) short.
+    rows = play(
+        stack.addr("ingress"),
+        tenant="e2e-demo",
+        max_tokens=8,
+        api_key=api_key(stack, "e2e-demo"),
+        view_tokens=64,
+    )
     assert [r.error for r in rows] == [None] * len(DEMO)
     states = {r.text: r.reply.state for r in rows if r.reply is not None}
     assert {s.usage.backend for s in states.values()} == {"learned"}

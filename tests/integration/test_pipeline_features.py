@@ -20,6 +20,13 @@ from mars_stack import LocalStack
 
 pytestmark = pytest.mark.integration
 
+
+@pytest.fixture(scope="module")
+def stack(smollm2_stack: LocalStack) -> LocalStack:
+    """The SmolLM2 stack this module shares with its neighbour (conftest.smollm2_stack)."""
+    return smollm2_stack
+
+
 TENANT = "features"
 USER = "user-lynx"
 # Rules QTM: an edit loop (REVISE, VERIFY, SYNTHESIZE) in s1, temporal recalls (GLOBAL, top_k 8) in both
@@ -58,7 +65,7 @@ def turns(stack: LocalStack) -> dict[str, tuple[ev.ViewBuilt, ev.Routed]]:
             user_id=USER,
             session_id=session,
             text=text,
-            options={"max_tokens": "8", "view_tokens": "128"},  # features come before packing
+            options={"max_tokens": "8", "view_tokens": "64"},  # features come before packing
         )
         try:
             stub.SendTurn(req, timeout=180)

@@ -68,7 +68,7 @@ def test_two_strict_redrives_of_a_thompson_log_decide_identically(
 ) -> None:
     log = tmp_path / "log.jsonl"
     run = mars(
-        "replay", "export", "--bootstrap", seeded_stack.env["MARS_KAFKA_BOOTSTRAP"], "--idle-s", "3",
+        "replay", "export", "--bootstrap", seeded_stack.env["MARS_KAFKA_BOOTSTRAP"],
         "--out", str(log), stack=seeded_stack,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import ingress_stub, keys_env, start_stack
+from conftest import ingress_stub, keys_env, start_stack, wait_judged
 from mars.v1 import events_pb2 as ev
 from mars.v1 import services_pb2 as svc
 from mars_stack import LocalStack
@@ -33,17 +33,19 @@ def replay_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStac
     try:
         users = [f"r{u}" for u in range(USERS)]
         errors: list[BaseException] = []
+        turn_ids: list[str] = []
 
         def talk(user: str) -> None:
             stub = ingress_stub(s, "rp")
             try:
                 for i in range(TURNS):
-                    stub.SendTurn(
+                    reply = stub.SendTurn(
                         svc.TurnRequest(
                             tenant="rp", user_id=user, session_id="s", text=f"Question {i} about tea."
                         ),
                         timeout=180,
                     )
+                    turn_ids.append(reply.turn_id)
             except BaseException as exc:
                 errors.append(exc)
 
@@ -53,6 +55,7 @@ def replay_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStac
         for t in threads:
             t.join()
         assert not errors, errors
+        wait_judged(s, turn_ids)  # the reads below stop at the log's end: every trace complete by then
         yield s
     finally:
         s.stop()
@@ -72,8 +75,6 @@ def export(stack: LocalStack, path: Path) -> None:
         "export",
         "--bootstrap",
         stack.env["MARS_KAFKA_BOOTSTRAP"],
-        "--idle-s",
-        "3",
         "--out",
         str(path),
         stack=stack,
@@ -84,7 +85,7 @@ def export(stack: LocalStack, path: Path) -> None:
 def test_fifty_turns_read_back_as_fifty_complete_traces(replay_stack: LocalStack, tmp_path: Path) -> None:
     bootstrap = replay_stack.env["MARS_KAFKA_BOOTSTRAP"]
     run = mars(
-        "replay", "read", "--bootstrap", bootstrap, "--idle-s", "3",
+        "replay", "read", "--bootstrap", bootstrap,
         "--out", str(tmp_path / "traces.jsonl"), "--summary", str(tmp_path / "summary.json"),
         stack=replay_stack,
     )  # fmt: skip

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from aiokafka.admin import AIOKafkaAdminClient
-from conftest import HERE, ingress_stub, keys_env, start_stack
+from conftest import HERE, ingress_stub, keys_env, start_stack, wait_judged
 from mars.config import ALL_TOPICS, Topics
 from mars.v1 import services_pb2 as svc
 from mars_stack import LocalStack, stack_kafka_options
@@ -34,11 +34,14 @@ def prefixed_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSt
     )
     try:
         stub = ingress_stub(s, "px")
-        for i in range(TURNS):
+        replies = [
             stub.SendTurn(
                 svc.TurnRequest(tenant="px", user_id="u1", session_id="s", text=f"Question {i} about tea."),
                 timeout=180,
             )
+            for i in range(TURNS)
+        ]
+        wait_judged(s, [r.turn_id for r in replies])  # exports stop at the log's end: every turn there
         yield s
     finally:
         s.stop()
@@ -71,7 +74,7 @@ def test_prefixed_run_writes_only_prefixed_topics_and_reads_back(
     assert set(Topics(PREFIX).all) <= topics
     assert not topics & set(ALL_TOPICS)  # no service touched a plain topic name
     run = mars(
-        "replay", "read", "--bootstrap", bootstrap, "--topic-prefix", PREFIX, "--idle-s", "2",
+        "replay", "read", "--bootstrap", bootstrap, "--topic-prefix", PREFIX, "--until", "quiet", "--idle-s", "2",
         "--summary", str(tmp_path / "summary.json"), stack=prefixed_stack,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]
@@ -85,7 +88,7 @@ def test_replay_run_with_a_preset_on_a_stack_of_its_own(prefixed_stack: LocalSta
     log = tmp_path / "log.jsonl"
     export = mars(
         "replay", "export", "--bootstrap", prefixed_stack.env["MARS_KAFKA_BOOTSTRAP"],
-        "--topic-prefix", PREFIX, "--idle-s", "2", "--out", str(log), stack=prefixed_stack,
+        "--topic-prefix", PREFIX, "--out", str(log), stack=prefixed_stack,
     )  # fmt: skip
     assert export.returncode == 0, export.stderr[-2000:]
     # Exports carry the base topic names, so a prefixed run's file reads like any other.

@@ -1,7 +1,7 @@
 """The guarded QTM step: schema, prompt templates, output parsing, and every fallback rule.
 
 Controllers here are in-process fakes (pure logic); the real llama.cpp server is exercised in
-tests/integration/test_qtm_llamacpp.py.
+tests/integration/test_llamacpp_stages.py.
 """
 
 from __future__ import annotations

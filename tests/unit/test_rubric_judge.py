@@ -1,5 +1,5 @@
 """The rubric judge's validation and fallbacks with an in-process fake endpoint (pure logic); the real
-llama.cpp judge is exercised in tests/integration/test_rubric_judge_llamacpp.py."""
+llama.cpp judge is exercised in tests/integration/test_llamacpp_stages.py."""
 
 from __future__ import annotations
 

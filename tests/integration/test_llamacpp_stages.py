@@ -1,6 +1,8 @@
-"""The state service's LLM controller against the real local llama.cpp server (SmolLM2, schema-constrained
-JSON), and its fallback when the controller endpoint is down: every turn gets a valid state, the event says
-which backend answered, and health reports the degraded controller."""
+"""The two stages that ask an LLM themselves, against the real local llama.cpp server (SmolLM2,
+schema-constrained JSON), on one stack of the state and judge services: the state service's controller
+(every turn gets a valid state, the event says which backend answered) and the judge's rubric (every
+judgement parses into the schema, carries its cost, and Eq. 17 holds); and the controller's fallback when
+its endpoint is down, where health reports the degraded controller."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from conftest import produce_raw, read_topic, start_stack, wait_for
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from mars.bus.codec import event_key
 from mars.config import SCHEMA_VERSION, TOPIC_RECEIVED, TOPIC_STATE
+from mars.domain.reward import compose_utility
 from mars.v1 import events_pb2 as ev
 from mars.v1 import services_pb2 as svc
 from mars.v1 import services_pb2_grpc as svc_grpc
@@ -44,10 +47,19 @@ def _health(stack: LocalStack, component: str) -> int:
 
 @pytest.fixture(scope="module")
 def llm_state(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
-    # A generous deadline: SmolLM2 on 2 cores takes seconds per controller answer.
-    env = {"MARS_STATE_QTM_BACKEND": "llamacpp", "MARS_STATE_QTM_DEADLINE_MS": "60000"}
+    """The state service on the llama.cpp controller and the judge on its rubric, one llama.cpp server."""
+    # Generous deadlines: SmolLM2 on 2 cores takes seconds per controller answer or judgement.
+    state_env = {"MARS_STATE_QTM_BACKEND": "llamacpp", "MARS_STATE_QTM_DEADLINE_MS": "60000"}
+    judge_env = {
+        "MARS_JUDGE_BACKEND": "llamacpp",
+        "MARS_JUDGE_DEADLINE_MS": "90000",
+        "MARS_JUDGE_LAMBDA_COST": "0.5",
+    }
     s = start_stack(
-        tmp_path_factory.mktemp("qtm"), "models.test.yaml", services=("state",), service_env={"state": env}
+        tmp_path_factory.mktemp("llm-stages"),
+        "models.test.yaml",
+        services=("state", "judge"),
+        service_env={"state": state_env, "judge": judge_env},
     )
     try:
         yield s
@@ -102,6 +114,38 @@ def test_state_event_from_the_log_carries_the_controller_usage(llm_state: LocalS
     _valid(event.state)
     assert event.state.usage.backend == "llamacpp" and not event.state.usage.fallback_reason
     assert event.state.thread_depth == 1
+
+
+RUBRIC_CASES = [
+    ("Plan two calm days in Lisbon.", "Day 1: Alfama and the castle. Day 2: Belem, tram 28.", ev.EXPLORE),
+    ("Make day two shorter.", "Day 2: Belem tower only, back by noon.", ev.REVISE),
+    ("Summarize the final plan.", "", ev.SYNTHESIZE),  # empty answer: never sent to the judge
+]
+
+
+def test_rubric_judgements_parse_and_compose(llm_state: LocalStack) -> None:
+    stub = svc_grpc.JudgeStub(llm_state.channel("judge"))
+    for query, answer, phase in RUBRIC_CASES:
+        g = ev.Generated(status=ev.OK, query=query, text=answer, cost_usd=0.002, model="m")
+        g.state.phase = phase
+        g.state.taxonomy.need_memory = 1
+        g.packed_blocks.add(block_id="b", text="User: calm Lisbon trip, budget 80 euros a day, likes trams.")
+        j = stub.Score(g, timeout=120)
+        if not answer:
+            assert j.judge == "deterministic-v1" and j.utility == 0.0 and j.judge_cost_usd == 0.0
+            continue
+        assert j.judge == "rubric-judge-v1:llamacpp" and not j.judge_fallback_reason
+        assert all(0.0 <= getattr(j.rubric, f.name) <= 5.0 for f in ev.RubricScores.DESCRIPTOR.fields)
+        assert 0.0 <= j.judge_confidence <= 1.0
+        assert j.judge_input_tokens > 100 and j.judge_output_tokens > 10
+        assert j.judge_cost_usd == pytest.approx(
+            (j.judge_input_tokens * 0.15 + j.judge_output_tokens * 0.60) / 1e6
+        )
+        *_, u = compose_utility(j.rubric, j.flags, j.coverage, j.final_step)
+        assert j.utility == pytest.approx(u) and j.reward == pytest.approx(u - 0.5 * 0.002)
+    health = health_pb2_grpc.HealthStub(grpc.insecure_channel(llm_state.addr("judge")))
+    status = health.Check(health_pb2.HealthCheckRequest(service="mars.v1.Judge.rubric"), timeout=5).status
+    assert status == health_pb2.HealthCheckResponse.SERVING
 
 
 @pytest.fixture(scope="module")
