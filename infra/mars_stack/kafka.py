@@ -294,6 +294,30 @@ def scratch_broker() -> ScratchBroker:
     )
 
 
+def local_jvm_opts() -> list[str]:
+    """The local broker's JVM options (MARS_KAFKA_JVM_OPTS, or LOCAL_JVM_OPTS), heap aside."""
+    configured = launcher_settings().kafka_jvm_opts
+    return list(LOCAL_JVM_OPTS) if configured is None else configured.split()
+
+
+def class_archive_options(java: str, libs: Path, jvm_opts: list[str]) -> list[str]:
+    """The class archive's options for a JVM on the broker's class path (the archive made first where there
+    is none yet); [] where MARS_KAFKA_CLASS_ARCHIVE=false or it cannot be made (mars_stack.kafka_cds)."""
+    if not launcher_settings().kafka_class_archive:
+        return []
+    return archive_options(
+        java, java_version_text(java) or "", libs, kafka_version(), jvm_opts, scratch_broker()
+    )
+
+
+def ensure_class_archive() -> str:
+    """Make the class archive now (`make kafka`), so that the first stack does not wait for it; what was done,
+    in words."""
+    java = launcher_settings().java or shutil.which("java") or "java"
+    options = class_archive_options(java, ensure_kafka_libs(), local_jvm_opts())
+    return " ".join(options) if options else "no class archive (turned off, or it could not be made)"
+
+
 def prepare(
     workdir: Path,
     port: int,
@@ -321,14 +345,8 @@ def prepare(
         ).encode(),
     )
     heap = launcher.kafka_heap
-    jvm_opts = " ".join(LOCAL_JVM_OPTS) if launcher.kafka_jvm_opts is None else launcher.kafka_jvm_opts
-    shared = (
-        archive_options(
-            java, java_version_text(java) or "", libs, kafka_version(), jvm_opts.split(), scratch_broker()
-        )
-        if launcher.kafka_class_archive
-        else []
-    )
+    jvm_opts = local_jvm_opts()
+    shared = class_archive_options(java, libs, jvm_opts)
     if not (log_dir / "meta.properties").exists():
         done = subprocess.run(
             [
@@ -354,7 +372,7 @@ def prepare(
         java,
         f"-Xmx{heap}",
         f"-Xms{heap}",
-        *jvm_opts.split(),
+        *jvm_opts,
         *shared,
         "-Djava.awt.headless=true",
         f"-Dlog4j2.configurationFile={LOG4J_CONFIG}",
