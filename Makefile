@@ -40,10 +40,12 @@ $(PROTO_OUT): $(PROTO_SRC) $(STAMP)
 	$(PY) -m grpc_tools.protoc -Iproto --python_out=services --grpc_python_out=services --pyi_out=services $(PROTO_SRC)
 	touch services/mars/v1/__init__.py $@
 
-# Apache Kafka's jars from Maven Central (cached in infra/kafka/target); without Java >= 17 the stack runs Tansu.
+# Apache Kafka's jars from Maven Central (cached in infra/kafka/target), and the class archive its brokers start
+# from (made once there by a throwaway broker, ~20 s); without Java >= 17 the stack runs Tansu.
 kafka: $(STAMP)
 	@if $(PY) -c "import sys; from mars_stack.kafka import java_major; sys.exit(0 if (java_major() or 0) >= 17 else 1)"; then \
 		$(PY) -c "from mars_stack.kafka import ensure_kafka_libs; print('Apache Kafka jars in', ensure_kafka_libs())"; \
+		$(PY) -c "from mars_stack.kafka import ensure_class_archive; print('broker class archive:', ensure_class_archive())"; \
 	else echo "no Java >= 17: the local stack runs Tansu"; fi
 
 # The LiteLLM proxy, the load harness's peer, in a virtual environment of its own (load-tests/load.py).
@@ -60,9 +62,10 @@ run: install proto kafka
 	$(VENV)/bin/mars run
 
 # Every test but the resilience runs (processes killed and restarted, replicas, the short chaos run), which
-# have their own target (.ci/run calls it right after this one): pytest -m "not resilience".
+# have their own target (.ci/run calls it right after this one): pytest -m "not resilience". Two xdist
+# workers: one runs the tests that start local stacks, in order; the other the rest (tests/conftest.py).
 test: install proto kafka litellm bytecode
-	$(PY) -m pytest -q -m "not resilience"
+	$(PY) -m pytest -q -m "not resilience" -n 2
 
 # Our own modules compiled to bytecode once. Where PYTHONDONTWRITEBYTECODE is set (this machine and CI),
 # Python reads __pycache__ but never writes it, so each service process, CLI run and harness compiled every
