@@ -41,7 +41,7 @@ $(PROTO_OUT): $(PROTO_SRC) $(STAMP)
 	touch services/mars/v1/__init__.py $@
 
 # Apache Kafka's jars from Maven Central (cached in infra/kafka/target), and the class archive its brokers start
-# from (made once there by a throwaway broker, ~20 s); without Java >= 17 the stack runs Tansu.
+# from (made once there by a throwaway broker, ~12 s on 2 cores); without Java >= 17 the stack runs Tansu.
 kafka: $(STAMP)
 	@if $(PY) -c "import sys; from mars_stack.kafka import java_major; sys.exit(0 if (java_major() or 0) >= 17 else 1)"; then \
 		$(PY) -c "from mars_stack.kafka import ensure_kafka_libs; print('Apache Kafka jars in', ensure_kafka_libs())"; \

@@ -14,13 +14,15 @@ from typing import Any
 import pytest
 
 #: The tests that start local stacks, share them between adjacent modules (tests/integration/conftest.py) and
-#: hold their timing bounds for a machine that runs one stack at a time: one xdist group, so one worker runs
+#: hold their timing bounds for a machine that runs one stack at a time: one xdist scope, so one worker runs
 #: them all, in their order. The unit and chart tests (about 140 s of one core, no stack) run on the other
 #: core, which the stacks leave idle about a third of the time.
 STACK_TESTS = Path(__file__).parent / "integration"
 STACK_GROUP = "local-stacks"
-#: Modules there that start everything they use in a subprocess of their own and bound no time: free to run
-#: beside the stacks.
+#: Modules there that start what they use in subprocesses, bound no time and run no llama.cpp: free to run
+#: beside the stacks, on the other worker. Not the llama.cpp modules (the probe bench, the llama.cpp stages):
+#: two llama.cpp servers of two threads each on 2 cores took 2.5 to 7 times as long per call, and a run that
+#: let them overlap took 894 s instead of 759.
 RUN_BESIDE_STACKS = frozenset({"test_load_short.py"})
 
 _STARTS: Counter[str] = Counter()
