@@ -4,7 +4,6 @@ principal's client settings for it."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -82,7 +81,7 @@ class LocalBroker:
         )
 
     def start_kafka(self) -> None:
-        java = launcher_settings().java or shutil.which("java") or "java"
+        java = kafka.local_java()
         port, controller_port = free_port(), free_port()
         sasl_users = self.settings.kafka_sasl_users
         sasl_port = free_port() if sasl_users else None

@@ -310,11 +310,15 @@ def class_archive_options(java: str, libs: Path, jvm_opts: list[str]) -> list[st
     )
 
 
+def local_java() -> str:
+    """The java that runs the local broker: MARS_JAVA, else the one on PATH."""
+    return launcher_settings().java or shutil.which("java") or "java"
+
+
 def ensure_class_archive() -> str:
     """Make the class archive now (`make kafka`), so that the first stack does not wait for it; what was done,
     in words."""
-    java = launcher_settings().java or shutil.which("java") or "java"
-    options = class_archive_options(java, ensure_kafka_libs(), local_jvm_opts())
+    options = class_archive_options(local_java(), ensure_kafka_libs(), local_jvm_opts())
     return " ".join(options) if options else "no class archive (turned off, or it could not be made)"
 
 
