@@ -40,12 +40,15 @@ $(PROTO_OUT): $(PROTO_SRC) $(STAMP)
 	$(PY) -m grpc_tools.protoc -Iproto --python_out=services --grpc_python_out=services --pyi_out=services $(PROTO_SRC)
 	touch services/mars/v1/__init__.py $@
 
-# Apache Kafka's jars from Maven Central (cached in infra/kafka/target), and the class archive its brokers start
-# from (made once there by a throwaway broker, ~12 s on 2 cores); without Java >= 17 the stack runs Tansu.
+# Apache Kafka's jars from Maven Central (cached in infra/kafka/target), the class archive its brokers start
+# from (made once there by a throwaway broker, ~12 s on 2 cores), and the launcher that lets a broker's own JVM
+# format its log dir (infra/kafka/launcher, compiled by the JDK's javac); without Java >= 17 the stack runs Tansu.
 kafka: $(STAMP)
 	@if $(PY) -c "import sys; from mars_stack.kafka import java_major; sys.exit(0 if (java_major() or 0) >= 17 else 1)"; then \
 		$(PY) -c "from mars_stack.kafka import ensure_kafka_libs; print('Apache Kafka jars in', ensure_kafka_libs())"; \
 		$(PY) -c "from mars_stack.kafka import ensure_class_archive; print('broker class archive:', ensure_class_archive())"; \
+		$(PY) -c "from mars_stack.kafka import ensure_kafka_libs, ensure_launcher, local_java; \
+			print('broker launcher:', ensure_launcher(local_java(), ensure_kafka_libs()) or 'none (no javac): a JVM of its own formats')"; \
 	else echo "no Java >= 17: the local stack runs Tansu"; fi
 
 # The LiteLLM proxy, the load harness's peer, in a virtual environment of its own (load-tests/load.py).

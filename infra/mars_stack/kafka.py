@@ -6,10 +6,14 @@ from __future__ import annotations
 
 import base64
 import functools
+import hashlib
+import logging
+import os
 import re
 import secrets
 import shutil
 import subprocess
+import tempfile
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -20,10 +24,14 @@ from mars_stack.kafka_cds import ScratchBroker, archive_options
 from mars_stack.readiness import free_port
 from mars_stack.settings import launcher_settings
 
+log = logging.getLogger(__name__)
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 KAFKA_DIR = REPO_ROOT / "infra" / "kafka"
 POM = KAFKA_DIR / "pom.xml"
 LOG4J_CONFIG = KAFKA_DIR / "log4j2.properties"
+LAUNCHER_CLASS = "FormatAndServe"
+LAUNCHER_SOURCE = KAFKA_DIR / "launcher" / f"{LAUNCHER_CLASS}.java"
 #: Where `mvn dependency:copy-dependencies` puts kafka_2.13 and its dependencies (MARS_KAFKA_LIBS overrides).
 DEFAULT_LIBS = KAFKA_DIR / "target" / "kafka-libs"
 BROKERS = ("kafka", "tansu")
@@ -333,8 +341,9 @@ def prepare(
     host: str = "127.0.0.1",
     security: BrokerSecurity | None = None,
 ) -> list[str]:
-    """Write the config, format the log dir once (a restart reuses it, data included), and return the
-    command that runs the broker in the foreground (client listeners on `host`)."""
+    """Write the config and return the command that runs the broker in the foreground (client listeners on
+    `host`). The log dir is formatted once (a restart reuses it, data included): by the broker's own JVM
+    where the launcher compiled (`ensure_launcher`), else by a JVM of its own, now."""
     libs = ensure_kafka_libs()
     classpath = f"{libs}/*"
     config = workdir / "kafka" / "server.properties"
@@ -351,28 +360,15 @@ def prepare(
     heap = launcher.kafka_heap
     jvm_opts = local_jvm_opts()
     shared = class_archive_options(java, libs, jvm_opts)
-    if not (log_dir / "meta.properties").exists():
-        done = subprocess.run(
-            [
-                java,
-                *shared,
-                "-cp",
-                classpath,
-                "kafka.tools.StorageTool",
-                "format",
-                f"--cluster-id={cluster_id()}",
-                "-c",
-                str(config),
-                *(scram_format_args(security) if security is not None else []),
-            ],
-            capture_output=True,
-            text=True,
-        )
-        if done.returncode != 0:
-            raise KafkaUnavailable(
-                f"formatting the Kafka log dir failed:\n{(done.stdout + done.stderr)[-3000:]}"
-            )
-    return [
+    meta = log_dir / "meta.properties"
+    format_args = [
+        "format",
+        f"--cluster-id={cluster_id()}",
+        "-c",
+        str(config),
+        *(scram_format_args(security) if security is not None else []),
+    ]
+    serve = [
         java,
         f"-Xmx{heap}",
         f"-Xms{heap}",
@@ -381,7 +377,54 @@ def prepare(
         "-Djava.awt.headless=true",
         f"-Dlog4j2.configurationFile={LOG4J_CONFIG}",
         "-cp",
-        classpath,
-        "kafka.Kafka",
-        str(config),
     ]
+    formats = ensure_launcher(java, libs)
+    if formats is not None:  # the broker's own JVM formats its log dir (infra/kafka/launcher)
+        args_file = workdir / "kafka" / "format.args"
+        if not meta.exists():
+            write_private(args_file, "\n".join(format_args).encode())  # the SCRAM passwords among them
+        return [*serve, f"{classpath}:{formats}", LAUNCHER_CLASS, str(meta), str(args_file), str(config)]
+    if not meta.exists():
+        done = subprocess.run(
+            [java, *shared, "-cp", classpath, "kafka.tools.StorageTool", *format_args],
+            capture_output=True,
+            text=True,
+        )
+        if done.returncode != 0:
+            raise KafkaUnavailable(
+                f"formatting the Kafka log dir failed:\n{(done.stdout + done.stderr)[-3000:]}"
+            )
+    return [*serve, classpath, "kafka.Kafka", str(config)]
+
+
+def ensure_launcher(java: str, libs: Path) -> Path | None:
+    """The folder of the compiled launcher (FormatAndServe: format, then serve, in one JVM), compiled once
+    beside the jars by the javac of `java`'s own JDK. None where that JDK has no javac (a JRE), where the
+    compile fails, or where MARS_KAFKA_FORMAT_IN_BROKER=false: a JVM of its own then formats the log dir
+    first, as before."""
+    if not launcher_settings().kafka_format_in_broker:
+        return None
+    real = Path(shutil.which(java) or java).resolve()
+    javac = real.parent / "javac"
+    if real.name != "java" or not javac.exists():  # not a JDK's own java (MARS_JAVA may name anything)
+        return None
+    # Per JDK (a class file's version is its javac's); compiled again when the source is newer.
+    out = libs.parent / "launcher" / hashlib.sha256(str(real).encode()).hexdigest()[:12]
+    compiled = out / f"{LAUNCHER_CLASS}.class"
+    if compiled.exists() and compiled.stat().st_mtime >= LAUNCHER_SOURCE.stat().st_mtime:
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out) as scratch:  # then one rename: a stack beside sees all or none
+        done = subprocess.run(
+            [str(javac), "-cp", f"{libs}/*", "-d", scratch, str(LAUNCHER_SOURCE)],
+            capture_output=True,
+            text=True,
+        )
+        if done.returncode != 0:
+            log.warning(
+                "the broker's launcher did not compile; brokers format in a JVM of their own:\n%s",
+                (done.stdout + done.stderr)[-2000:],
+            )
+            return None
+        os.replace(Path(scratch) / compiled.name, compiled)
+    return out

@@ -21,6 +21,9 @@ class LauncherSettings(BaseSettings):
     #: Start the local broker (and its storage tool) from a class-data-sharing archive of its classes, made
     #: once beside the jars (mars_stack.kafka_cds); false: every start reads the jars.
     kafka_class_archive: bool = True
+    #: The local broker's own JVM formats its log dir (infra/kafka/launcher, compiled once by the JDK's
+    #: javac); false, or a Java without javac: a JVM of its own formats it first (a second JVM start).
+    kafka_format_in_broker: bool = True
     #: Extra server.properties of the local broker, comma-separated key=value pairs that override the
     #: defaults (e.g. num.io.threads=2,num.network.threads=1): to measure a broker setting under load.
     kafka_server_properties: str = ""
