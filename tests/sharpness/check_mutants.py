@@ -71,15 +71,19 @@ def run_test(root: Path, test: str, log: Path) -> int:
     """pytest's exit code for `test` in the copy at `root` (its code first on the path), output to `log`."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "services"), str(root / "infra")])}
     env.pop("PYTEST_ADDOPTS", None)
-    # A temp root of the copy's own: pytest keeps only the last three numbered dirs under /tmp/pytest-of-<user>,
-    # so another pytest running meanwhile would delete this one's Postgres data directory under it.
-    basetemp = root / ".pytest-tmp"
+    # A temp root of the run's own: pytest keeps only the last three numbered dirs under /tmp/pytest-of-<user>,
+    # so another pytest running meanwhile would delete this one's Postgres data directory under it. A short
+    # path: Postgres puts its socket in its data directory, and a socket path has at most 107 bytes.
+    basetemp = Path(tempfile.mkdtemp(prefix="mars-mt-"))
     cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "--durations=0",
            f"--basetemp={basetemp}", test]
-    with log.open("w") as fh:
-        return subprocess.run(
-            cmd, cwd=root, env=env, stdout=fh, stderr=subprocess.STDOUT, check=False
-        ).returncode
+    try:
+        with log.open("w") as fh:
+            return subprocess.run(
+                cmd, cwd=root, env=env, stdout=fh, stderr=subprocess.STDOUT, check=False
+            ).returncode
+    finally:
+        shutil.rmtree(basetemp, ignore_errors=True)
 
 
 def check(mutant: Mutant, workdir: Path, baseline: bool) -> tuple[str, float]:
