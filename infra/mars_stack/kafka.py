@@ -411,8 +411,10 @@ def ensure_launcher(java: str, libs: Path) -> Path | None:
     # Per JDK (a class file's version is its javac's); compiled again when the source is newer.
     out = libs.parent / "launcher" / hashlib.sha256(str(real).encode()).hexdigest()[:12]
     compiled = out / f"{LAUNCHER_CLASS}.class"
-    if compiled.exists() and compiled.stat().st_mtime >= LAUNCHER_SOURCE.stat().st_mtime:
-        return out
+    failed = out / "compile.failed"  # a compile that failed is not tried again at every start
+    for made in (compiled, failed):
+        if made.exists() and made.stat().st_mtime >= LAUNCHER_SOURCE.stat().st_mtime:
+            return out if made is compiled else None
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out) as scratch:  # then one rename: a stack beside sees all or none
         done = subprocess.run(
@@ -421,6 +423,7 @@ def ensure_launcher(java: str, libs: Path) -> Path | None:
             text=True,
         )
         if done.returncode != 0:
+            failed.write_text((done.stdout + done.stderr)[-2000:])
             log.warning(
                 "the broker's launcher did not compile; brokers format in a JVM of their own:\n%s",
                 (done.stdout + done.stderr)[-2000:],

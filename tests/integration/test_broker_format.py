@@ -42,7 +42,10 @@ def test_a_restart_serves_the_formatted_log_dir_without_formatting_it_again(tmp_
     libs = kafka.ensure_kafka_libs()
     java = kafka.local_java()
     if kafka.ensure_launcher(java, libs) is None:
-        pytest.skip("this Java has no javac beside it: brokers format in a JVM of their own")
+        pytest.skip(
+            "no javac beside this Java (a JRE, not a JDK): the launcher cannot be compiled, so brokers "
+            "here format in a JVM of their own and there is no in-broker format to test"
+        )
     config = tmp_path / "kafka" / "server.properties"
     cmd = kafka.prepare(tmp_path, 1, 2, 1, java)
     args_file = Path(cmd[-2])
