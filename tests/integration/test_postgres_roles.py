@@ -19,11 +19,16 @@ from psycopg import errors
 pytestmark = pytest.mark.integration
 
 
+#: A work directory deeper than a unix socket's path may be (107 bytes) below pgdata: the server listens on
+#: TCP only, so it starts there all the same.
+DEEP = "a-work-directory-deeper-than-a-unix-socket-path-may-be-" * 2
+
+
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
     s = LocalStack(
         StackSettings(
-            workdir=tmp_path_factory.mktemp("pgroles"),
+            workdir=tmp_path_factory.mktemp("pgroles") / DEEP,
             start_llm=False,
             start_broker=False,
             services=(),
@@ -190,3 +195,11 @@ def test_a_service_starting_as_its_role_applies_its_schema_and_leaves_the_shared
         for table in forget.owned_tables(name):
             assert owners[table] == db_roles.role_name(name), table
     assert owners["stage_emitted"] == owners["user_data_keys"] == "mars"
+
+
+def test_postgres_runs_in_a_deep_work_directory_and_listens_on_tcp_only(stack: LocalStack) -> None:
+    pgdata = stack.workdir / "pgdata"
+    assert len(str(pgdata / ".s.PGSQL.65535")) > 107  # where the socket used to be: too long to bind
+    assert not list(pgdata.glob(".s.PGSQL.*")), "a unix socket was made"
+    with psycopg.connect(stack.env["MARS_POSTGRES_DSN"]) as conn:
+        assert conn.execute("SHOW unix_socket_directories").fetchone() == ("",)
