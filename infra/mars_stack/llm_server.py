@@ -9,6 +9,7 @@ from pathlib import Path
 from mars import topology
 
 from mars_stack.readiness import StackError, free_port, tcp_open, wait_until
+from mars_stack.settings import launcher_settings
 from mars_stack.stack_settings import StackSettings
 from mars_stack.supervisor import Supervisor
 
@@ -68,8 +69,7 @@ class LlmServer:
                 str(port),
                 "--n_ctx",
                 str(self.settings.llm_context),
-                "--n_threads",
-                "2",
+                *self._threads(),
                 "--verbose",
                 "False",
             ],
@@ -85,6 +85,15 @@ class LlmServer:
         self.ports["llm"] = port
         self._publish_url(f"http://{host}:{port}")
         self.env["MARS_LOCAL_GGUF"] = str(gguf)
+
+    @staticmethod
+    def _threads() -> list[str]:
+        """Two threads for generation, and llama.cpp's default (every core) for the prompt; MARS_LLM_THREADS
+        sets both."""
+        threads = launcher_settings().llm_threads
+        if threads is None:
+            return ["--n_threads", "2"]
+        return ["--n_threads", str(threads), "--n_threads_batch", str(threads)]
 
     def _publish_url(self, url: str) -> None:
         """The server's URL: for the model pool files (${MARS_LOCAL_LLM_URL}) and the tools, and as each

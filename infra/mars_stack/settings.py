@@ -3,6 +3,7 @@ jars of the local Apache Kafka, the broker choice, and whether work directories 
 
 from __future__ import annotations
 
+from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -34,6 +35,11 @@ class LauncherSettings(BaseSettings):
     #: Each local service logs in to Postgres as its own role (mars.db_roles), owning its tables and
     #: granted nothing of another's; false: all of them as `mars` (the one login of earlier versions).
     local_postgres_roles: bool = True
+    #: Threads of the local llama.cpp server (SmolLM2), for generation and for reading the prompt alike. Unset:
+    #: 2 for generation, every core for the prompt. One leaves the other core of a 2-core machine to whatever
+    #: runs beside it (the test suite's other worker): llama.cpp's threads wait for each other, so a process
+    #: beside two of them on 2 cores made each call several times slower.
+    llm_threads: int | None = Field(default=None, ge=1)
     #: Keep a stack's (or the Kubernetes control plane's) temporary work directory after it stops.
     keep_stack: bool = False
     keep_kube_workdir: bool = False

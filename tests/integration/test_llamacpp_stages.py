@@ -6,6 +6,7 @@ its endpoint is down, where health reports the degraded controller."""
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
 from collections.abc import Iterator
@@ -66,6 +67,14 @@ def llm_state(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
         yield s
     finally:
         s.stop()
+
+
+def test_the_server_runs_on_the_threads_it_is_given(llm_state: LocalStack) -> None:
+    """The suite runs llama.cpp on one thread for generation and prompts alike (MARS_LLM_THREADS, set in
+    tests/conftest.py): llama.cpp's own default for prompts is every core."""
+    cmd = next(p.cmd for p in llm_state.procs if p.name == "llm")
+    threads = os.environ["MARS_LLM_THREADS"]
+    assert cmd[cmd.index("--n_threads") + 1] == cmd[cmd.index("--n_threads_batch") + 1] == threads
 
 
 def test_llamacpp_controller_states_are_schema_valid(llm_state: LocalStack) -> None:
