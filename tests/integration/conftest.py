@@ -76,7 +76,9 @@ def start_stack(
 
 
 #: Stacks that adjacent modules share, by the name of the fixture that hands them out: started by the first
-#: test that needs one, stopped right after the last test of the run that uses it (`_LAST_USER`). A
+#: test that needs one, stopped right after the last test of the run that uses it (`_LAST_USER`). Under
+#: xdist the modules that share one must be one scope (tests/conftest.py: LLAMA_MODULES,
+#: SHARED_STACK_MODULES), else each worker that runs one of them starts a stack of its own. A
 #: session-scoped fixture would keep it up to the end of the run, idle but not free: its broker and services
 #: took about a sixth of a core, on 2 cores, from every module after its last user.
 _SHARED: dict[str, LocalStack] = {}
