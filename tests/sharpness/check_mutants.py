@@ -73,7 +73,7 @@ def run_test(root: Path, test: str, log: Path) -> int:
     env.pop("PYTEST_ADDOPTS", None)
     # A temp root of the run's own: pytest keeps only the last three numbered dirs under /tmp/pytest-of-<user>,
     # so another pytest running meanwhile would delete this one's Postgres data directory under it. A short
-    # path: Postgres puts its socket in its data directory, and a socket path has at most 107 bytes.
+    # path: a unix socket a test makes below it (containerd's, in the kubelet tests) has at most 107 bytes.
     basetemp = Path(tempfile.mkdtemp(prefix="mars-mt-"))
     cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "--durations=0",
            f"--basetemp={basetemp}", test]
