@@ -32,7 +32,7 @@ LLAMA_MODULES = (
 #: The other modules that share a stack (conftest.front_door_stack, conftest.standin_stack).
 SHARED_STACK_MODULES = (
     ("test_gateway.py", "test_ingress_security.py"),
-    ("test_eval.py", "test_feedback.py"),
+    ("test_eval.py", "test_feedback.py", "test_replay.py"),
 )
 #: The longest stack modules (30 to 90 s each on 2 cores), handed out before the rest: a long one last would
 #: keep one worker busy while the other has nothing left.
@@ -41,7 +41,6 @@ LONGEST_FIRST = (
     "test_replay_prefixed.py",
     "test_load_short.py",
     "test_forget_user.py",
-    "test_replay.py",
     "test_eval.py",
     "test_fuzz.py",
     "test_policy_canary_stack.py",

@@ -168,9 +168,10 @@ FEEDBACK_LAMBDAS = {"fb-blend": 0.5}
 
 @shared_stack
 def standin_stack(tmp: Path) -> LocalStack:
-    """A stand-in stack with short answers, shared by test_eval and test_feedback (adjacent by name): no test
-    there reads the answers' words; the judge's feedback settings are those of test_feedback's tenants
-    alone, and each module reads back only its own tenants' turns."""
+    """A stand-in stack with short answers, shared by test_eval, test_feedback and test_replay (one xdist
+    scope: tests/conftest.py, SHARED_STACK_MODULES): no test there reads the answers' words; the judge's
+    feedback settings are those of test_feedback's tenants alone, and each module reads back only its own
+    tenants' turns (test_replay: the log from where its turns begin, `--since-ms`)."""
     judge = {
         "MARS_JUDGE_FEEDBACK_TENANT_MODES": json.dumps(FEEDBACK_MODES),
         "MARS_JUDGE_FEEDBACK_BLEND_WEIGHT": str(FEEDBACK_BLEND_WEIGHT),

@@ -18,8 +18,8 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def eval_stack(standin_stack: LocalStack) -> LocalStack:
-    """The stand-in stack shared with test_feedback (conftest.standin_stack): no test here reads the answers'
-    words; its tenants (ev1, ev2) are its own."""
+    """The stand-in stack shared with test_feedback and test_replay (conftest.standin_stack): no test here reads
+    the answers' words; its tenants (ev1, ev2) are its own."""
     return standin_stack
 
 

@@ -19,8 +19,9 @@ MODES = FEEDBACK_MODES
 
 @pytest.fixture(scope="module")
 def fb_stack(standin_stack: LocalStack) -> LocalStack:
-    """The stand-in stack shared with test_eval (conftest.standin_stack): the rewards, not the answers' words,
-    are under test; the judge's feedback modes (MODES), blend weight (0.25) and fb-blend's lambda (0.5)."""
+    """The stand-in stack shared with test_eval and test_replay (conftest.standin_stack): the rewards, not the
+    answers' words, are under test; the judge's feedback modes (MODES), blend weight (0.25) and fb-blend's
+    lambda (0.5)."""
     return standin_stack
 
 

@@ -8,11 +8,12 @@ import json
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import ingress_stub, keys_env, start_stack, wait_judged
+from conftest import ingress_stub, keys_env, wait_judged
 from mars.v1 import events_pb2 as ev
 from mars.v1 import services_pb2 as svc
 from mars_stack import LocalStack
@@ -22,43 +23,46 @@ pytestmark = pytest.mark.integration
 USERS, TURNS = 5, 10
 
 
+@dataclass(frozen=True)
+class Logged:
+    """The stand-in stack this module shares with test_eval and test_feedback (conftest.standin_stack), and
+    where its own turns begin on the log: every read and export here starts there, so the log is this
+    module's 50 turns alone."""
+
+    stack: LocalStack
+    since_ms: int
+
+
 @pytest.fixture(scope="module")
-def replay_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
-    s = start_stack(
-        tmp_path_factory.mktemp("replay"),
-        "models.standin-test.yaml",  # the stand-in LLM: no test here reads the answers' words
-        llm="standin",
-        service_env={"dispatch": {"MARS_DISPATCH_DEFAULT_MAX_TOKENS": "8"}},
-    )
-    try:
-        users = [f"r{u}" for u in range(USERS)]
-        errors: list[BaseException] = []
-        turn_ids: list[str] = []
+def logged(standin_stack: LocalStack) -> Logged:
+    s = standin_stack
+    since_ms = int(time.time() * 1000)
+    users = [f"r{u}" for u in range(USERS)]
+    errors: list[BaseException] = []
+    turn_ids: list[str] = []
 
-        def talk(user: str) -> None:
-            stub = ingress_stub(s, "rp")
-            try:
-                for i in range(TURNS):
-                    reply = stub.SendTurn(
-                        svc.TurnRequest(
-                            tenant="rp", user_id=user, session_id="s", text=f"Question {i} about tea."
-                        ),
-                        timeout=180,
-                    )
-                    turn_ids.append(reply.turn_id)
-            except BaseException as exc:
-                errors.append(exc)
+    def talk(user: str) -> None:
+        stub = ingress_stub(s, "rp")
+        try:
+            for i in range(TURNS):
+                reply = stub.SendTurn(
+                    svc.TurnRequest(
+                        tenant="rp", user_id=user, session_id="s", text=f"Question {i} about tea."
+                    ),
+                    timeout=180,
+                )
+                turn_ids.append(reply.turn_id)
+        except BaseException as exc:
+            errors.append(exc)
 
-        threads = [threading.Thread(target=talk, args=(u,)) for u in users]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert not errors, errors
-        wait_judged(s, turn_ids)  # the reads below stop at the log's end: every trace complete by then
-        yield s
-    finally:
-        s.stop()
+    threads = [threading.Thread(target=talk, args=(u,)) for u in users]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    wait_judged(s, turn_ids)  # the reads below stop at the log's end: every trace complete by then
+    return Logged(s, since_ms)
 
 
 def mars(*args: str, stack: LocalStack | None = None) -> subprocess.CompletedProcess[str]:
@@ -69,25 +73,19 @@ def mars(*args: str, stack: LocalStack | None = None) -> subprocess.CompletedPro
     return subprocess.run([exe, *args], capture_output=True, text=True, timeout=300, check=False, env=env)
 
 
-def export(stack: LocalStack, path: Path) -> None:
+def export(log: Logged, path: Path) -> None:
     run = mars(
-        "replay",
-        "export",
-        "--bootstrap",
-        stack.env["MARS_KAFKA_BOOTSTRAP"],
-        "--out",
-        str(path),
-        stack=stack,
-    )
+        "replay", "export", "--bootstrap", log.stack.env["MARS_KAFKA_BOOTSTRAP"], "--since-ms", str(log.since_ms),
+        "--out", str(path), stack=log.stack,
+    )  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]
 
 
-def test_fifty_turns_read_back_as_fifty_complete_traces(replay_stack: LocalStack, tmp_path: Path) -> None:
-    bootstrap = replay_stack.env["MARS_KAFKA_BOOTSTRAP"]
+def test_fifty_turns_read_back_as_fifty_complete_traces(logged: Logged, tmp_path: Path) -> None:
     run = mars(
-        "replay", "read", "--bootstrap", bootstrap,
+        "replay", "read", "--bootstrap", logged.stack.env["MARS_KAFKA_BOOTSTRAP"], "--since-ms", str(logged.since_ms),
         "--out", str(tmp_path / "traces.jsonl"), "--summary", str(tmp_path / "summary.json"),
-        stack=replay_stack,
+        stack=logged.stack,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
@@ -104,9 +102,9 @@ def test_fifty_turns_read_back_as_fifty_complete_traces(replay_stack: LocalStack
         assert (tmp_path / "report" / name).stat().st_size > 0
 
 
-def test_exported_log_with_defects_is_reported(replay_stack: LocalStack, tmp_path: Path) -> None:
+def test_exported_log_with_defects_is_reported(logged: Logged, tmp_path: Path) -> None:
     log = tmp_path / "log.jsonl"
-    export(replay_stack, log)
+    export(logged, log)
     lines = log.read_text().splitlines()
     records = [json.loads(line) for line in lines]
     judged = [i for i, r in enumerate(records) if r["topic"] == "mars.turn.judged"]
@@ -129,9 +127,9 @@ def test_exported_log_with_defects_is_reported(replay_stack: LocalStack, tmp_pat
     assert json.loads(dropped)["topic"] == "mars.turn.judged"
 
 
-def test_ope_on_the_logged_turns_matches_the_traces(replay_stack: LocalStack, tmp_path: Path) -> None:
+def test_ope_on_the_logged_turns_matches_the_traces(logged: Logged, tmp_path: Path) -> None:
     log = tmp_path / "log.jsonl"
-    export(replay_stack, log)
+    export(logged, log)
     read = mars("replay", "read", "--file", str(log), "--out", str(tmp_path / "traces.jsonl"))
     assert read.returncode == 0, read.stderr[-2000:]
     steps = []
@@ -161,17 +159,17 @@ def test_ope_on_the_logged_turns_matches_the_traces(replay_stack: LocalStack, tm
     assert bad.returncode == 2 and "is not on the log" in bad.stdout
 
 
-def test_strict_redrive_is_deterministic(replay_stack: LocalStack, tmp_path: Path) -> None:
+def test_strict_redrive_is_deterministic(logged: Logged, tmp_path: Path) -> None:
     log = tmp_path / "log.jsonl"
-    export(replay_stack, log)
+    export(logged, log)
     runs = []
     for suffix in ("-a", "-b"):
         out = tmp_path / f"run{suffix}.jsonl"
         run = mars(
-            "replay", "run", "--file", str(log), "--ingress", replay_stack.addr("ingress"),
-            "--router", replay_stack.addr("router"), "--strict", "--limit", "8", f"--tenant-suffix={suffix}",
-            "--postgres-dsn", replay_stack.env["MARS_POSTGRES_DSN"], "--out", str(out),
-        stack=replay_stack,
+            "replay", "run", "--file", str(log), "--ingress", logged.stack.addr("ingress"),
+            "--router", logged.stack.addr("router"), "--strict", "--limit", "8", f"--tenant-suffix={suffix}",
+            "--postgres-dsn", logged.stack.env["MARS_POSTGRES_DSN"], "--out", str(out),
+        stack=logged.stack,
     )  # fmt: skip
         assert run.returncode == 0, run.stderr[-2000:]
         assert json.loads(run.stderr[run.stderr.index("{") :])["answered"] == 8
@@ -179,7 +177,7 @@ def test_strict_redrive_is_deterministic(replay_stack: LocalStack, tmp_path: Pat
     a, b = runs
     # Without the data keys the recorded text cannot be read, so nothing is sent again (and it says why).
     blind = mars(
-        "replay", "run", "--file", str(log), "--ingress", replay_stack.addr("ingress"), "--limit", "8"
+        "replay", "run", "--file", str(log), "--ingress", logged.stack.addr("ingress"), "--limit", "8"
     )
     assert blind.returncode == 2 and "skipped_sealed_turns" in blind.stdout + blind.stderr
     assert [r["recorded_turn_id"] for r in a] == [r["recorded_turn_id"] for r in b]
