@@ -230,11 +230,21 @@ def test_lexical_only_memory_when_no_embedder() -> None:
     assert memory.rank_groups("zebra safari dates", k=2)[0][0] == "safari"
 
 
-def test_onnx_embedder_matches_torch(tmp_path: Path, embedder: SentenceTransformerEmbedder) -> None:
+@pytest.fixture(scope="module")
+def onnx_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder with the model's fp32 ONNX export, made once for the module's ONNX tests (seconds of torch)."""
+    from mars.retrieval.embedder import OnnxEmbedder
+
+    folder = tmp_path_factory.mktemp("onnx")
+    OnnxEmbedder(cache_dir=str(folder))
+    return folder
+
+
+def test_onnx_embedder_matches_torch(onnx_dir: Path, embedder: SentenceTransformerEmbedder) -> None:
     from mars.retrieval.embedder import OnnxEmbedder, load_embedder
 
-    onnx = OnnxEmbedder(cache_dir=str(tmp_path))
-    assert any(tmp_path.glob("*.onnx"))  # exported locally, nothing fetched
+    assert any(onnx_dir.glob("*.onnx"))  # exported locally, nothing fetched
+    onnx = OnnxEmbedder(cache_dir=str(onnx_dir))
     texts = ["a zebra on the savanna", "quarterly tax filing for a small bakery " * 5, "x"]
     a, b = embedder.encode(texts), onnx.encode(texts)
     assert b.shape == a.shape
@@ -245,23 +255,23 @@ def test_onnx_embedder_matches_torch(tmp_path: Path, embedder: SentenceTransform
 
 
 def test_onnx_embedder_loads_an_export_without_torch(
-    tmp_path: Path, embedder: SentenceTransformerEmbedder, monkeypatch: pytest.MonkeyPatch
+    onnx_dir: Path, embedder: SentenceTransformerEmbedder, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With the export already there (the service image bakes it in), the ONNX embedder takes its tokenizer and
     dimensions from the model folder: sentence-transformers (and so torch) is never loaded, same vectors."""
     from mars.retrieval import embedder as module
 
-    module.OnnxEmbedder(cache_dir=str(tmp_path), precision="int8")  # exports fp32, then quantizes
+    module.OnnxEmbedder(cache_dir=str(onnx_dir), precision="int8")  # quantizes the fp32 export
 
     def no_torch(*args: object, **kw: object) -> None:
         raise AssertionError("the full model was loaded although its ONNX export exists")
 
     monkeypatch.setattr(module, "SentenceTransformerEmbedder", no_torch)
     texts = ["a zebra on the savanna", "quarterly tax filing for a small bakery " * 80, ""]
-    light = module.OnnxEmbedder(cache_dir=str(tmp_path))
+    light = module.OnnxEmbedder(cache_dir=str(onnx_dir))
     assert light.dim == 384
     assert np.all(np.sum(embedder.encode(texts) * light.encode(texts), axis=1) > 0.9999)
-    assert module.OnnxEmbedder(cache_dir=str(tmp_path), precision="int8").encode(texts).shape == (3, 384)
+    assert module.OnnxEmbedder(cache_dir=str(onnx_dir), precision="int8").encode(texts).shape == (3, 384)
 
 
 def test_a_missing_embedding_model_fails_at_once_without_importing_torch(tmp_path: Path) -> None:
