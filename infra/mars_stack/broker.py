@@ -153,6 +153,7 @@ class LocalBroker:
             MARS_KAFKA_IDEMPOTENCE="false",
             MARS_KAFKA_TRUST_END_OFFSETS="false",
             MARS_KAFKA_FETCH_MAX_WAIT_MS="5",
+            MARS_KAFKA_BROADCAST_FETCH_MAX_WAIT_MS="5",
         )
 
     def forget(self) -> None:

@@ -9,6 +9,8 @@ import time
 
 from aiokafka import TopicPartition
 from mars.bus.consumer import StageConsumer
+from mars.bus.delivery import Subscription
+from mars.config import TOPIC_GENERATED
 from mars_memory.service import VIEW_REVOKE_WAIT_S
 
 
@@ -87,3 +89,32 @@ def test_a_stop_whose_connection_close_hangs_returns_after_the_close_wait() -> N
     spent, hanging = asyncio.run(run())
     assert hanging.stopping.is_set()  # aiokafka's stop was asked for (it leaves the group first)
     assert 0.3 - 0.05 <= spent < 2.0, spent
+
+
+def test_broadcast_readers_fetch_with_their_own_longer_wait_and_groups_with_the_short_one() -> None:
+    """A group's rebalance listener waits behind its fetch in flight (same connection), so only the broadcast
+    readers, in no group, take the long wait (mars.config: kafka_broadcast_fetch_max_wait_ms)."""
+    from mars.v1 import events_pb2 as ev
+    from mars_ingress.settings import IngressSettings
+    from mars_ingress.spec import OUTCOMES, SPEC
+
+    settings = IngressSettings(kafka_fetch_max_wait_ms=300, kafka_broadcast_fetch_max_wait_ms=4000)
+    assert IngressSettings().kafka_broadcast_fetch_max_wait_ms > IngressSettings().kafka_fetch_max_wait_ms
+
+    async def waits() -> tuple[int, int]:
+        async def ignore(event: object) -> None:
+            return None
+
+        made = [
+            StageConsumer(settings, None, SPEC, reader, subs)  # type: ignore[arg-type]
+            for reader, subs in (
+                (f"{SPEC.name}-replies", [Subscription(TOPIC_GENERATED, ev.Generated, ignore)]),
+                (OUTCOMES, [Subscription(t, ev.Generated, ignore) for t in OUTCOMES.topics]),
+            )
+        ]
+        waits = tuple(c._consumer._fetch_max_wait_ms for c in made)
+        for c in made:
+            await c._consumer.stop()  # never started: nothing to leave, no connection
+        return waits  # type: ignore[return-value]
+
+    assert asyncio.run(waits()) == (4000, 300)

@@ -124,7 +124,11 @@ class StageConsumer:
             enable_auto_commit=False,
             # A new group starts at the beginning: nothing published before its first commit is skipped.
             auto_offset_reset="earliest",
-            fetch_max_wait_ms=settings.kafka_fetch_max_wait_ms,
+            # A group's rebalance listener (end_offsets) waits behind a fetch in flight on the same connection:
+            # short there. A broadcast reader has no listener (mars.config: kafka_broadcast_fetch_max_wait_ms).
+            fetch_max_wait_ms=(
+                settings.kafka_broadcast_fetch_max_wait_ms if broadcast else settings.kafka_fetch_max_wait_ms
+            ),
             max_poll_records=200,
             consumer_timeout_ms=self.IDLE_POLL_MS,
             group_instance_id=(settings.kafka_group_instance_id or None) if not broadcast else None,
