@@ -5,8 +5,10 @@ them (their next owner redoes them): the pure part of StageConsumer that the k8s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
+import pytest
 from aiokafka import TopicPartition
 from mars.bus.consumer import StageConsumer
 from mars.bus.delivery import Subscription
@@ -118,3 +120,48 @@ def test_broadcast_readers_fetch_with_their_own_longer_wait_and_groups_with_the_
         return waits  # type: ignore[return-value]
 
     assert asyncio.run(waits()) == (4000, 300)
+
+
+class _Transport:
+    def __init__(self, closed: asyncio.Event) -> None:
+        self.closed, self.aborted = closed, False
+
+    def abort(self) -> None:
+        self.aborted = True
+        self.closed.set()
+
+
+class _ClosesOnAbort:
+    """aiokafka's consumer whose TLS close waits for the broker's goodbye (after its fetch in flight): its stop
+    returns once a transport is aborted, or after an hour."""
+
+    def __init__(self) -> None:
+        closed = asyncio.Event()
+        self.transport = _Transport(closed)
+        writer = type("Writer", (), {"transport": self.transport})()
+        self._client = type("Client", (), {"_conns": {0: type("Conn", (), {"_writer": writer})()}})()
+
+    async def stop(self) -> None:
+        self._client._conns = {}  # type: ignore[attr-defined]  # as aiokafka's close forgets them
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.transport.closed.wait(), 3600)
+
+
+@pytest.mark.parametrize("broadcast", [True, False])
+def test_a_broadcast_readers_stop_drops_its_connections_after_a_short_grace(broadcast: bool) -> None:
+    async def run() -> tuple[float, _ClosesOnAbort]:
+        consumer = bare_consumer(0.2)
+        consumer._broadcast = broadcast
+        consumer._task, consumer._group_id, consumer._lag = None, "mars-router-control", {}
+        fake = _ClosesOnAbort()
+        consumer._consumer = fake  # type: ignore[assignment]
+        consumer.CLOSE_WAIT_S = 1.0  # type: ignore[misc]
+        began = time.monotonic()
+        await consumer.stop()
+        return time.monotonic() - began, fake
+
+    spent, fake = asyncio.run(run())
+    if broadcast:  # no group to leave, nothing to commit: dropped after BROADCAST_CLOSE_GRACE_S
+        assert fake.transport.aborted and spent < 0.9, spent
+    else:  # a group's close is waited for (it leaves the group), up to CLOSE_WAIT_S
+        assert not fake.transport.aborted and spent >= 1.0 - 0.05, spent
