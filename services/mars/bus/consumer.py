@@ -84,7 +84,7 @@ class StageConsumer:
     #: How long a stop waits for aiokafka's own stop (leave the group, close the connections).
     CLOSE_WAIT_S = 5.0
     #: How long a broadcast reader's stop waits for its connections to close before dropping them
-    #: (_transports).
+    #: (close_kafka_consumer).
     BROADCAST_CLOSE_GRACE_S = 0.2
 
     def __init__(
@@ -213,34 +213,9 @@ class StageConsumer:
         if not self._broadcast:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._commit_finished(), timeout=self.REVOKE_WAIT_S)
-        # Leaving the group comes first inside stop(); closing the broker connections after it has been seen to
-        # hang (a TLS transport that never reports its close, 1 stop in about 30): past CLOSE_WAIT_S the close
-        # is left to the process's exit instead of holding the stop until the supervisor kills it.
-        transports = self._transports() if self._broadcast else []
-        closing = asyncio.ensure_future(self._consumer.stop())
-        if transports:
-            done, _ = await asyncio.wait({closing}, timeout=self.BROADCAST_CLOSE_GRACE_S)
-            if not done:  # its fetch is cancelled by now: nothing is left to say to the broker
-                for transport in transports:
-                    with contextlib.suppress(Exception):
-                        transport.abort()
-        done, _ = await asyncio.wait({closing}, timeout=self.CLOSE_WAIT_S)
-        if not done:
-            closing.cancel()
-            log.warning(
-                "consumer %s: closing its broker connections took over %.0f s; left to the exit",
-                self._group_id,
-                self.CLOSE_WAIT_S,
-            )
+        drop_after_s = self.BROADCAST_CLOSE_GRACE_S if self._broadcast else None
+        await close_kafka_consumer(self._consumer, self._group_id, self.CLOSE_WAIT_S, drop_after_s)
         self._lag = {}
-
-    def _transports(self) -> list[asyncio.WriteTransport]:
-        """A broadcast reader's connections, to drop if their close takes long: it has no group to leave and
-        nothing to commit, and a TLS close waits for the broker's goodbye, which comes only after the fetch in
-        flight (up to kafka_broadcast_fetch_max_wait_ms: a close measured 3.8 s at 5 s). Taken before the stop,
-        which forgets them."""
-        conns = getattr(getattr(self._consumer, "_client", None), "_conns", {}).values()
-        return [c._writer.transport for c in conns if getattr(c, "_writer", None) is not None]
 
     @property
     def task(self) -> asyncio.Task[None] | None:
@@ -372,6 +347,32 @@ class StageConsumer:
     async def _handle(self, record: ConsumerRecord[Any, Any]) -> None:
         tp = TopicPartition(record.topic, record.partition)
         await self._delivery.deliver(record, fresh=record.offset >= self._fresh_from.get(tp, math.inf))
+
+
+async def close_kafka_consumer(
+    consumer: AIOKafkaConsumer, name: str, wait_s: float, drop_after_s: float | None = None
+) -> None:
+    """aiokafka's stop, waited for at most `wait_s`. Leaving the group comes first inside it; closing the broker
+    connections after it has been seen to hang (a TLS transport that never reports its close, 1 stop in about
+    30): past `wait_s` the close is left to the process's exit instead of holding the stop until the supervisor
+    kills it. With `drop_after_s` (a broadcast reader: no group to leave, nothing to commit) the connections
+    are dropped after that long: a TLS close waits for the broker's goodbye, which comes only after the fetch
+    in flight (up to kafka_broadcast_fetch_max_wait_ms; a close measured 3.8 s at 5 s)."""
+    transports: list[asyncio.WriteTransport] = []
+    if drop_after_s is not None:  # taken before the stop, which forgets them
+        conns = getattr(getattr(consumer, "_client", None), "_conns", {}).values()
+        transports = [c._writer.transport for c in conns if getattr(c, "_writer", None) is not None]
+    closing = asyncio.ensure_future(consumer.stop())
+    if transports:
+        done, _ = await asyncio.wait({closing}, timeout=drop_after_s)
+        if not done:  # its fetch is cancelled by now: nothing is left to say to the broker
+            for transport in transports:
+                with contextlib.suppress(Exception):
+                    transport.abort()
+    done, _ = await asyncio.wait({closing}, timeout=wait_s)
+    if not done:
+        closing.cancel()
+        log.warning("consumer %s: closing its broker connections took over %.0f s; left to the exit", name, wait_s)
 
 
 class _FreshOffsets(ConsumerRebalanceListener):  # type: ignore[misc]
