@@ -65,6 +65,22 @@ def test_the_memory_view_group_waits_less_than_the_default() -> None:
     assert 0 < VIEW_REVOKE_WAIT_S < StageConsumer.REVOKE_WAIT_S
 
 
+def timed_stop(kafka_consumer: object, broadcast: bool, close_wait_s: float) -> float:
+    """Seconds a StageConsumer over `kafka_consumer` (aiokafka's, faked) takes to stop, with nothing in hand."""
+
+    async def run() -> float:
+        consumer = bare_consumer(0.2)
+        consumer._broadcast = broadcast
+        consumer._task, consumer._group_id, consumer._lag = None, "mars-router", {("g", "t"): 1}
+        consumer._consumer = kafka_consumer  # type: ignore[assignment]
+        consumer.CLOSE_WAIT_S = close_wait_s  # type: ignore[misc]
+        began = time.monotonic()
+        await consumer.stop()
+        return time.monotonic() - began
+
+    return asyncio.run(run())
+
+
 class _HangingClose:
     """aiokafka's consumer whose stop never returns: its TLS connections never report their close."""
 
@@ -77,18 +93,8 @@ class _HangingClose:
 
 
 def test_a_stop_whose_connection_close_hangs_returns_after_the_close_wait() -> None:
-    async def run() -> tuple[float, _HangingClose]:
-        consumer = bare_consumer(0.2)
-        consumer._task, consumer._group_id = None, "mars-router"
-        consumer._lag = {("g", "t"): 1}
-        hanging = _HangingClose()
-        consumer._consumer = hanging  # type: ignore[assignment]
-        consumer.CLOSE_WAIT_S = 0.3  # type: ignore[misc]
-        began = time.monotonic()
-        await consumer.stop()
-        return time.monotonic() - began, hanging
-
-    spent, hanging = asyncio.run(run())
+    hanging = _HangingClose()
+    spent = timed_stop(hanging, broadcast=True, close_wait_s=0.3)
     assert hanging.stopping.is_set()  # aiokafka's stop was asked for (it leaves the group first)
     assert 0.3 - 0.05 <= spent < 2.0, spent
 
@@ -149,18 +155,8 @@ class _ClosesOnAbort:
 
 @pytest.mark.parametrize("broadcast", [True, False])
 def test_a_broadcast_readers_stop_drops_its_connections_after_a_short_grace(broadcast: bool) -> None:
-    async def run() -> tuple[float, _ClosesOnAbort]:
-        consumer = bare_consumer(0.2)
-        consumer._broadcast = broadcast
-        consumer._task, consumer._group_id, consumer._lag = None, "mars-router-control", {}
-        fake = _ClosesOnAbort()
-        consumer._consumer = fake  # type: ignore[assignment]
-        consumer.CLOSE_WAIT_S = 1.0  # type: ignore[misc]
-        began = time.monotonic()
-        await consumer.stop()
-        return time.monotonic() - began, fake
-
-    spent, fake = asyncio.run(run())
+    fake = _ClosesOnAbort()
+    spent = timed_stop(fake, broadcast, close_wait_s=1.0)
     if broadcast:  # no group to leave, nothing to commit: dropped after BROADCAST_CLOSE_GRACE_S
         assert fake.transport.aborted and spent < 0.9, spent
     else:  # a group's close is waited for (it leaves the group), up to CLOSE_WAIT_S
