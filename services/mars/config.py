@@ -392,9 +392,10 @@ class ServiceSettings(CallerSettings):
     #: 5 ms there (at 5 ms on Kafka, a 14-consumer idle stack burns two cores on empty fetches).
     kafka_fetch_max_wait_ms: int = 500
     #: The same for the broadcast readers (every replica reads the replies and the control topic): Kafka answers
-    #: them at once too, and no rebalance waits behind their fetch (they are in no group), so a long wait costs
-    #: nothing but makes their idle fetches a tenth as many (the broker's idle CPU is mostly such fetches).
-    #: The local stack sets 5 on Tansu, as above.
+    #: them at once too, and no rebalance waits behind their fetch (they are in no group), so a long wait makes
+    #: their idle fetches a tenth as many (the broker's idle CPU is mostly such fetches); their stop drops the
+    #: connections instead of waiting out the fetch (mars.bus.consumer.close_kafka_consumer). The local stack
+    #: sets 5 on Tansu, as above.
     kafka_broadcast_fetch_max_wait_ms: int = Field(default=5000, ge=1)
     #: Idempotent producer (Kafka: no duplicates or reordering from producer retries). The local stack turns
     #: it off on Tansu, which refuses it; effects stay exactly-once through the consumers' turn_id keys.

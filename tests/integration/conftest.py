@@ -9,8 +9,9 @@ import contextlib
 import json
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -306,6 +307,25 @@ def produce_raw(bootstrap: str, topic: str, payload: bytes, key: bytes, principa
 def query(stack: LocalStack, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
     with psycopg.connect(stack.env["MARS_POSTGRES_DSN"]) as conn:
         return list(conn.execute(sql, params).fetchall())  # type: ignore[arg-type]
+
+
+def talk_concurrently(users: Iterable[str], talk: Callable[[str], None]) -> None:
+    """`talk(user)` for every user at once, each in a thread of its own (each user's turns in order); what any
+    of them raised fails the caller."""
+    errors: list[BaseException] = []
+
+    def run(user: str) -> None:
+        try:
+            talk(user)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(u,)) for u in users]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
 
 
 def wait_judged(stack: LocalStack, turn_ids: list[str], timeout_s: float = 90.0) -> None:

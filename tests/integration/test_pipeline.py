@@ -3,14 +3,22 @@
 from __future__ import annotations
 
 import json
-import threading
 import uuid
 from collections import Counter
 from pathlib import Path
 
 import grpc
 import pytest
-from conftest import api_key, ingress_stub, produce_raw, query, read_events, read_topic, wait_for
+from conftest import (
+    api_key,
+    ingress_stub,
+    produce_raw,
+    query,
+    read_events,
+    read_topic,
+    talk_concurrently,
+    wait_for,
+)
 from mars.config import (
     TOPIC_DEAD_LETTER,
     TOPIC_GENERATED,
@@ -73,31 +81,22 @@ def ingress(stack: LocalStack) -> svc_grpc.IngressStub:
 def conversation(stack: LocalStack) -> dict[str, list[svc.TurnReply]]:
     """2 users x 2 sessions x 5 turns; the users talk concurrently, each user's turns in order."""
     replies: dict[str, list[svc.TurnReply]] = {u: [] for u in SCRIPTS}
-    errors: list[BaseException] = []
 
     def talk(user: str) -> None:
         stub = ingress(stack)
-        try:
-            for session in SESSIONS:
-                for text in SCRIPTS[user]:
-                    req = svc.TurnRequest(
-                        tenant=TENANT,
-                        user_id=user,
-                        session_id=session,
-                        text=text,
-                        # A capped view keeps SmolLM2's prefill short; views and routing come before packing.
-                        options={"max_tokens": "8", "view_tokens": "64"},
-                    )
-                    replies[user].append(stub.SendTurn(req, timeout=180))
-        except BaseException as exc:
-            errors.append(exc)
+        for session in SESSIONS:
+            for text in SCRIPTS[user]:
+                req = svc.TurnRequest(
+                    tenant=TENANT,
+                    user_id=user,
+                    session_id=session,
+                    text=text,
+                    # A capped view keeps SmolLM2's prefill short; views and routing come before packing.
+                    options={"max_tokens": "8", "view_tokens": "64"},
+                )
+                replies[user].append(stub.SendTurn(req, timeout=180))
 
-    threads = [threading.Thread(target=talk, args=(u,)) for u in SCRIPTS]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    talk_concurrently(SCRIPTS, talk)
     turn_ids = [r.turn_id for rs in replies.values() for r in rs]
     # The learning path runs after the answers: wait until every turn is judged, applied and committed.
     wait_for(

@@ -7,13 +7,12 @@ import base64
 import json
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import ingress_stub, keys_env, wait_judged
+from conftest import ingress_stub, keys_env, talk_concurrently, wait_judged
 from mars.v1 import events_pb2 as ev
 from mars.v1 import services_pb2 as svc
 from mars_stack import LocalStack
@@ -37,30 +36,15 @@ class Logged:
 def logged(standin_stack: LocalStack) -> Logged:
     s = standin_stack
     since_ms = int(time.time() * 1000)
-    users = [f"r{u}" for u in range(USERS)]
-    errors: list[BaseException] = []
     turn_ids: list[str] = []
 
     def talk(user: str) -> None:
         stub = ingress_stub(s, "rp")
-        try:
-            for i in range(TURNS):
-                reply = stub.SendTurn(
-                    svc.TurnRequest(
-                        tenant="rp", user_id=user, session_id="s", text=f"Question {i} about tea."
-                    ),
-                    timeout=180,
-                )
-                turn_ids.append(reply.turn_id)
-        except BaseException as exc:
-            errors.append(exc)
+        for i in range(TURNS):
+            request = svc.TurnRequest(tenant="rp", user_id=user, session_id="s", text=f"Question {i} about tea.")
+            turn_ids.append(stub.SendTurn(request, timeout=180).turn_id)
 
-    threads = [threading.Thread(target=talk, args=(u,)) for u in users]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    talk_concurrently([f"r{u}" for u in range(USERS)], talk)
     wait_judged(s, turn_ids)  # the reads below stop at the log's end: every trace complete by then
     return Logged(s, since_ms)
 
